@@ -1,0 +1,37 @@
+"""The database clock, as one SQL expression per dialect.
+
+Leases are computed and compared on the database's clock, never a worker's: two workers whose
+clocks disagree by a minute still agree on whether a lease expired.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Float
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
+
+
+class db_now(FunctionElement[float]):  # noqa: N801 - reads as a SQL function
+    """Seconds since the epoch, as a float, on the database server's clock."""
+
+    type = Float()
+    inherit_cache = True
+
+
+@compiles(db_now, "postgresql")
+def _pg_now(element: Any, compiler: Any, **kw: Any) -> str:
+    # clock_timestamp(), not now(): now() is frozen at transaction start.
+    return "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)"
+
+
+@compiles(db_now, "sqlite")
+def _sqlite_now(element: Any, compiler: Any, **kw: Any) -> str:
+    # julianday('now') has millisecond resolution; CURRENT_TIMESTAMP only seconds.
+    return "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+@compiles(db_now)
+def _default_now(element: Any, compiler: Any, **kw: Any) -> str:  # pragma: no cover
+    raise NotImplementedError("celery-ledger supports SQLite and PostgreSQL")

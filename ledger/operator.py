@@ -1,0 +1,231 @@
+"""Operator queries: read entries, steps and events; release a stuck entry; aggregate stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import case, func, or_, select, update
+
+from ledger.dbclock import db_now
+from ledger.errors import EntryNotFound, ReleaseRefused
+from ledger.schema import entries, events, steps
+from ledger.states import EntryStatus, StepStatus, Verdict
+from ledger.sweeps import SweepQueries
+from ledger.values import Entry, EventRecord, StepRecord
+
+#: Statuses an operator may release. Never completed (it has a result), never failed with a
+#: live attempt; a running entry only once its lease expired.
+RELEASABLE = (EntryStatus.BLOCKED, EntryStatus.INTERRUPTED, EntryStatus.RUNNING,
+              EntryStatus.FAILED, EntryStatus.RETRYING)
+
+#: Name of the implicit step that stands for the whole body of a task that recorded no steps.
+BODY_STEP = "__body__"
+
+
+@dataclass(frozen=True)
+class Release:
+    """What a release did."""
+
+    key: str
+    verified: Verdict
+    from_status: EntryStatus
+    to_status: EntryStatus
+    fence: int
+    steps_released: tuple[str, ...]
+    task_name: str
+    task_id: str
+    snapshot: str | None
+
+
+@dataclass(frozen=True)
+class LedgerStats:
+    """Aggregates for ``stats`` and the metrics collector."""
+
+    by_status: dict[str, int]
+    by_task_status: dict[tuple[str, str], int]
+    expired_running: int
+    oldest_running_age: float
+    interruptions: int
+    effect_steps: int
+    duplicate_executions: int
+
+    @property
+    def duplicate_execution_rate(self) -> float:
+        """Step executions beyond 1 + authorized verdicts, per effect step (target 0.0)."""
+        return self.duplicate_executions / self.effect_steps if self.effect_steps else 0.0
+
+
+class OperatorQueries(SweepQueries):
+    """What the CLI, the metrics collector and the Flower glue read and write."""
+
+    def get_entry(self, key: str) -> Entry:
+        """The entry for ``key``.
+
+        Raises:
+            EntryNotFound: when there is none.
+        """
+        with self._one_statement() as conn:
+            row = conn.execute(select(entries).where(entries.c.key == key)).one_or_none()
+        if row is None:
+            raise EntryNotFound(f"no ledger entry with key {key}")
+        return Entry.from_row(row)
+
+    def find_keys(self, prefix_or_task_id: str, *, limit: int = 5) -> list[str]:
+        """Keys that start with ``prefix_or_task_id`` or whose task id equals it."""
+        with self._one_statement() as conn:
+            return [k for (k,) in conn.execute(
+                select(entries.c.key).where(or_(
+                    entries.c.key.startswith(prefix_or_task_id, autoescape=True),
+                    entries.c.task_id == prefix_or_task_id,
+                )).limit(limit)
+            )]
+
+    def list_entries(self, *, statuses: list[str] | None = None, task: str | None = None,
+                     stuck: bool = False, since_seconds: float | None = None,
+                     limit: int = 50) -> list[Entry]:
+        """Entries, newest first. ``stuck``: interrupted, blocked, or running past the lease."""
+        q = select(entries).order_by(entries.c.updated_at.desc()).limit(limit)
+        if statuses:
+            q = q.where(entries.c.status.in_(statuses))
+        if task:
+            q = q.where(entries.c.task_name == task)
+        if stuck:
+            q = q.where(or_(
+                entries.c.status.in_([EntryStatus.INTERRUPTED.value, EntryStatus.BLOCKED.value]),
+                (entries.c.status == EntryStatus.RUNNING.value)
+                & (entries.c.lease_until < db_now()),
+            ))
+        if since_seconds is not None:
+            q = q.where(entries.c.updated_at >= db_now() - since_seconds)
+        with self._one_statement() as conn:
+            return [Entry.from_row(r) for r in conn.execute(q)]
+
+    def entry_events(self, key: str, *, limit: int = 200) -> list[EventRecord]:
+        with self._one_statement() as conn:
+            rows = conn.execute(
+                select(events).where(events.c.key == key).order_by(events.c.id).limit(limit)
+            ).all()
+        return [EventRecord(**r._mapping) for r in rows]
+
+    def now(self) -> float:
+        """The database clock, seconds since the epoch."""
+        with self._one_statement() as conn:
+            return float(conn.execute(select(db_now())).scalar_one())
+
+    def release(self, key: str, verified: Verdict, *, by: str, reason: str,
+                result: str | None = None) -> Release:
+        """Apply an operator's verdict to a stuck entry, once, in one transaction.
+
+        ``completed``: the entry becomes completed with ``result``; every later delivery returns
+        it. ``not_executed``: its ambiguous steps (or its body, when it recorded no steps)
+        become ``not_executed``, authorizing exactly one more run, and the entry becomes
+        ``interrupted`` so that recovery (or ``resume``) runs it. The fence is bumped either
+        way, so an attempt still alive somewhere can write nothing more.
+
+        Raises:
+            EntryNotFound: no such key.
+            ReleaseRefused: completed entry, live lease, nothing ambiguous to release, or the
+                verdict is not completed/not_executed.
+        """
+        if verified is Verdict.UNKNOWN:
+            raise ReleaseRefused("release needs --verified completed or not-executed")
+        with self._txn() as conn:
+            row = conn.execute(
+                select(entries, (entries.c.lease_until - db_now()).label("remaining"))
+                .where(entries.c.key == key).with_for_update()
+            ).one_or_none()
+            if row is None:
+                raise EntryNotFound(f"no ledger entry with key {key}")
+            found = EntryStatus(row.status)
+            if found is EntryStatus.COMPLETED:
+                raise ReleaseRefused(f"{key} is completed; there is nothing to release")
+            if found is EntryStatus.RUNNING and row.remaining is not None and row.remaining > 0:
+                raise ReleaseRefused(
+                    f"{key} is running with a live lease ({row.remaining:.0f}s left, owner "
+                    f"{row.owner}); wait for it to expire or for the sweep to interrupt it")
+            if found not in RELEASABLE:  # pragma: no cover - every other status is listed
+                raise ReleaseRefused(f"{key} is {found.value}")
+            fence = row.fence + 1
+            now = db_now()
+            released: tuple[str, ...] = ()
+            if verified is Verdict.COMPLETED:
+                to_status = EntryStatus.COMPLETED
+                conn.execute(update(steps).where(
+                    steps.c.key == key, steps.c.status == StepStatus.STARTED.value,
+                ).values(status=StepStatus.COMPLETED.value, completed_at=now, fence=fence))
+            else:
+                to_status = EntryStatus.INTERRUPTED
+                released = self._release_ambiguous_steps(conn, key, fence)
+            conn.execute(update(entries).where(entries.c.key == key).values(
+                status=to_status.value, fence=fence, lease_until=None, updated_at=now,
+                result=result if to_status is EntryStatus.COMPLETED else row.result,
+                error=None, reason=None,
+                settled_at=now if to_status is EntryStatus.COMPLETED else None,
+                interruptions=0, released_by=by, released_reason=reason, released_at=now,
+                released_from=found.value,
+            ))
+            self._append_event(
+                conn, key, "released", task_id=row.task_id, fence=fence,
+                status=to_status.value, actor=by,
+                detail=f"verified {verified.value} from {found.value}: {reason}"
+                       + (f" (steps: {', '.join(released)})" if released else ""),
+            )
+        return Release(key, verified, found, to_status, fence, released, row.task_name,
+                       row.task_id, row.snapshot)
+
+    def _release_ambiguous_steps(self, conn: Any, key: str, fence: int) -> tuple[str, ...]:
+        ambiguous = conn.execute(select(steps.c.name).where(
+            steps.c.key == key, steps.c.status == StepStatus.STARTED.value)).scalars().all()
+        if ambiguous:
+            conn.execute(update(steps).where(
+                steps.c.key == key, steps.c.status == StepStatus.STARTED.value,
+            ).values(status=StepStatus.NOT_EXECUTED.value, fence=fence,
+                     authorized=steps.c.authorized + 1))
+            return tuple(ambiguous)
+        has_rows = conn.execute(select(func.count()).select_from(steps)
+                                .where(steps.c.key == key)).scalar_one()
+        if has_rows:
+            return ()
+        # No replay rows at all: the body itself was the ambiguous effect.
+        conn.execute(steps.insert().values(
+            key=key, name=BODY_STEP, input_hash="", occurrence=0, seq=0,
+            status=StepStatus.NOT_EXECUTED.value, fence=fence, attempts=1, authorized=1,
+            started_at=db_now(),
+        ))
+        return (BODY_STEP,)
+
+    def stats(self) -> LedgerStats:
+        """Aggregates over the ledger, each from an indexed query."""
+        with self._one_statement() as conn:
+            by_task_status = {
+                (t, s): int(n) for t, s, n in conn.execute(
+                    select(entries.c.task_name, entries.c.status, func.count())
+                    .group_by(entries.c.task_name, entries.c.status))
+            }
+            running = conn.execute(
+                select(
+                    func.count(case((entries.c.lease_until < db_now(), 1))),
+                    func.coalesce(func.max(db_now() - entries.c.updated_at), 0.0),
+                ).where(entries.c.status == EntryStatus.RUNNING.value)
+            ).one()
+            interruptions = conn.execute(
+                select(func.coalesce(func.sum(entries.c.interruptions), 0))
+                .where(entries.c.status.in_([EntryStatus.INTERRUPTED.value,
+                                             EntryStatus.BLOCKED.value,
+                                             EntryStatus.RUNNING.value]))
+            ).scalar_one()
+            effect_steps, duplicates = conn.execute(
+                select(
+                    func.count(),
+                    func.coalesce(func.sum(case(
+                        (steps.c.attempts - 1 - steps.c.authorized > 0,
+                         steps.c.attempts - 1 - steps.c.authorized),
+                        else_=0)), 0),
+                ).where(steps.c.status != StepStatus.NOT_EXECUTED.value)
+            ).one()
+        by_status: dict[str, int] = {s.value: 0 for s in EntryStatus}
+        for (_, s), n in by_task_status.items():
+            by_status[s] = by_status.get(s, 0) + n
+        return LedgerStats(by_status, by_task_status, int(running[0]), float(running[1]),
+                           int(interruptions), int(effect_steps), int(duplicates))

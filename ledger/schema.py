@@ -1,0 +1,127 @@
+"""The ledger's tables. Data only: every rule about them lives in the store.
+
+Times are seconds since the epoch as floats, read from the database clock (``ledger.dbclock``),
+so that leases compare on one clock whichever host wrote them and both SQLite and PostgreSQL
+index them the same way.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    text,
+)
+
+metadata = MetaData()
+
+#: Bumped with every Alembic revision; the migration head must equal it.
+SCHEMA_REVISION = "0001"
+
+KEY = String(64)
+
+entries = Table(
+    "ledger_entries",
+    metadata,
+    Column("key", KEY, primary_key=True),
+    Column("task_name", String(255), nullable=False),
+    Column("task_id", String(255), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("fence", BigInteger, nullable=False),
+    Column("side_effect", String(16), nullable=False),
+    Column("args_hash", String(64), nullable=False),
+    Column("snapshot", Text),
+    Column("owner", String(255)),
+    Column("owner_boot", String(64)),
+    Column("owner_pid", Integer),
+    Column("lease_until", Float),
+    Column("result", Text),
+    Column("error", Text),
+    Column("reason", Text),
+    Column("executions", Integer, nullable=False, server_default=text("0")),
+    Column("interruptions", Integer, nullable=False, server_default=text("0")),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Column("settled_at", Float),
+    Column("released_by", String(255)),
+    Column("released_reason", Text),
+    Column("released_at", Float),
+    Column("released_from", String(16)),
+)
+
+# Hot predicates. Partial indexes stay as small as the work in flight, so the stale-lease
+# sweep and the boot sweep cost the same at 1 row or at 1,000,000 settled rows.
+Index(
+    "ix_ledger_entries_running_lease",
+    entries.c.lease_until,
+    postgresql_where=entries.c.status == "running",
+    sqlite_where=entries.c.status == "running",
+)
+Index(
+    "ix_ledger_entries_running_owner",
+    entries.c.owner,
+    entries.c.owner_boot,
+    postgresql_where=entries.c.status == "running",
+    sqlite_where=entries.c.status == "running",
+)
+Index(
+    "ix_ledger_entries_attention",
+    entries.c.status,
+    entries.c.updated_at,
+    postgresql_where=entries.c.status.in_(["interrupted", "blocked", "retrying"]),
+    sqlite_where=entries.c.status.in_(["interrupted", "blocked", "retrying"]),
+)
+Index(
+    "ix_ledger_entries_settled_at",
+    entries.c.settled_at,
+    postgresql_where=entries.c.settled_at.is_not(None),
+    sqlite_where=entries.c.settled_at.is_not(None),
+)
+Index("ix_ledger_entries_task_status", entries.c.task_name, entries.c.status)
+
+steps = Table(
+    "ledger_steps",
+    metadata,
+    Column("key", KEY, primary_key=True),
+    Column("name", String(255), primary_key=True),
+    Column("input_hash", String(64), primary_key=True),
+    Column("occurrence", Integer, primary_key=True),
+    Column("seq", Integer, nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("output", Text),
+    Column("external_ref", Text),
+    Column("error", Text),
+    Column("fence", BigInteger, nullable=False),
+    # How often the body of this step was started, and how many of those re-runs an
+    # authorized not_executed verdict allowed: the duplicate-execution rate is
+    # sum(attempts - 1 - authorized) over effect steps and should stay 0.
+    Column("attempts", Integer, nullable=False, server_default=text("1")),
+    Column("authorized", Integer, nullable=False, server_default=text("0")),
+    Column("started_at", Float, nullable=False),
+    Column("completed_at", Float),
+)
+
+events = Table(
+    "ledger_events",
+    metadata,
+    # Integer on SQLite so the column is the rowid alias and autoincrements.
+    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+           autoincrement=True),
+    Column("key", KEY, nullable=False),
+    Column("task_id", String(255)),
+    Column("fence", BigInteger),
+    Column("event", String(32), nullable=False),
+    Column("status", String(16)),
+    Column("actor", String(255)),
+    Column("detail", Text),
+    Column("at", Float, nullable=False),
+)
+Index("ix_ledger_events_key", events.c.key, events.c.id)
+Index("ix_ledger_events_event", events.c.event, events.c.key)

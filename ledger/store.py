@@ -1,0 +1,439 @@
+"""The ledger store: claim, heartbeat, replay rows and settle.
+
+Contract of every public method:
+- it is one transaction (on PostgreSQL a single-statement method runs in autocommit, which is
+  one round trip; the audit event rides in the same statement as a data-modifying CTE);
+- every write after the claim is fenced: ``WHERE key = :k AND fence = :f`` checked by the
+  rowcount. A lost race (another attempt took over) returns ``False``/a gate; it never raises;
+- ``LedgerUnavailable`` is raised when the database cannot be reached.
+
+Sweep queries and operator queries live in ``ledger.sweeps`` and ``ledger.operator`` as mixins
+of the same class, so that each module stays one idea.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Connection, Engine, Select, insert, literal, select, update
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.sql.dml import ReturningInsert, ReturningUpdate
+
+from ledger.dbclock import db_now
+from ledger.engine import is_sqlite, make_engine, normalize_url
+from ledger.errors import LedgerUnavailable, SchemaError
+from ledger.migrate import current_revision, ensure_schema, head_revision
+from ledger.schema import entries, events, steps
+from ledger.states import EntryStatus, Gate, StepStatus
+from ledger.values import RESUME_OWNER, Claim, ClaimRequest, StepRecord
+
+log = logging.getLogger(__name__)
+
+_EVENT_COLS = ["key", "task_id", "fence", "event", "status", "actor", "detail", "at"]
+_RETURNED = (entries.c.key, entries.c.task_id, entries.c.fence, entries.c.status)
+
+
+class StoreCore:
+    """Engine handling, transactions and the shared write helpers."""
+
+    def __init__(self, url: str, *, migrate: bool = True,
+                 engine_options: dict[str, Any] | None = None) -> None:
+        self.url = normalize_url(url)
+        self.is_sqlite = is_sqlite(url)
+        self._migrate = migrate
+        self._engine_options = dict(engine_options or {})
+        self._engine: Engine | None = None
+        self._autocommit: Engine | None = None
+        self._pid = -1
+        self._lock = threading.Lock()
+        self._schema_ready = False
+
+    def __repr__(self) -> str:
+        return f"<LedgerStore {self.engine.url.render_as_string(hide_password=True)}>"
+
+    # -- engine ---------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        """This process's engine, built on first use and rebuilt after a fork."""
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._open_engine()
+        assert self._engine is not None
+        return self._engine
+
+    def _open_engine(self) -> None:
+        if self._engine is not None:
+            # Inherited through fork(): forget the parent's connections without closing
+            # them, since closing would end the parent's sessions on its sockets.
+            self._engine.dispose(close=False)
+        engine = make_engine(self.url, **self._engine_options)
+        self._engine = engine
+        # On SQLite every method is a BEGIN IMMEDIATE transaction anyway (the file lock is
+        # the serialization point); on PostgreSQL a one-statement method needs no BEGIN.
+        self._autocommit = (
+            engine if self.is_sqlite else engine.execution_options(isolation_level="AUTOCOMMIT")
+        )
+        self._pid = os.getpid()
+        if not self._schema_ready:
+            with self._translate():
+                self._check_schema(engine)
+            self._schema_ready = True
+
+    def _check_schema(self, engine: Engine) -> None:
+        if self._migrate:
+            ensure_schema(engine)
+            return
+        with engine.connect() as conn:
+            current = current_revision(conn)
+        if current != head_revision():
+            ensure_schema_msg = "run `celery-ledger migrate`"
+            raise SchemaError(
+                f"ledger schema is at {current!r}, this code needs {head_revision()!r}: "
+                f"{ensure_schema_msg}"
+            )
+
+    def dispose(self) -> None:
+        """Close this process's connections (the store reopens on next use)."""
+        if self._engine is not None and self._pid == os.getpid():
+            self._engine.dispose()
+        self._engine = None
+        self._pid = -1
+
+    # -- transactions ---------------------------------------------------------------------
+
+    @contextmanager
+    def _translate(self) -> Iterator[None]:
+        try:
+            yield
+        except (sa_exc.OperationalError, sa_exc.InterfaceError) as exc:
+            raise LedgerUnavailable(f"ledger database unavailable: {exc.orig or exc}") from exc
+
+    @contextmanager
+    def _txn(self) -> Iterator[Connection]:
+        """One transaction (BEGIN IMMEDIATE on SQLite, READ COMMITTED on PostgreSQL)."""
+        with self._translate(), self.engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def _one_statement(self) -> Iterator[Connection]:
+        """A connection for a single atomic statement: autocommit on PostgreSQL."""
+        self.engine  # noqa: B018 - builds the engine (and _autocommit) for this process
+        assert self._autocommit is not None
+        with self._translate(), self._autocommit.begin() as conn:
+            yield conn
+
+    # -- shared write helpers -------------------------------------------------------------
+
+    def _insert_dialect(self) -> Any:
+        return sqlite_dialect.insert if self.is_sqlite else pg_dialect.insert
+
+    def _write_with_event(
+        self,
+        conn: Connection,
+        dml: ReturningInsert[Any] | ReturningUpdate[Any],
+        event: str,
+        actor: str | None,
+        detail: str | None = None,
+    ) -> list[Any]:
+        """Run an entries INSERT/UPDATE that returns ``_RETURNED`` and append one event per row.
+
+        PostgreSQL: one statement (a data-modifying CTE), so one round trip and atomic even
+        in autocommit. SQLite: two statements inside the caller's transaction.
+        Returns the rows the DML returned (at least key, task_id, fence, status).
+        """
+        if self.is_sqlite:
+            rows = conn.execute(dml).all()
+            if rows:
+                now = conn.execute(select(db_now())).scalar_one()
+                conn.execute(insert(events), [
+                    {"key": r.key, "task_id": r.task_id, "fence": r.fence, "event": event,
+                     "status": r.status, "actor": actor, "detail": detail, "at": now}
+                    for r in rows
+                ])
+            return rows
+        written = dml.cte("written")
+        logged = insert(events).from_select(_EVENT_COLS, select(
+            written.c.key, written.c.task_id, written.c.fence, literal(event),
+            written.c.status, literal(actor), literal(detail), db_now(),
+        )).cte("logged")
+        return conn.execute(select(written).add_cte(logged)).all()
+
+    def _append_event(self, conn: Connection, key: str, event: str, *, task_id: str | None,
+                      fence: int | None, status: str | None, actor: str | None,
+                      detail: str | None = None) -> None:
+        conn.execute(insert(events).values(
+            key=key, task_id=task_id, fence=fence, event=event, status=status, actor=actor,
+            detail=detail, at=db_now(),
+        ))
+
+    @staticmethod
+    def _live_entry(key: str, fence: int) -> Select[Any]:
+        """The entry row this attempt still owns, share-locked.
+
+        FOR SHARE makes a concurrent takeover (which updates the row) and this attempt's
+        write serialize: either the write lands first and the takeover's replay load sees
+        it, or the takeover commits first and the re-checked WHERE finds the fence moved.
+        """
+        return (
+            select(entries.c.key)
+            .where(entries.c.key == key, entries.c.fence == fence,
+                   entries.c.status == EntryStatus.RUNNING.value)
+            .with_for_update(read=True)
+        )
+
+    def _load_steps(self, conn: Connection, key: str) -> tuple[StepRecord, ...]:
+        rows = conn.execute(
+            select(steps).where(steps.c.key == key).order_by(steps.c.seq, steps.c.occurrence)
+        ).all()
+        return tuple(
+            StepRecord(
+                name=r.name, input_hash=r.input_hash, occurrence=r.occurrence, seq=r.seq,
+                status=StepStatus(r.status), fence=r.fence, output=r.output,
+                external_ref=r.external_ref, error=r.error, attempts=r.attempts,
+                authorized=r.authorized, started_at=r.started_at, completed_at=r.completed_at,
+            )
+            for r in rows
+        )
+
+
+class HotPath(StoreCore):
+    """What every ledgered task does: claim, renew, write steps, settle."""
+
+    # -- claim ----------------------------------------------------------------------------
+
+    def claim(self, req: ClaimRequest) -> Claim:
+        """Atomically create the entry, or decide what the existing entry means for this delivery.
+
+        Any number of concurrent claims of a new key yield exactly one RUN (the primary key
+        decides); the rest see the winner's row and get WAIT. Every gate is appended to the
+        events. Returns the ``Claim``; never raises for a lost race.
+        """
+        for _ in range(3):
+            if self.is_sqlite:
+                with self._txn() as conn:
+                    fence = self._insert_new(conn, req)
+                    claim = self._claim_existing_txn(conn, req) if fence is None else None
+            else:
+                with self._one_statement() as conn:
+                    fence = self._insert_new(conn, req)
+                claim = None
+                if fence is None:
+                    with self._txn() as conn:
+                        claim = self._claim_existing_txn(conn, req)
+            if fence is not None:
+                return Claim(Gate.RUN, req.key, fence)
+            if claim is not None:
+                return claim
+            # The row vanished between our insert and our read (pruned): insert again.
+        raise RuntimeError(f"claim of {req.key} did not converge")  # pragma: no cover
+
+    def _insert_new(self, conn: Connection, req: ClaimRequest) -> int | None:
+        now = db_now()
+        ins = (
+            self._insert_dialect()(entries)
+            .values(
+                key=req.key, task_name=req.task_name, task_id=req.task_id,
+                status=EntryStatus.RUNNING.value, fence=1, side_effect=req.side_effect,
+                args_hash=req.args_hash, snapshot=req.snapshot, owner=req.owner.node,
+                owner_boot=req.owner.boot, owner_pid=req.owner.pid,
+                lease_until=now + req.lease_seconds, executions=1, interruptions=0,
+                created_at=now, updated_at=now,
+            )
+            .on_conflict_do_nothing(index_elements=[entries.c.key])
+            .returning(*_RETURNED)
+        )
+        rows = self._write_with_event(conn, ins, "claimed", req.owner.node)
+        return rows[0].fence if rows else None
+
+    def _claim_existing_txn(self, conn: Connection, req: ClaimRequest) -> Claim | None:
+        row = conn.execute(
+            select(entries, (entries.c.lease_until - db_now()).label("remaining"))
+            .where(entries.c.key == req.key)
+            .with_for_update()
+        ).one_or_none()
+        if row is None:
+            return None
+        found = EntryStatus(row.status)
+
+        def note(event: str, detail: str | None = None) -> None:
+            self._append_event(conn, req.key, event, task_id=req.task_id, fence=row.fence,
+                               status=row.status, actor=req.owner.node, detail=detail)
+
+        if row.args_hash != req.args_hash:
+            note("conflict", f"args_hash {req.args_hash} != {row.args_hash}")
+            return Claim(Gate.CONFLICT, req.key, row.fence, found=found)
+        if found.settled:
+            note("returned")
+            return Claim(Gate.RETURN, req.key, row.fence, found=found, result=row.result,
+                         error=row.error)
+        if found is EntryStatus.BLOCKED:
+            note("block-gate")
+            return Claim(Gate.BLOCK, req.key, row.fence, found=found, reason=row.reason)
+
+        interruptions = row.interruptions
+        gate = Gate.TAKEOVER
+        if found is EntryStatus.RETRYING:
+            gate = Gate.RUN
+        elif found is EntryStatus.RUNNING:
+            lease_live = row.remaining is not None and row.remaining > 0
+            previous_boot = row.owner == req.owner.node and row.owner_boot != req.owner.boot
+            if row.owner != RESUME_OWNER:
+                if lease_live and not previous_boot:
+                    note("waited")
+                    return Claim(Gate.WAIT, req.key, row.fence, found=found,
+                                 lease_remaining=float(row.remaining))
+                interruptions += 1  # the attempt that held it is gone: count the loss here
+
+        if gate is Gate.TAKEOVER and interruptions > req.max_interruptions:
+            reason = (f"crash loop: interrupted {interruptions} times "
+                      f"(ledger_max_resumes={req.max_interruptions})")
+            conn.execute(update(entries).where(entries.c.key == req.key).values(
+                status=EntryStatus.BLOCKED.value, fence=row.fence + 1, reason=reason,
+                interruptions=interruptions, lease_until=None, updated_at=db_now(),
+            ))
+            self._append_event(conn, req.key, "blocked", task_id=req.task_id,
+                               fence=row.fence + 1, status=EntryStatus.BLOCKED.value,
+                               actor=req.owner.node, detail=reason)
+            return Claim(Gate.BLOCK, req.key, row.fence + 1, found=found, reason=reason)
+
+        fence = row.fence + 1
+        now = db_now()
+        conn.execute(update(entries).where(entries.c.key == req.key).values(
+            status=EntryStatus.RUNNING.value, fence=fence, task_id=req.task_id,
+            owner=req.owner.node, owner_boot=req.owner.boot, owner_pid=req.owner.pid,
+            lease_until=now + req.lease_seconds, executions=entries.c.executions + 1,
+            interruptions=interruptions, updated_at=now,
+        ))
+        self._append_event(conn, req.key, "takeover" if gate is Gate.TAKEOVER else "rerun",
+                           task_id=req.task_id, fence=fence, status=EntryStatus.RUNNING.value,
+                           actor=req.owner.node, detail=f"from {found.value}")
+        return Claim(gate, req.key, fence, found=found, steps=self._load_steps(conn, req.key),
+                     executions=row.executions)
+
+    def peek_status(self, key: str) -> tuple[EntryStatus, float | None] | None:
+        """Read the entry's status and seconds left on its lease (no lock, no write)."""
+        with self._one_statement() as conn:
+            row = conn.execute(
+                select(entries.c.status, (entries.c.lease_until - db_now()).label("left"))
+                .where(entries.c.key == key)
+            ).one_or_none()
+        return None if row is None else (EntryStatus(row.status), row.left)
+
+    # -- lease ----------------------------------------------------------------------------
+
+    def renew_lease(self, key: str, fence: int, lease_seconds: float) -> bool:
+        """Extend the lease to db-now + ``lease_seconds``, fenced.
+
+        Returns False when the fence moved (superseded) or the entry is no longer running.
+        """
+        with self._one_statement() as conn:
+            res = conn.execute(
+                update(entries)
+                .where(entries.c.key == key, entries.c.fence == fence,
+                       entries.c.status == EntryStatus.RUNNING.value)
+                .values(lease_until=db_now() + lease_seconds)
+            )
+        return res.rowcount == 1
+
+    # -- replay rows ----------------------------------------------------------------------
+
+    def write_step(self, key: str, fence: int, ident: tuple[str, str, int], *, seq: int,
+                   status: StepStatus, output: str | None = None,
+                   error: str | None = None) -> bool:
+        """Upsert one replay row, fenced on the entry, in one statement.
+
+        ``started`` records intent before an effect; ``completed`` records the output (after
+        a ``started`` row or directly for read/idempotent steps); ``not_executed`` records a
+        proven non-execution. A completed row is never overwritten. Each write from a new
+        fence onto an existing row counts one more attempt of the step's body.
+        Returns False when this attempt was superseded.
+        """
+        name, ihash, occurrence = ident
+        now = db_now()
+        started = status is StepStatus.STARTED
+        values = {
+            "key": literal(key), "name": literal(name), "input_hash": literal(ihash),
+            "occurrence": literal(occurrence), "seq": literal(seq),
+            "status": literal(status.value), "output": literal(output),
+            "error": literal(error), "fence": literal(fence),
+            "attempts": literal(1), "authorized": literal(
+                1 if status is StepStatus.NOT_EXECUTED else 0),
+            "started_at": now, "completed_at": None if started else now,
+        }
+        source = self._live_entry(key, fence).with_only_columns(*values.values())
+        ins = self._insert_dialect()(steps).from_select(list(values), source)
+        ex = ins.excluded
+        stmt = ins.on_conflict_do_update(
+            index_elements=[steps.c.key, steps.c.name, steps.c.input_hash, steps.c.occurrence],
+            set_={
+                "status": ex.status, "output": ex.output, "error": ex.error,
+                "fence": ex.fence,
+                "attempts": steps.c.attempts + (
+                    (steps.c.fence != ex.fence) & (ex.status != StepStatus.NOT_EXECUTED.value)
+                ).cast(steps.c.attempts.type),
+                "authorized": steps.c.authorized + ex.authorized,
+                "started_at": ex.started_at if started else steps.c.started_at,
+                "completed_at": ex.completed_at,
+            },
+            where=steps.c.status != StepStatus.COMPLETED.value,
+        ).returning(steps.c.fence)  # rowcount is not reliable for INSERT; RETURNING is
+        with self._one_statement() as conn:
+            return conn.execute(stmt).first() is not None
+
+    def record_external_ref(self, key: str, fence: int, ident: tuple[str, str, int],
+                            ref: str) -> bool:
+        """Store a provider handle on a started step, fenced. Returns False if superseded."""
+        name, ihash, occurrence = ident
+        with self._one_statement() as conn:
+            res = conn.execute(
+                update(steps)
+                .where(steps.c.key == key, steps.c.name == name, steps.c.input_hash == ihash,
+                       steps.c.occurrence == occurrence,
+                       steps.c.key.in_(self._live_entry(key, fence)))
+                .values(external_ref=ref)
+            )
+        return res.rowcount == 1
+
+    def load_steps(self, key: str) -> tuple[StepRecord, ...]:
+        """Every replay row of ``key`` in one query, in execution order."""
+        with self._one_statement() as conn:
+            return self._load_steps(conn, key)
+
+    # -- settle ---------------------------------------------------------------------------
+
+    def settle(self, key: str, fence: int, status: EntryStatus, *, result: str | None = None,
+               error: str | None = None, reason: str | None = None,
+               actor: str | None = None) -> bool:
+        """Move a running entry to ``status`` (completed, failed, retrying or blocked), fenced.
+
+        Returns False when this attempt was superseded; nothing is written then.
+        """
+        if status in (EntryStatus.RUNNING, EntryStatus.INTERRUPTED):
+            raise ValueError(f"settle cannot move an entry to {status.value}")
+        now = db_now()
+        upd = (
+            update(entries)
+            .where(entries.c.key == key, entries.c.fence == fence,
+                   entries.c.status == EntryStatus.RUNNING.value)
+            .values(status=status.value, result=result, error=error, reason=reason,
+                    lease_until=None, updated_at=now,
+                    settled_at=now if status.settled else None)
+            .returning(*_RETURNED)
+        )
+        with self._one_statement() as conn:
+            rows = self._write_with_event(conn, upd, "settled", actor, reason or error)
+        return bool(rows)
+
+
+def chunked(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]

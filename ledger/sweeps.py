@@ -1,0 +1,160 @@
+"""Recovery's queries: find and mark interrupted work, hand it to exactly one resumer, prune.
+
+Every query is bounded (``limit``), driven by a partial index (``status = 'running'`` by
+lease or by owner, the attention index, ``settled_at``), and safe to run from several sweepers
+at once: each transition is a compare-and-set on (key, fence, status), so of two sweepers that
+race for one entry, one wins and the other's update matches nothing.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import delete, func, select, update
+
+from ledger.dbclock import db_now
+from ledger.schema import entries, events, steps
+from ledger.states import EntryStatus
+from ledger.store import _RETURNED, HotPath
+from ledger.values import RESUME_OWNER, Interrupted
+
+_RUNNING = EntryStatus.RUNNING.value
+_INTERRUPTED = EntryStatus.INTERRUPTED.value
+
+
+class SweepQueries(HotPath):
+    """Queries for the boot sweep, the stale-lease sweep, resume and retention."""
+
+    def interrupt_expired(self, *, limit: int = 500, actor: str = "sweep") -> list[Interrupted]:
+        """Mark running entries whose lease expired on the database clock ``interrupted``.
+
+        The fence is bumped in the same statement, so an attempt that was only paused (SIGSTOP,
+        a long GC, a partition) and wakes up later finds every write refused.
+        Returns the entries this call marked (not those another sweeper marked first).
+        """
+        with self._txn() as conn:
+            keys = select(entries.c.key).where(
+                entries.c.status == _RUNNING, entries.c.lease_until < db_now(),
+            ).order_by(entries.c.lease_until).limit(limit)
+            if not self.is_sqlite:
+                keys = keys.with_for_update(skip_locked=True)
+            return self._interrupt(conn, keys, actor, "lease expired")
+
+    def interrupt_previous_boot(self, node: str, boot: str, *, limit: int = 1000,
+                                actor: str | None = None) -> list[Interrupted]:
+        """Mark entries still running under ``node`` from a boot other than ``boot`` interrupted.
+
+        A worker calls this when it is ready: it knows its previous process is gone, so it
+        need not wait for those leases to expire.
+        """
+        with self._txn() as conn:
+            keys = select(entries.c.key).where(
+                entries.c.status == _RUNNING, entries.c.owner == node,
+                entries.c.owner_boot != boot,
+            ).limit(limit)
+            return self._interrupt(conn, keys, actor or node, f"previous boot of {node}")
+
+    def interrupt_owner(self, key: str, *, node: str, boot: str, pid: int | None,
+                        actor: str, why: str) -> Interrupted | None:
+        """Mark ``key`` interrupted if it is still run by that exact owner (the fast path).
+
+        Fenced on the owner, not the fence: the worker's parent process knows which pool
+        process died but never saw the fence the child claimed with.
+        Returns None when the entry moved on (settled, taken over) in the meantime.
+        """
+        with self._txn() as conn:
+            cond = [entries.c.key == key, entries.c.status == _RUNNING,
+                    entries.c.owner == node, entries.c.owner_boot == boot]
+            if pid is not None:
+                cond.append(entries.c.owner_pid == pid)
+            found = self._interrupt(conn, select(entries.c.key).where(*cond), actor, why)
+        return found[0] if found else None
+
+    def _interrupt(self, conn, keys, actor: str, why: str) -> list[Interrupted]:  # type: ignore[no-untyped-def]
+        upd = (
+            update(entries)
+            .where(entries.c.key.in_(keys.scalar_subquery()), entries.c.status == _RUNNING)
+            .values(status=_INTERRUPTED, fence=entries.c.fence + 1,
+                    interruptions=entries.c.interruptions + 1, lease_until=None,
+                    updated_at=db_now(), reason=why)
+            .returning(*_RETURNED, entries.c.task_name, entries.c.interruptions,
+                       entries.c.snapshot.is_not(None).label("has_snapshot"))
+        )
+        rows = self._write_with_event(conn, upd, "interrupted", actor, why)
+        return [Interrupted(r.key, r.task_name, r.task_id, r.fence, r.interruptions,
+                            bool(r.has_snapshot)) for r in rows]
+
+    def list_interrupted(self, *, limit: int = 500) -> list[Interrupted]:
+        """Interrupted entries, oldest first (read-only)."""
+        with self._one_statement() as conn:
+            rows = conn.execute(
+                select(entries.c.key, entries.c.task_name, entries.c.task_id, entries.c.fence,
+                       entries.c.interruptions,
+                       entries.c.snapshot.is_not(None).label("has_snapshot"))
+                .where(entries.c.status == _INTERRUPTED)
+                .order_by(entries.c.updated_at).limit(limit)
+            ).all()
+        return [Interrupted(r.key, r.task_name, r.task_id, r.fence, r.interruptions,
+                            bool(r.has_snapshot)) for r in rows]
+
+    def begin_resume(self, key: str, fence: int, *, lease_seconds: float,
+                     actor: str = "sweep") -> int | None:
+        """CAS ``interrupted -> running`` owned by the resume marker; return the new fence.
+
+        Exactly one of any number of concurrent resumers gets a fence; the others get None.
+        The winner re-enqueues the task; the claim of that delivery takes over at once
+        (owner is ``RESUME_OWNER``). If the message is lost, the lease recovery holds here
+        expires and the next sweep interrupts the entry again.
+        """
+        upd = (
+            update(entries)
+            .where(entries.c.key == key, entries.c.fence == fence,
+                   entries.c.status == _INTERRUPTED)
+            .values(status=_RUNNING, fence=fence + 1, owner=RESUME_OWNER, owner_boot=None,
+                    owner_pid=None, lease_until=db_now() + lease_seconds, updated_at=db_now())
+            .returning(*_RETURNED)
+        )
+        with self._one_statement() as conn:
+            rows = self._write_with_event(conn, upd, "resuming", actor)
+        return rows[0].fence if rows else None
+
+    def block(self, key: str, fence: int, reason: str, *, actor: str,
+              from_status: EntryStatus = EntryStatus.INTERRUPTED) -> bool:
+        """Park an entry for an operator, fenced on (fence, ``from_status``)."""
+        upd = (
+            update(entries)
+            .where(entries.c.key == key, entries.c.fence == fence,
+                   entries.c.status == from_status.value)
+            .values(status=EntryStatus.BLOCKED.value, fence=fence + 1, reason=reason,
+                    lease_until=None, updated_at=db_now())
+            .returning(*_RETURNED)
+        )
+        with self._one_statement() as conn:
+            return bool(self._write_with_event(conn, upd, "blocked", actor, reason))
+
+    def prune_settled(self, older_than_seconds: float, *, limit: int = 1000) -> int:
+        """Delete up to ``limit`` settled entries older than the window, with steps and events.
+
+        A redelivery of a pruned key finds no entry and runs again: the retention window
+        must exceed the longest time a duplicate can still arrive.
+        """
+        with self._txn() as conn:
+            keys = [k for (k,) in conn.execute(
+                select(entries.c.key)
+                .where(entries.c.settled_at.is_not(None),
+                       entries.c.settled_at < db_now() - older_than_seconds)
+                .order_by(entries.c.settled_at).limit(limit)
+            )]
+            if not keys:
+                return 0
+            conn.execute(delete(steps).where(steps.c.key.in_(keys)))
+            conn.execute(delete(events).where(events.c.key.in_(keys)))
+            conn.execute(delete(entries).where(entries.c.key.in_(keys),
+                                               entries.c.settled_at.is_not(None)))
+            return len(keys)
+
+    def count_expired(self) -> int:
+        """How many running entries have an expired lease right now (index-only)."""
+        with self._one_statement() as conn:
+            return int(conn.execute(
+                select(func.count()).select_from(entries)
+                .where(entries.c.status == _RUNNING, entries.c.lease_until < db_now())
+            ).scalar_one())

@@ -1,0 +1,144 @@
+"""Frozen values the store takes and returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ledger.states import EntryStatus, Gate, StepStatus
+
+#: Owner name written by recovery when it re-enqueues an entry: the next claim of that entry
+#: takes it over at once instead of waiting for the lease recovery holds for it.
+RESUME_OWNER = "celery-ledger:resume"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who runs an attempt: the Celery node name, that node's boot id, the process id."""
+
+    node: str
+    boot: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """Everything ``LedgerStore.claim`` needs to decide a gate."""
+
+    key: str
+    task_name: str
+    task_id: str
+    args_hash: str
+    snapshot: str | None
+    side_effect: str
+    owner: Owner
+    lease_seconds: float
+    #: An entry interrupted more often than this is blocked as a crash loop at its next claim.
+    max_interruptions: int = 5
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One replay row."""
+
+    name: str
+    input_hash: str
+    occurrence: int
+    seq: int
+    status: StepStatus
+    fence: int
+    output: str | None = None
+    external_ref: str | None = None
+    error: str | None = None
+    attempts: int = 1
+    authorized: int = 0
+    started_at: float | None = None
+    completed_at: float | None = None
+
+    @property
+    def ident(self) -> tuple[str, str, int]:
+        return (self.name, self.input_hash, self.occurrence)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The outcome of a claim: the gate, the fence to write with, what the entry held."""
+
+    gate: Gate
+    key: str
+    fence: int
+    #: Status found before this claim (None for a new entry).
+    found: EntryStatus | None = None
+    result: str | None = None
+    error: str | None = None
+    reason: str | None = None
+    #: For WAIT: seconds left on the other attempt's lease.
+    lease_remaining: float | None = None
+    #: For TAKEOVER and re-runs of ``retrying``: every replay row, loaded in the claim.
+    steps: tuple[StepRecord, ...] = ()
+    #: How many attempts ran the body before this one.
+    executions: int = 0
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A whole ledger entry, as operators and recovery see it."""
+
+    key: str
+    task_name: str
+    task_id: str
+    status: EntryStatus
+    fence: int
+    side_effect: str
+    args_hash: str
+    snapshot: str | None
+    owner: str | None
+    owner_boot: str | None
+    owner_pid: int | None
+    lease_until: float | None
+    result: str | None
+    error: str | None
+    reason: str | None
+    executions: int
+    interruptions: int
+    created_at: float
+    updated_at: float
+    settled_at: float | None
+    released_by: str | None
+    released_reason: str | None
+    released_at: float | None
+    released_from: str | None
+
+    @classmethod
+    def from_row(cls, row: Any) -> Entry:
+        data = dict(row._mapping)
+        data["status"] = EntryStatus(data["status"])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    """One line of the audit trail."""
+
+    id: int
+    key: str
+    task_id: str | None
+    fence: int | None
+    event: str
+    status: str | None
+    actor: str | None
+    detail: str | None
+    at: float
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """An entry a sweep marked interrupted (or found so), with the fence it now carries."""
+
+    key: str
+    task_name: str
+    task_id: str
+    fence: int
+    interruptions: int = 0
+    has_snapshot: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
