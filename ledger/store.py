@@ -309,6 +309,7 @@ class HotPath(StoreCore):
         now = db_now()
         conn.execute(update(entries).where(entries.c.key == req.key).values(
             status=EntryStatus.RUNNING.value, fence=fence, task_id=req.task_id,
+            snapshot=req.snapshot if req.snapshot is not None else row.snapshot,
             owner=req.owner.node, owner_boot=req.owner.boot, owner_pid=req.owner.pid,
             lease_until=now + req.lease_seconds, executions=entries.c.executions + 1,
             interruptions=interruptions, updated_at=now,

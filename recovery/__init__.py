@@ -1,0 +1,17 @@
+"""Recovery: sweeps, resume and reconcilers. Uses ``ledger`` and a Celery app it is given."""
+
+from recovery.reconcile import AmbiguousStep, Reconciled, Reconciler, ask
+from recovery.sweep import SweepReport, boot_sweep, resume_entry, run_sweep
+
+__all__ = [
+    # Sweeps
+    "SweepReport",
+    "run_sweep",
+    "boot_sweep",
+    "resume_entry",
+    # Reconcilers
+    "AmbiguousStep",
+    "Reconciled",
+    "Reconciler",
+    "ask",
+]

@@ -1,0 +1,133 @@
+"""The recovery sweep: find interrupted work and hand it back to Celery.
+
+Why re-enqueue rather than run the body here (the argument DBOS's ``_recovery.py`` makes): the
+sweeper may be beat, a worker booting, or an operator's CLI. None of them is the right process
+to execute user code: wrong queue, wrong concurrency limits, wrong time limits, and a crash of
+the sweeper would then lose the sweep *and* the work. Re-enqueueing with the original task id
+and argument snapshot puts the work back where Celery's own guarantees apply; the claim of that
+delivery takes over with a new fence and replays completed steps.
+
+Why one resumer only: ``begin_resume`` is a compare-and-set on (key, fence, interrupted), so two
+beats, or a beat and a CLI, racing for the same entry enqueue it once. If the enqueued message
+is lost, the lease the resumer holds expires and the next sweep interrupts the entry again.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kombu.utils.json import loads
+
+from ledger import Interrupted, LedgerStore, StepStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    """What one sweep did."""
+
+    #: Running entries whose lease had expired, now interrupted by this sweep.
+    interrupted: int = 0
+    #: Interrupted entries this sweep looked at.
+    found: int = 0
+    #: Re-enqueued with their original task id.
+    resumed: int = 0
+    #: Parked as crash loops (interrupted more than max_resumes times).
+    blocked: int = 0
+    #: Interrupted entries without an argument snapshot: reported, never guessed.
+    no_snapshot: int = 0
+    #: Settled entries deleted by retention.
+    pruned: int = 0
+    resumed_keys: tuple[str, ...] = field(default=())
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["resumed_keys"] = list(self.resumed_keys)
+        return data
+
+
+def resume_entry(store: LedgerStore, app: Any, entry: Interrupted, *, lease_seconds: float,
+                 max_resumes: int, actor: str = "sweep") -> str:
+    """Re-enqueue one interrupted entry, or block it as a crash loop.
+
+    Returns one of ``resumed``, ``blocked``, ``no-snapshot``, ``lost-race``.
+    """
+    if entry.interruptions > max_resumes:
+        reason = (f"crash loop: interrupted {entry.interruptions} times "
+                  f"(ledger_max_resumes={max_resumes})")
+        if store.block(entry.key, entry.fence, reason, actor=actor):
+            log.warning("blocked key=%s task_id=%s fence=%s: %s", entry.key, entry.task_id,
+                        entry.fence + 1, reason)
+            return "blocked"
+        return "lost-race"
+    if not entry.has_snapshot:
+        log.warning("interrupted key=%s task_id=%s fence=%s has no argument snapshot; resume "
+                    "it by hand or release it: celery-ledger show %s", entry.key,
+                    entry.task_id, entry.fence, entry.key)
+        return "no-snapshot"
+    fence = store.begin_resume(entry.key, entry.fence, lease_seconds=lease_seconds, actor=actor)
+    if fence is None:
+        return "lost-race"
+    full = store.get_entry(entry.key)
+    snapshot = loads(full.snapshot) if full.snapshot else {}
+    replay = sum(1 for s in store.load_steps(entry.key) if s.status is StepStatus.COMPLETED)
+    options: dict[str, Any] = {"task_id": full.task_id}
+    if snapshot.get("queue"):
+        options["queue"] = snapshot["queue"]
+    if snapshot.get("ledger_key") is not None:
+        options["headers"] = {"ledger_key": snapshot["ledger_key"]}
+    try:
+        app.send_task(full.task_name, args=snapshot.get("args", []),
+                      kwargs=snapshot.get("kwargs", {}), **options)
+    except Exception as exc:  # noqa: BLE001 - the lease brings it back to the next sweep
+        log.error("resume of key=%s task_id=%s fence=%s could not be sent (%r); the next sweep "
+                  "after %ss retries it", entry.key, full.task_id, fence, exc, lease_seconds)
+        return "lost-race"
+    log.info("resumed key=%s task_id=%s fence=%s task=%s: %d completed step(s) will replay; "
+             "by hand: celery-ledger resume %s", entry.key, full.task_id, fence, full.task_name,
+             replay, entry.key)
+    return "resumed"
+
+
+def run_sweep(store: LedgerStore, app: Any, *, lease_seconds: float, max_resumes: int,
+              retention_days: float, batch: int = 500, actor: str = "sweep") -> SweepReport:
+    """One full sweep: interrupt expired leases, resume or block interrupted work, prune.
+
+    Idempotent and safe to run concurrently with itself on SQLite and PostgreSQL.
+    """
+    interrupted = store.interrupt_expired(limit=batch, actor=actor)
+    candidates = store.list_interrupted(limit=batch)
+    outcomes: dict[str, list[str]] = {}
+    for entry in candidates:
+        outcome = resume_entry(store, app, entry, lease_seconds=lease_seconds,
+                               max_resumes=max_resumes, actor=actor)
+        outcomes.setdefault(outcome, []).append(entry.key)
+    pruned = store.prune_settled(retention_days * 86400.0, limit=batch)
+    report = SweepReport(
+        interrupted=len(interrupted), found=len(candidates),
+        resumed=len(outcomes.get("resumed", [])), blocked=len(outcomes.get("blocked", [])),
+        no_snapshot=len(outcomes.get("no-snapshot", [])), pruned=pruned,
+        resumed_keys=tuple(outcomes.get("resumed", [])),
+    )
+    if report.interrupted or report.found or report.pruned:
+        log.info("ledger sweep: %s", report.as_dict())
+    return report
+
+
+def boot_sweep(store: LedgerStore, app: Any, *, node: str, boot: str, lease_seconds: float,
+               max_resumes: int) -> SweepReport:
+    """A worker's boot sweep: its own previous boot is gone, so its entries resume now."""
+    mine = store.interrupt_previous_boot(node, boot, actor=node)
+    outcomes = [resume_entry(store, app, e, lease_seconds=lease_seconds,
+                             max_resumes=max_resumes, actor=node) for e in mine]
+    report = SweepReport(
+        interrupted=len(mine), found=len(mine), resumed=outcomes.count("resumed"),
+        blocked=outcomes.count("blocked"), no_snapshot=outcomes.count("no-snapshot"),
+        resumed_keys=tuple(e.key for e, o in zip(mine, outcomes) if o == "resumed"),
+    )
+    if mine:
+        log.warning("boot sweep of %s: %s", node, report.as_dict())
+    return report

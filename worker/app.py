@@ -1,0 +1,160 @@
+"""The Celery side's wiring: a ready app for the embedded default, and ``install`` for yours.
+
+``install(app)`` is the one call that makes an existing Celery app ledger-aware: it registers
+the sweep task, the beat entry ``celery-ledger-sweep``, and the worker/beat signal handlers
+(boot id, boot sweep, beat's first sweep). ``create_app()`` builds an app on the embedded
+default (SQLite ledger, ``filesystem://`` broker, SQLite results under one data directory) or
+on whatever ``CELERY_BROKER_URL`` / ``CELERY_RESULT_BACKEND`` / ``CELERY_LEDGER_URL`` name.
+
+``celery -A worker.app worker`` works: ``app`` is built on first attribute access (PEP 562),
+never at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from celery import Celery, signals
+
+from ledger import LedgerError
+from recovery import SweepReport, boot_sweep, run_sweep
+from worker import runtime
+from worker.settings import DEFAULT_DATA_DIR
+
+log = logging.getLogger(__name__)
+
+SWEEP_TASK = "celery_ledger.sweep"
+BEAT_ENTRY = "celery-ledger-sweep"
+
+
+def create_app(main: str = "celery_ledger", *, data_dir: str | os.PathLike[str] | None = None,
+               broker_url: str | None = None, result_backend: str | None = None,
+               ledger_url: str | None = None, **conf: Any) -> Celery:
+    """A ledger-aware Celery app; defaults to the embedded, server-less setup."""
+    env = os.environ
+    data = Path(data_dir or env.get("CELERY_LEDGER_DATA_DIR", DEFAULT_DATA_DIR)).resolve()
+    broker = broker_url or env.get("CELERY_BROKER_URL") or "filesystem://"
+    backend = (result_backend or env.get("CELERY_RESULT_BACKEND")
+               or f"db+sqlite:///{data / 'results.sqlite3'}")
+    app = Celery(main, broker=broker, backend=backend)
+    app.conf.update(
+        ledger_url=ledger_url or env.get("CELERY_LEDGER_URL")
+        or f"sqlite:///{data / 'ledger.sqlite3'}",
+        task_serializer="json", result_serializer="json", accept_content=["json"],
+        # One message at a time per pool process: a prefetched message is one a crash can
+        # strand, and one Redis may redeliver while it waits (celery #4400).
+        worker_prefetch_multiplier=1,
+        result_extended=True,
+        broker_connection_retry_on_startup=True,
+    )
+    if broker.startswith("filesystem"):
+        queue_dir = data / "broker"
+        queue_dir.mkdir(parents=True, exist_ok=True)
+        (data / "broker-processed").mkdir(parents=True, exist_ok=True)
+        app.conf.broker_transport_options = {
+            "data_folder_in": str(queue_dir), "data_folder_out": str(queue_dir),
+            "processed_folder": str(data / "broker-processed"), "store_processed": False,
+        }
+    if backend.startswith("db+sqlite"):
+        data.mkdir(parents=True, exist_ok=True)
+    app.conf.update(conf)
+    install(app)
+    return app
+
+
+def install(app: Celery) -> Celery:
+    """Make ``app`` ledger-aware: sweep task, beat entry, boot id, boot sweeps. Idempotent."""
+    if getattr(app, "_ledger_installed", False):
+        return app
+    app._ledger_installed = True  # type: ignore[attr-defined]
+    _connect_signals()
+
+    @app.task(name=SWEEP_TASK, ignore_result=True, shared=False)
+    def celery_ledger_sweep() -> dict[str, Any]:
+        return sweep_now(app).as_dict()
+
+    @app.on_after_configure.connect(weak=False)
+    def _add_beat_entry(sender: Celery, **_: Any) -> None:
+        interval = runtime.settings_for(sender).sweep_interval
+        sender.conf.beat_schedule = {
+            **(sender.conf.beat_schedule or {}),
+            BEAT_ENTRY: {"task": SWEEP_TASK, "schedule": interval,
+                         "options": {"expires": interval}},
+        }
+
+    return app
+
+
+def sweep_now(app: Celery, *, actor: str = "sweep") -> SweepReport:
+    settings = runtime.settings_for(app)
+    return run_sweep(runtime.store_for(app), app, lease_seconds=settings.lease_seconds,
+                     max_resumes=settings.max_resumes, retention_days=settings.retention_days,
+                     batch=settings.sweep_batch, actor=actor)
+
+
+_connected = False
+
+
+def _connect_signals() -> None:
+    global _connected
+    if _connected:
+        return
+    _connected = True
+    signals.worker_init.connect(_on_worker_init, weak=False)
+    signals.worker_ready.connect(_on_worker_ready, weak=False)
+    signals.beat_init.connect(_on_beat_init, weak=False)
+
+
+def _installed(app: Any) -> bool:
+    return bool(getattr(app, "_ledger_installed", False))
+
+
+def _on_worker_init(sender: Any = None, **_: Any) -> None:
+    # Before the pool forks: the parent and every pool process share this boot id.
+    if sender is not None and _installed(sender.app):
+        runtime.new_boot()
+
+
+def _on_worker_ready(sender: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)
+    if app is None or not _installed(app):
+        return
+    settings = runtime.settings_for(app)
+    try:
+        boot_sweep(runtime.store_for(app), app, node=sender.hostname, boot=runtime.boot_id(),
+                   lease_seconds=settings.lease_seconds, max_resumes=settings.max_resumes)
+    except LedgerError as exc:
+        log.error("boot sweep of %s failed (%s); the beat sweep will find its entries once "
+                  "their leases expire", sender.hostname, exc)
+
+
+def _on_beat_init(sender: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)
+    if app is None or not _installed(app):
+        return
+    try:
+        sweep_now(app, actor="beat")
+    except LedgerError as exc:
+        log.error("beat's first sweep failed: %s", exc)
+
+
+_default_app: Celery | None = None
+
+
+def __getattr__(name: str) -> Any:
+    global _default_app
+    if name in ("app", "celery"):
+        if _default_app is None:
+            _default_app = create_app()
+            _register_demo_tasks(_default_app)
+        return _default_app
+    raise AttributeError(name)
+
+
+def _register_demo_tasks(app: Celery) -> None:
+    from worker.examples import register
+
+    register(app)

@@ -1,0 +1,41 @@
+"""Named crash points for fault tests (DBOS's debug triggers, for processes).
+
+Enabled only by ``CELERY_LEDGER_CRASH_AT`` (read once into the settings); with it unset a
+crash point is one frozenset lookup. Names:
+
+- ``step-started:<step>``   after the step's ``started`` row is durable, before its body
+- ``step-completed:<step>`` after its ``completed`` row is durable
+- ``before-settle``         after the body returned, before the settle
+- ``after-claim``           after the claim, before the body
+
+A point may end with ``@worker`` to kill the whole worker (the pool's parent too) instead of
+only the process running the body. ``CELERY_LEDGER_CRASH_ONCE=<file>`` makes each point fire
+once: the first process to create the marker file for that point dies, later ones go on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from worker.settings import LedgerSettings
+
+
+def crash_point(settings: LedgerSettings, name: str) -> None:
+    """SIGKILL this process (or its worker) if ``name`` is an enabled crash point."""
+    if not settings.crash_points:
+        return
+    whole_worker = f"{name}@worker" in settings.crash_points
+    if not whole_worker and name not in settings.crash_points:
+        return
+    if settings.crash_once_file:
+        marker = Path(f"{settings.crash_once_file}.{name.replace(':', '_')}")
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.close(fd)
+    if whole_worker:
+        os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)

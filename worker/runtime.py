@@ -1,0 +1,65 @@
+"""Per-process, per-app ledger runtime: the store, the settings, this worker's boot id.
+
+The boot id names one start of a worker node. It is made in the worker's parent process
+before the pool forks (``worker_init``), so the parent and its pool processes share it; a
+restarted worker gets a new one, which is how the boot sweep tells its own previous, dead
+process from a live one with the same node name.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+from typing import Any
+
+from ledger import LedgerStore, Owner
+from worker.settings import LedgerSettings
+
+_boot_id: str | None = None
+_boot_lock = threading.Lock()
+
+
+def boot_id() -> str:
+    """This worker boot's id (made on first use; ``new_boot`` starts a new one)."""
+    global _boot_id
+    if _boot_id is None:
+        with _boot_lock:
+            if _boot_id is None:
+                _boot_id = uuid.uuid4().hex
+    return _boot_id
+
+
+def new_boot() -> str:
+    global _boot_id
+    _boot_id = uuid.uuid4().hex
+    return _boot_id
+
+
+def default_node() -> str:
+    return f"celery@{socket.gethostname()}"
+
+
+def owner_for(hostname: str | None) -> Owner:
+    return Owner(node=hostname or default_node(), boot=boot_id(), pid=os.getpid())
+
+
+def settings_for(app: Any) -> LedgerSettings:
+    return LedgerSettings.from_app(app)
+
+
+def store_for(app: Any) -> LedgerStore:
+    """The app's ledger store (one per app; its engine is per process and fork-safe)."""
+    store = getattr(app, "_ledger_store", None)
+    if store is None:
+        store = LedgerStore(settings_for(app).url)
+        app._ledger_store = store
+    return store
+
+
+def events_enabled(app: Any) -> bool:
+    flag = settings_for(app).send_events
+    if flag is None:
+        return bool(app.conf.worker_send_task_events)
+    return flag

@@ -1,0 +1,129 @@
+"""One frozen settings object, read once from Celery config and ``CELERY_LEDGER_*`` env.
+
+Nothing here runs at import time: ``LedgerSettings.from_app(app)`` reads the environment when a
+worker, a beat or the CLI first needs the ledger, and the result is cached on the app.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+#: Where the embedded default keeps its files (ledger, broker folders, results).
+DEFAULT_DATA_DIR = ".celery-ledger"
+
+
+@dataclass(frozen=True)
+class LedgerSettings:
+    """Every tunable of the Celery side, with why it has its default."""
+
+    #: SQLAlchemy URL of the ledger database (sqlite:///... or postgresql://...).
+    url: str
+    #: Lease length. Long enough that a heartbeat every lease/3 survives a slow database;
+    #: short enough that a dead worker's task is found within a minute plus the sweep interval.
+    lease_seconds: float = 60.0
+    #: How often beat runs the stale-lease sweep; interrupted work is found within
+    #: lease_seconds + sweep_interval.
+    sweep_interval: float = 30.0
+    #: Interruptions after which an entry is parked as a crash loop instead of resumed again.
+    max_resumes: int = 5
+    #: Settled entries are pruned after this many days; a duplicate delivered later runs again.
+    retention_days: float = 7.0
+    #: A result or step output larger than this (serialized) is an error, never truncated.
+    max_result_bytes: int = 1024 * 1024
+    #: A delivery that finds a live lease polls this long before re-queueing itself.
+    wait_poll_seconds: float = 1.0
+    #: Upper bound for the countdown of a WAIT re-queue.
+    wait_countdown_max: float = 30.0
+    #: First and largest backoff when the ledger is unreachable at claim (doubling).
+    unavailable_backoff: float = 1.0
+    unavailable_backoff_max: float = 60.0
+    #: How long settle keeps retrying an unreachable ledger before leaving the entry running
+    #: for recovery (the body's result is not lost: replay rows and the lease remain).
+    settle_retry_seconds: float = 10.0
+    #: Rows a sweep touches per query; bounds each transaction on a large backlog.
+    sweep_batch: int = 500
+    #: A reconciler that takes longer than this answers ``unknown``.
+    reconcile_timeout: float = 10.0
+    #: Send task-ledger-* events (None: follow worker_send_task_events / ``-E``).
+    send_events: bool | None = None
+    #: Named crash points, test-only (CELERY_LEDGER_CRASH_AT), e.g. "step-started:charge".
+    crash_points: frozenset[str] = frozenset()
+    #: Marker file that makes each crash point fire once (CELERY_LEDGER_CRASH_ONCE).
+    crash_once_file: str | None = None
+    #: Operator tokens: when set, ``release --by`` must name one of them.
+    operator_tokens: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_mapping(cls, conf: Mapping[str, Any], env: Mapping[str, str] | None = None
+                     ) -> LedgerSettings:
+        """Build from Celery-style ``ledger_*`` keys, then ``CELERY_LEDGER_*`` overrides.
+
+        Raises:
+            ValueError: a value that does not parse, naming the setting.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(f"CELERY_LEDGER_{f.name.upper()}")
+            if raw is None:
+                raw = conf.get(f"ledger_{f.name}")
+            if raw is not None:
+                values[f.name] = _parse(f.name, raw)
+        if "crash_points" not in values and env.get("CELERY_LEDGER_CRASH_AT"):
+            values["crash_points"] = _parse("crash_points", env["CELERY_LEDGER_CRASH_AT"])
+        if "crash_once_file" not in values and env.get("CELERY_LEDGER_CRASH_ONCE"):
+            values["crash_once_file"] = env["CELERY_LEDGER_CRASH_ONCE"]
+        if "url" not in values:
+            data_dir = Path(env.get("CELERY_LEDGER_DATA_DIR", DEFAULT_DATA_DIR))
+            values["url"] = f"sqlite:///{data_dir.resolve() / 'ledger.sqlite3'}"
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    @classmethod
+    def from_app(cls, app: Any) -> LedgerSettings:
+        """The settings of a Celery app, built once and cached on it."""
+        cached = getattr(app, "_ledger_settings", None)
+        if cached is None:
+            cached = cls.from_mapping(app.conf)
+            app._ledger_settings = cached
+        return cached
+
+    def validate(self) -> None:
+        if self.lease_seconds <= 0:
+            raise ValueError("ledger_lease_seconds must be > 0")
+        if self.sweep_interval <= 0:
+            raise ValueError("ledger_sweep_interval must be > 0")
+        if self.max_resumes < 0:
+            raise ValueError("ledger_max_resumes must be >= 0")
+        if self.max_result_bytes <= 0:
+            raise ValueError("ledger_max_result_bytes must be > 0")
+
+
+_FLOATS = {"lease_seconds", "sweep_interval", "retention_days", "wait_poll_seconds",
+           "wait_countdown_max", "unavailable_backoff", "unavailable_backoff_max",
+           "settle_retry_seconds", "reconcile_timeout"}
+_INTS = {"max_resumes", "max_result_bytes", "sweep_batch"}
+_SETS = {"crash_points", "operator_tokens"}
+
+
+def _parse(name: str, raw: Any) -> Any:
+    try:
+        if name in _FLOATS:
+            return float(raw)
+        if name in _INTS:
+            return int(raw)
+        if name in _SETS:
+            items = raw.split(",") if isinstance(raw, str) else raw
+            return frozenset(i.strip() for i in items if str(i).strip())
+        if name == "send_events":
+            if isinstance(raw, bool) or raw is None:
+                return raw
+            return str(raw).strip().lower() in ("1", "true", "yes", "on")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"ledger setting {name}={raw!r}: {exc}") from None
+    return raw
