@@ -1,11 +1,103 @@
-"""Placeholder CLI (filled in by the operator-surface work)."""
+"""The ``celery-ledger`` command group, installed twice.
+
+- console script ``celery-ledger`` (ledger URL from ``--url``, ``CELERY_LEDGER_URL`` or ``-A app``)
+- Celery sub-command ``celery -A proj ledger ...`` (entry point group ``celery.commands``, the
+  way Flower registers ``celery flower``)
+
+Each command family lives in a module of its own and is added here:
+``worker.cli_ops`` (list/show/release/resume/sweep/stats/doctor/migrate), ``worker.metrics``
+(metrics), ``worker.demo`` (demo), ``worker.verify`` (verify).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
 
 import click
 
+#: (module, attribute) of every command added to the group; a module that is missing is
+#: skipped so that a partial install still offers the rest.
+COMMANDS = [
+    ("worker.cli_ops", "COMMANDS"),
+    ("worker.metrics", "COMMANDS"),
+    ("worker.demo", "COMMANDS"),
+    ("worker.verify", "COMMANDS"),
+]
+
+
+class LedgerContext:
+    """What every command needs: how to reach the ledger (and optionally the Celery app)."""
+
+    def __init__(self, url: str | None, app_name: str | None, app: Any = None) -> None:
+        self._url = url
+        self._app_name = app_name
+        self._app = app
+        self._store: Any = None
+
+    @property
+    def app(self) -> Any:
+        """The Celery app (``-A``), or the default app when none was named."""
+        if self._app is None:
+            if self._app_name:
+                from celery.bin.celery import find_app
+                self._app = find_app(self._app_name)
+            else:
+                from worker.app import create_app
+                self._app = create_app()
+        return self._app
+
+    @property
+    def url(self) -> str:
+        if self._url:
+            return self._url
+        from worker.runtime import settings_for
+        return settings_for(self.app).url
+
+    @property
+    def store(self) -> Any:
+        if self._store is None:
+            from ledger import LedgerStore
+            self._store = LedgerStore(self.url, migrate=False)
+        return self._store
+
+
+def _add_commands(group: click.Group) -> click.Group:
+    for module_name, attr in COMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        for command in getattr(module, attr):
+            group.add_command(command)
+    return group
+
 
 @click.group()
-def main() -> None:
-    """celery-ledger: operate the ledger."""
+@click.option("--url", envvar="CELERY_LEDGER_URL", help="Ledger database URL.")
+@click.option("-A", "--app", "app_name", help="Celery app, as for `celery -A`.")
+@click.pass_context
+def main(ctx: click.Context, url: str | None, app_name: str | None) -> None:
+    """celery-ledger: see, resolve and prove what the ledger does."""
+    ctx.obj = LedgerContext(url, app_name)
 
 
-celery_ledger_command = main
+@click.group(name="ledger")
+@click.option("--url", envvar="CELERY_LEDGER_URL", help="Ledger database URL.")
+@click.pass_context
+def celery_ledger_command(ctx: click.Context, url: str | None) -> None:
+    """Operate the celery-ledger ledger of this app."""
+    celery_ctx = ctx.find_root().obj  # celery's CLIContext carries the -A app
+    app = getattr(celery_ctx, "app", None)
+    ctx.obj = LedgerContext(url, None, app)
+
+
+_add_commands(main)
+_add_commands(celery_ledger_command)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+sys.path.insert(0, str(TESTS))
+
+from servers import create_pg_database, drop_pg_database, redis_url  # noqa: E402
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A PostgreSQL database of this test's own, dropped afterwards."""
+    name, url = create_pg_database()
+    try:
+        yield url
+    finally:
+        drop_pg_database(name)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """The contract-suite backend: each test runs on SQLite and on PostgreSQL."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+        return
+    name, url = create_pg_database()
+    try:
+        yield url
+    finally:
+        drop_pg_database(name)
+
+
+@pytest.fixture
+def store(ledger_url: str) -> Iterator[object]:
+    from ledger import LedgerStore
+
+    s = LedgerStore(ledger_url)
+    try:
+        yield s
+    finally:
+        s.dispose()
+
+
+@pytest.fixture
+def redis() -> str:
+    return redis_url()

@@ -1,0 +1,83 @@
+"""Reaching the test servers: PostgreSQL and Redis on 127.0.0.1.
+
+A missing server skips the test on a laptop and fails it under CI=true (dramatiq's conftest):
+a CI run that silently skipped every server test would prove nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+
+import pytest
+
+CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+PG_ADMIN_URL = os.environ.get("CELERY_LEDGER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_HOST = os.environ.get("CELERY_LEDGER_TEST_REDIS_HOST", "127.0.0.1")
+REDIS_PORT = int(os.environ.get("CELERY_LEDGER_TEST_REDIS_PORT", "6379"))
+
+
+def missing(what: str) -> None:
+    """Skip (laptop) or fail (CI) because a server is not reachable."""
+    msg = f"{what} is not reachable on 127.0.0.1"
+    if CI:
+        pytest.fail(f"{msg}, and CI=true requires it", pytrace=False)
+    pytest.skip(msg)
+
+
+def port_open(host: str, port: int, timeout: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def pg_url_for(dbname: str) -> str:
+    base = PG_ADMIN_URL.rsplit("/", 1)[0]
+    return f"{base}/{dbname}"
+
+
+def create_pg_database() -> tuple[str, str]:
+    """Create a uniquely named database; return (name, url)."""
+    import psycopg
+
+    try:
+        conn = psycopg.connect(PG_ADMIN_URL.replace("+psycopg", ""), autocommit=True,
+                               connect_timeout=3)
+    except psycopg.OperationalError:
+        missing("PostgreSQL")
+        raise
+    name = f"cl_test_{uuid.uuid4().hex[:12]}"
+    with conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return name, pg_url_for(name)
+
+
+def drop_pg_database(name: str) -> None:
+    import psycopg
+
+    with psycopg.connect(PG_ADMIN_URL.replace("+psycopg", ""), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+_redis_db = 0
+
+
+def redis_url() -> str:
+    """A Redis URL on a database number of its own, emptied for this test.
+
+    kombu keeps its unacked-message bookkeeping in fixed key names per database, so two tests
+    sharing one database would restore each other's messages.
+    """
+    global _redis_db
+    if not port_open(REDIS_HOST, REDIS_PORT):
+        missing("Redis")
+    import redis
+
+    _redis_db = _redis_db % 15 + 1
+    client = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=_redis_db)
+    client.flushdb()
+    client.close()
+    return f"redis://{REDIS_HOST}:{REDIS_PORT}/{_redis_db}"

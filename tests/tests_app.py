@@ -1,0 +1,128 @@
+"""The Celery app the process tests run: ``celery -A tests_app worker``.
+
+Configured from the environment ``procs.test_env`` builds. Every effect a task performs is
+appended to ``test_effects`` (no unique constraint), so a duplicate shows up as a second row.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from sqlalchemy import Column, Float, Integer, MetaData, String, Table, insert
+
+from ledger.engine import make_engine
+from worker import LedgerTask, Reconciled, create_app
+
+app = create_app("tests_app")
+app.conf.task_default_queue = os.environ.get("TEST_QUEUE", "celery")
+if os.environ.get("TEST_VISIBILITY_TIMEOUT"):
+    app.conf.broker_transport_options = {
+        **(app.conf.broker_transport_options or {}),
+        "visibility_timeout": float(os.environ["TEST_VISIBILITY_TIMEOUT"]),
+    }
+
+meta = MetaData()
+effects = Table(
+    "test_effects", meta,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("tag", String(128), nullable=False),
+    Column("effect", String(64), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("at", Float, nullable=False),
+)
+_engine: dict[int, Any] = {}
+
+
+def effects_engine() -> Any:
+    pid = os.getpid()
+    if pid not in _engine:
+        engine = make_engine(os.environ["TEST_EFFECTS_URL"])
+        meta.create_all(engine)
+        _engine[pid] = engine
+    return _engine[pid]
+
+
+def effect(tag: str, name: str) -> str:
+    with effects_engine().begin() as conn:
+        conn.execute(insert(effects).values(tag=tag, effect=name, pid=os.getpid(),
+                                            at=time.time()))
+    return f"{name}:{tag}"
+
+
+@app.task(base=LedgerTask, bind=True, name="tests_app.slow_effect")
+def slow_effect(self: LedgerTask, tag: str, seconds: float) -> str:
+    """Stepless: the body is the effect."""
+    effect(tag, "body")
+    time.sleep(seconds)
+    return f"done:{tag}"
+
+
+@app.task(base=LedgerTask, bind=True, name="tests_app.order", key_from=("order_id",))
+def order(self: LedgerTask, order_id: str, amount: int, pause: float = 0.0) -> dict[str, Any]:
+    reserved = self.step("reserve", effect, order_id, "reserve")
+    time.sleep(pause)
+    charged = self.step("charge", effect, order_id, "charge")
+    receipt = self.step("receipt", effect, order_id, "receipt")
+    return {"order_id": order_id, "amount": amount, "steps": [reserved, charged, receipt]}
+
+
+def _answer(step: Any) -> Reconciled:
+    answer = step.kwargs.get("answer") or (step.args[1] if len(step.args) > 1 else "unknown")
+    if answer == "completed":
+        return Reconciled.completed(f"charge:{step.kwargs.get('order_id', step.args[0])}",
+                                    note="provider says charged")
+    if answer == "not_executed":
+        return Reconciled.not_executed("provider has no such charge")
+    if answer == "raise":
+        raise RuntimeError("provider API down")
+    return Reconciled.unknown("provider cannot tell")
+
+
+@app.task(base=LedgerTask, bind=True, name="tests_app.reconciled", reconciler=_answer)
+def reconciled(self: LedgerTask, order_id: str, answer: str) -> list[str]:
+    def charge() -> str:
+        self.record_external_ref(f"ch_{order_id}")
+        return effect(order_id, "charge")
+    return [self.step("charge", charge), self.step("receipt", effect, order_id, "receipt")]
+
+
+@app.task(base=LedgerTask, bind=True, name="tests_app.retry_once", max_retries=3)
+def retry_once(self: LedgerTask, order_id: str) -> list[str]:
+    charged = self.step("charge", effect, order_id, "charge")
+    if self.request.retries == 0:
+        raise self.retry(countdown=0.2)
+    return [charged, self.step("email", effect, order_id, "email")]
+
+
+@app.task(base=LedgerTask, bind=True, name="tests_app.loop")
+def loop(self: LedgerTask, order_id: str, pause: float = 0.0) -> list[str]:
+    out = []
+    for _ in range(3):
+        out.append(self.step("tick", effect, order_id, "tick"))
+        time.sleep(pause)
+    return out
+
+
+@app.task(base=LedgerTask, bind=True, name="tests_app.crash_always")
+def crash_always(self: LedgerTask, tag: str) -> None:
+    self.step("prepare", effect, tag, "prepare", effect=False)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@app.task(base=LedgerTask, bind=True, name="tests_app.big_result")
+def big_result(self: LedgerTask, size: int) -> str:
+    effect("big", "body")
+    return "x" * size
+
+
+@app.task(base=LedgerTask, bind=True, name="tests_app.unserializable_output")
+def unserializable_output(self: LedgerTask, tag: str) -> Any:
+    return self.step("make", lambda: object())
+
+
+@app.task(name="tests_app.plain_add")
+def plain_add(x: int, y: int) -> int:
+    return x + y
