@@ -63,10 +63,17 @@ class StoreCore:
     @property
     def engine(self) -> Engine:
         """This process's engine, built on first use and rebuilt after a fork."""
-        if self._pid != os.getpid():
+        if self._pid != os.getpid() or not self._schema_ready:
             with self._lock:
                 if self._pid != os.getpid():
                     self._open_engine()
+                if not self._schema_ready:
+                    # Checked until it succeeds: a ledger that was down at the first call
+                    # is checked (and migrated) at the first call that reaches it.
+                    assert self._engine is not None
+                    with self._translate():
+                        self._check_schema(self._engine)
+                    self._schema_ready = True
         assert self._engine is not None
         return self._engine
 
@@ -83,10 +90,6 @@ class StoreCore:
             engine if self.is_sqlite else engine.execution_options(isolation_level="AUTOCOMMIT")
         )
         self._pid = os.getpid()
-        if not self._schema_ready:
-            with self._translate():
-                self._check_schema(engine)
-            self._schema_ready = True
 
     def _check_schema(self, engine: Engine) -> None:
         if self._migrate:
