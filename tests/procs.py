@@ -187,3 +187,6 @@ def test_env(tmp_path: Path, *, broker: str | None, ledger_url: str,
             env["CELERY_RESULT_BACKEND"] = broker
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+test_env.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test

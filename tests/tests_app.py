@@ -22,6 +22,10 @@ if os.environ.get("TEST_VISIBILITY_TIMEOUT"):
     app.conf.broker_transport_options = {
         **(app.conf.broker_transport_options or {}),
         "visibility_timeout": float(os.environ["TEST_VISIBILITY_TIMEOUT"]),
+        # kombu scans for expired unacked messages every interval * throttle seconds
+        # (100 s by default); once a second makes Redis's redelivery happen within the test.
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
     }
 
 meta = MetaData()

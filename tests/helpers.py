@@ -1,0 +1,40 @@
+"""Reading what the process tests produced: effects, entries, events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import text
+
+from ledger import LedgerStore, entry_key
+from ledger.engine import make_engine
+
+
+def effect_counts(effects_url: str, tag: str | None = None) -> dict[tuple[str, str], int]:
+    """(tag, effect) -> how many times it happened."""
+    engine = make_engine(effects_url)
+    try:
+        with engine.connect() as conn:
+            if not conn.dialect.has_table(conn, "test_effects"):
+                return {}
+            q = "SELECT tag, effect, COUNT(*) FROM test_effects"
+            params: dict[str, Any] = {}
+            if tag is not None:
+                q += " WHERE tag = :tag"
+                params["tag"] = tag
+            rows = conn.execute(text(q + " GROUP BY tag, effect"), params).all()
+        return {(t, e): int(n) for t, e, n in rows}
+    finally:
+        engine.dispose()
+
+
+def key_of(task_name: str, material: Any) -> str:
+    return entry_key(task_name, material)
+
+
+def business_key(task_name: str, **fields: Any) -> str:
+    return entry_key(task_name, fields)
+
+
+def event_names(store: LedgerStore, key: str) -> list[str]:
+    return [e.event for e in store.entry_events(key)]
