@@ -136,6 +136,7 @@ class Attempt:
             raise
         finally:
             self.current = None
+        crash_point(self.settings, f"step-returned:{name}")
         try:
             encoded = encode(output, limit=self.settings.max_result_bytes,
                              what=f"output of step {name!r}")

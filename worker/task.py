@@ -85,6 +85,11 @@ class LedgerTask(Task):
         super().on_bound(app)
         if cls.__dict__.get("run") is None and cls.run is Task.run:
             return  # the abstract base itself
+        for attr in ("key_from", "reconciler"):
+            # Plain functions given as options would become methods of the task (and get
+            # ``self``); keep them plain.
+            if inspect.isfunction(cls.__dict__.get(attr)):
+                setattr(cls, attr, staticmethod(cls.__dict__[attr]))
         try:
             SideEffect(cls.side_effect)
         except ValueError:
