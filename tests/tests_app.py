@@ -130,3 +130,10 @@ def unserializable_output(self: LedgerTask, tag: str) -> Any:
 @app.task(name="tests_app.plain_add")
 def plain_add(x: int, y: int) -> int:
     return x + y
+
+
+@app.task(base=LedgerTask, bind=True, name="tests_app.steps_then_wait")
+def steps_then_wait(self: LedgerTask, tag: str, seconds: float) -> list[str]:
+    out = [self.step("a", effect, tag, "a"), self.step("b", effect, tag, "b")]
+    time.sleep(seconds)
+    return out
