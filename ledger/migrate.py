@@ -49,10 +49,18 @@ def pending_revisions(conn: Connection) -> list[str]:
     Raises:
         SchemaTooNew: when the database holds a revision this code does not know.
     """
+    from alembic import util
+
     script = ScriptDirectory.from_config(_config())
     current = current_revision(conn)
-    if current is not None and script.get_revision(current) is None:
-        raise SchemaTooNew(_too_new_message(current))
+    if current is not None:
+        # Alembic raises (rather than returning None) for a revision it has no script for.
+        try:
+            known = script.get_revision(current) is not None
+        except util.CommandError:
+            known = False
+        if not known:
+            raise SchemaTooNew(_too_new_message(current))
     revs = list(script.iterate_revisions("head", current or "base"))
     return [r.revision for r in reversed(revs) if r.revision != current]
 

@@ -12,7 +12,7 @@ from ledger.errors import EntryNotFound, ReleaseRefused
 from ledger.schema import entries, events, steps
 from ledger.states import EntryStatus, StepStatus, Verdict
 from ledger.sweeps import SweepQueries
-from ledger.values import Entry, EventRecord, StepRecord
+from ledger.values import Entry, EventRecord
 
 #: Statuses an operator may release. Never completed (it has a result), never failed with a
 #: live attempt; a running entry only once its lease expired.
@@ -125,8 +125,8 @@ class OperatorQueries(SweepQueries):
 
         Raises:
             EntryNotFound: no such key.
-            ReleaseRefused: completed entry, live lease, nothing ambiguous to release, or the
-                verdict is not completed/not_executed.
+            ReleaseRefused: completed entry, live lease, released already and not run since,
+                or the verdict is not completed/not_executed.
         """
         if verified is Verdict.UNKNOWN:
             raise ReleaseRefused("release needs --verified completed or not-executed")
@@ -146,6 +146,13 @@ class OperatorQueries(SweepQueries):
                     f"{row.owner}); wait for it to expire or for the sweep to interrupt it")
             if found not in RELEASABLE:  # pragma: no cover - every other status is listed
                 raise ReleaseRefused(f"{key} is {found.value}")
+            if row.released_at is not None and self._released_at_fence(conn, key, row.fence):
+                # One-shot: the entry still carries the fence its release wrote, so nothing
+                # has run since. A second verdict (two operators, a retried command) must not
+                # authorize a second re-run or overwrite the first operator's stamp.
+                raise ReleaseRefused(
+                    f"{key} was released already by {row.released_by} "
+                    f"({row.released_reason!r}) and has not run since; release is one-shot")
             fence = row.fence + 1
             now = db_now()
             released: tuple[str, ...] = ()
@@ -173,6 +180,14 @@ class OperatorQueries(SweepQueries):
             )
         return Release(key, verified, found, to_status, fence, released, row.task_name,
                        row.task_id, row.snapshot)
+
+    @staticmethod
+    def _released_at_fence(conn: Any, key: str, fence: int) -> bool:
+        """Whether ``fence`` was written by a release (every later transition bumps it)."""
+        return conn.execute(
+            select(events.c.id).where(events.c.key == key, events.c.event == "released",
+                                      events.c.fence == fence).limit(1)
+        ).first() is not None
 
     def _release_ambiguous_steps(self, conn: Any, key: str, fence: int) -> tuple[str, ...]:
         ambiguous = conn.execute(select(steps.c.name).where(

@@ -29,7 +29,12 @@ from sqlalchemy.sql.dml import ReturningInsert, ReturningUpdate
 from ledger.dbclock import db_now
 from ledger.engine import is_sqlite, make_engine, normalize_url
 from ledger.errors import LedgerUnavailable, SchemaError
-from ledger.migrate import current_revision, ensure_schema, head_revision
+from ledger.migrate import (
+    current_revision,
+    ensure_schema,
+    head_revision,
+    pending_revisions,
+)
 from ledger.schema import entries, events, steps
 from ledger.states import EntryStatus, Gate, StepStatus
 from ledger.values import RESUME_OWNER, Claim, ClaimRequest, StepRecord
@@ -97,12 +102,22 @@ class StoreCore:
             return
         with engine.connect() as conn:
             current = current_revision(conn)
-        if current != head_revision():
-            ensure_schema_msg = "run `celery-ledger migrate`"
+            # Raises SchemaTooNew for a newer database: `migrate` would be the wrong advice.
+            pending = pending_revisions(conn)
+        if pending:
             raise SchemaError(
                 f"ledger schema is at {current!r}, this code needs {head_revision()!r}: "
-                f"{ensure_schema_msg}"
+                "run `celery-ledger migrate`"
             )
+
+    def ensure_ready(self) -> None:
+        """Connect and check (or migrate) the schema now instead of at first use.
+
+        Raises:
+            LedgerUnavailable: the database cannot be reached.
+            SchemaError: the schema cannot be used by this code.
+        """
+        self.engine  # noqa: B018 - the property connects and checks
 
     def dispose(self) -> None:
         """Close this process's connections (the store reopens on next use)."""
@@ -162,13 +177,13 @@ class StoreCore:
                      "status": r.status, "actor": actor, "detail": detail, "at": now}
                     for r in rows
                 ])
-            return rows
+            return list(rows)
         written = dml.cte("written")
         logged = insert(events).from_select(_EVENT_COLS, select(
             written.c.key, written.c.task_id, written.c.fence, literal(event),
             written.c.status, literal(actor), literal(detail), db_now(),
         )).cte("logged")
-        return conn.execute(select(written).add_cte(logged)).all()
+        return list(conn.execute(select(written).add_cte(logged)).all())
 
     def _append_event(self, conn: Connection, key: str, event: str, *, task_id: str | None,
                       fence: int | None, status: str | None, actor: str | None,
@@ -357,14 +372,23 @@ class HotPath(StoreCore):
 
         ``started`` records intent before an effect; ``completed`` records the output (after
         a ``started`` row or directly for read/idempotent steps); ``not_executed`` records a
-        proven non-execution. A completed row is never overwritten. Each write from a new
-        fence onto an existing row counts one more attempt of the step's body.
-        Returns False when this attempt was superseded.
+        proven non-execution. A completed row is never overwritten. A ``started`` write onto
+        an existing row from a new fence, or after a not_executed verdict, counts one more
+        attempt of the step's body (``not_executed`` counts one more authorized attempt).
+        Returns False when this attempt was superseded, or when the row is completed already
+        (nothing is written either way).
         """
         name, ihash, occurrence = ident
         now = db_now()
         started = status is StepStatus.STARTED
-        values = {
+        # An attempt of the step's body is a ``started`` write onto an existing row, from a
+        # new fence or after a not_executed verdict (a reconciler's verdict carries the same
+        # fence as the re-run it authorizes). A ``completed`` write onto a started row from a
+        # new fence is a reconciler's proof, not a run: counting it would report a duplicate
+        # that never happened.
+        rerun = (steps.c.fence != literal(fence)) | (
+            steps.c.status == StepStatus.NOT_EXECUTED.value)
+        values: dict[str, Any] = {
             "key": literal(key), "name": literal(name), "input_hash": literal(ihash),
             "occurrence": literal(occurrence), "seq": literal(seq),
             "status": literal(status.value), "output": literal(output),
@@ -381,9 +405,8 @@ class HotPath(StoreCore):
             set_={
                 "status": ex.status, "output": ex.output, "error": ex.error,
                 "fence": ex.fence,
-                "attempts": steps.c.attempts + (
-                    (steps.c.fence != ex.fence) & (ex.status != StepStatus.NOT_EXECUTED.value)
-                ).cast(steps.c.attempts.type),
+                "attempts": (steps.c.attempts + rerun.cast(steps.c.attempts.type)
+                             if started else steps.c.attempts),
                 "authorized": steps.c.authorized + ex.authorized,
                 "started_at": ex.started_at if started else steps.c.started_at,
                 "completed_at": ex.completed_at,

@@ -8,7 +8,9 @@ race for one entry, one wins and the other's update matches nothing.
 
 from __future__ import annotations
 
-from sqlalchemy import delete, func, select, update
+from typing import Any
+
+from sqlalchemy import Connection, Select, delete, func, select, update
 
 from ledger.dbclock import db_now
 from ledger.schema import entries, events, steps
@@ -68,10 +70,17 @@ class SweepQueries(HotPath):
             found = self._interrupt(conn, select(entries.c.key).where(*cond), actor, why)
         return found[0] if found else None
 
-    def _interrupt(self, conn, keys, actor: str, why: str) -> list[Interrupted]:  # type: ignore[no-untyped-def]
+    def _interrupt(self, conn: Connection, keys: Select[Any], actor: str,
+                   why: str) -> list[Interrupted]:
+        # Pick the keys exactly once. PostgreSQL may plan `key IN (SELECT ... LIMIT n FOR
+        # UPDATE SKIP LOCKED)` as a nested loop that rescans the subquery per outer row; each
+        # rescan skips the rows this very statement already updated and picks the next n,
+        # so the limit bounded nothing (measured: limit=2 interrupted all 5 expired entries).
+        # A MATERIALIZED CTE is evaluated once.
+        picked = keys.cte("picked").prefix_with("MATERIALIZED", dialect="postgresql")
         upd = (
             update(entries)
-            .where(entries.c.key.in_(keys.scalar_subquery()), entries.c.status == _RUNNING)
+            .where(entries.c.key.in_(select(picked.c.key)), entries.c.status == _RUNNING)
             .values(status=_INTERRUPTED, fence=entries.c.fence + 1,
                     interruptions=entries.c.interruptions + 1, lease_until=None,
                     updated_at=db_now(), reason=why)
@@ -136,13 +145,20 @@ class SweepQueries(HotPath):
         A redelivery of a pruned key finds no entry and runs again: the retention window
         must exceed the longest time a duplicate can still arrive.
         """
+        picked = (
+            select(entries.c.key)
+            .where(entries.c.settled_at.is_not(None),
+                   entries.c.settled_at < db_now() - older_than_seconds)
+            .order_by(entries.c.settled_at).limit(limit)
+        )
+        if not self.is_sqlite:
+            # Lock what we delete. A release un-settles a failed entry so it can run again;
+            # without the lock we could delete its replay rows and events between our read
+            # and its commit, and the resumed body would re-run steps that completed.
+            # (SQLite needs nothing: BEGIN IMMEDIATE already excludes every other writer.)
+            picked = picked.with_for_update(skip_locked=True)
         with self._txn() as conn:
-            keys = [k for (k,) in conn.execute(
-                select(entries.c.key)
-                .where(entries.c.settled_at.is_not(None),
-                       entries.c.settled_at < db_now() - older_than_seconds)
-                .order_by(entries.c.settled_at).limit(limit)
-            )]
+            keys = [k for (k,) in conn.execute(picked)]
             if not keys:
                 return 0
             conn.execute(delete(steps).where(steps.c.key.in_(keys)))

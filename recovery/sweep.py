@@ -126,7 +126,7 @@ def boot_sweep(store: LedgerStore, app: Any, *, node: str, boot: str, lease_seco
     report = SweepReport(
         interrupted=len(mine), found=len(mine), resumed=outcomes.count("resumed"),
         blocked=outcomes.count("blocked"), no_snapshot=outcomes.count("no-snapshot"),
-        resumed_keys=tuple(e.key for e, o in zip(mine, outcomes) if o == "resumed"),
+        resumed_keys=tuple(e.key for e, o in zip(mine, outcomes, strict=True) if o == "resumed"),
     )
     if mine:
         log.warning("boot sweep of %s: %s", node, report.as_dict())

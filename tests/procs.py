@@ -7,6 +7,7 @@ Every wait is bounded in time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -92,14 +93,10 @@ class CeleryProcess:
     def kill_all(self) -> None:
         """SIGKILL the process and everything in its session (its pool processes)."""
         assert self.proc is not None
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            pass
 
     def stop(self, timeout: float = 10) -> None:
         if self.proc is None:
@@ -110,10 +107,8 @@ class CeleryProcess:
                 os.killpg(self.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
         self.kill_all()
         self._log.close()
 

@@ -88,7 +88,7 @@ def test_ledger_unreachable_at_settle_leaves_entry_for_recovery(tmp_path, redis,
     completes with every effect exactly once."""
     from tcpproxy import TcpProxy
 
-    LedgerStore(pg_url).engine  # schema, while reachable
+    LedgerStore(pg_url).ensure_ready()  # schema, while reachable
     pg_port = int(pg_url.split("@", 1)[1].split("/", 1)[0].split(":")[1])
     proxy = TcpProxy("127.0.0.1", pg_port).start()
     port = proxy.port

@@ -6,7 +6,6 @@ Every test here starts real ``celery worker`` processes over a real broker and d
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,8 +25,10 @@ def client_app(env: dict[str, str]) -> Celery:
     app.conf.task_default_queue = env["TEST_QUEUE"]
     if "CELERY_BROKER_URL" not in env:
         folder = Path(env["CELERY_LEDGER_DATA_DIR"]) / "broker"
+        data = Path(env["CELERY_LEDGER_DATA_DIR"])
         app.conf.broker_transport_options = {"data_folder_in": str(folder),
-                                             "data_folder_out": str(folder)}
+                                             "data_folder_out": str(folder),
+                                             "control_folder": str(data / "broker-control")}
     return app
 
 
@@ -103,7 +104,7 @@ def test_ledger_unreachable_at_claim_runs_nothing_then_completes_once(tmp_path, 
     with backoff and completes exactly once when the ledger is back."""
     from tcpproxy import TcpProxy
 
-    LedgerStore(pg_url).engine  # create the schema while the database is reachable
+    LedgerStore(pg_url).ensure_ready()  # create the schema while the database is reachable
     host_port = pg_url.split("@", 1)[1].split("/", 1)[0]
     dbname = pg_url.rsplit("/", 1)[1]
     proxy = TcpProxy("127.0.0.1", int(host_port.split(":")[1]))
@@ -112,7 +113,8 @@ def test_ledger_unreachable_at_claim_runs_nothing_then_completes_once(tmp_path, 
     proxy.stop()  # the ledger is "down": nothing listens on its port
     proxied = f"postgresql://postgres@127.0.0.1:{port}/{dbname}"
     env = test_env(tmp_path, broker=None, ledger_url=proxied, TEST_EFFECTS_URL=pg_url,
-                   CELERY_LEDGER_UNAVAILABLE_BACKOFF="0.5", CELERY_LEDGER_UNAVAILABLE_BACKOFF_MAX="1")
+                   CELERY_LEDGER_UNAVAILABLE_BACKOFF="0.5",
+                   CELERY_LEDGER_UNAVAILABLE_BACKOFF_MAX="1")
     app = client_app(env)
     try:
         with processes(tmp_path, env) as procs:

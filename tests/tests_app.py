@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, insert
+from sqlalchemy.exc import DBAPIError
 
 from ledger.engine import make_engine
 from worker import LedgerTask, Reconciled, create_app
@@ -44,7 +45,11 @@ def effects_engine() -> Any:
     pid = os.getpid()
     if pid not in _engine:
         engine = make_engine(os.environ["TEST_EFFECTS_URL"])
-        meta.create_all(engine)
+        try:
+            meta.create_all(engine)
+        except DBAPIError:
+            # Two pool processes created it at the same moment (PostgreSQL's catalog race).
+            meta.create_all(engine)
         _engine[pid] = engine
     return _engine[pid]
 

@@ -57,6 +57,8 @@ def create_app(main: str = "celery_ledger", *, data_dir: str | os.PathLike[str] 
         app.conf.broker_transport_options = {
             "data_folder_in": str(queue_dir), "data_folder_out": str(queue_dir),
             "processed_folder": str(data / "broker-processed"), "store_processed": False,
+            # Fanout/control exchanges; kombu's default is ./control in the current directory.
+            "control_folder": str(data / "broker-control"),
         }
     if backend.startswith("db+sqlite"):
         data.mkdir(parents=True, exist_ok=True)
@@ -69,7 +71,7 @@ def install(app: Celery) -> Celery:
     """Make ``app`` ledger-aware: sweep task, beat entry, boot id, boot sweeps. Idempotent."""
     if getattr(app, "_ledger_installed", False):
         return app
-    app._ledger_installed = True  # type: ignore[attr-defined]
+    app._ledger_installed = True
     _connect_signals()
 
     @app.task(name=SWEEP_TASK, ignore_result=True, shared=False)
@@ -116,6 +118,10 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     # Before the pool forks: the parent and every pool process share this boot id.
     if sender is not None and _installed(sender.app):
         runtime.new_boot()
+        if getattr(sender, "task_events", False):
+            # `celery worker -E` sets the worker's attribute, not the app setting that the
+            # pool processes read to decide whether to send task-ledger-* events.
+            sender.app.conf.worker_send_task_events = True
 
 
 def _on_worker_ready(sender: Any = None, **_: Any) -> None:

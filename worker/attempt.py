@@ -158,6 +158,7 @@ class Attempt:
         self._check_fence()
         self._fenced(self.store.record_external_ref(self.key, self.fence, self.current, ref),
                      "record_external_ref")
+        crash_point(self.settings, f"step-ref:{self.current[0]}")
 
     @property
     def provider_key(self) -> str:

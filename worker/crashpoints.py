@@ -4,6 +4,7 @@ Enabled only by ``CELERY_LEDGER_CRASH_AT`` (read once into the settings); with i
 crash point is one frozenset lookup. Names:
 
 - ``step-started:<step>``   after the step's ``started`` row is durable, before its body
+- ``step-ref:<step>``      after ``record_external_ref`` stored the step's provider handle
 - ``step-returned:<step>``  after its body returned, before ``completed`` is written (the
   effect happened, the ledger does not know: the window DBOS re-executes)
 - ``step-completed:<step>`` after its ``completed`` row is durable

@@ -161,7 +161,7 @@ class LedgerTask(Task):
             material = self.key_from(*args, **kwargs)
         else:
             bound = self._signature().bind_partial(*args, **kwargs).arguments
-            material = {n: bound.get(n) for n in self.key_from}
+            material = {n: bound.get(n) for n in (self.key_from or ())}
         args_hash = _sha256(canonical_arguments([list(args), dict(kwargs)]))
         return entry_key(self.name, material), args_hash
 

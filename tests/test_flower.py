@@ -1,0 +1,211 @@
+"""Flower with the shipped flowerconfig.py, over a real worker on Redis.
+
+What this proves: the worker's ``task-ledger-*`` events reach Flower, which shows them as task
+states (``LEDGER-CLAIMED`` while the body runs, ``LEDGER-WAITED`` on the duplicate held back by
+the live lease) and counts them in ``flower_events_total``; Flower's ``/metrics`` carries the
+ledger's gauges with the right values, and the standalone endpoint serves the same ones.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from test_metrics import assert_same_gauges, cli, free_port, samples
+
+from procs import REPO, processes, test_env, wait_for
+
+pytestmark = [pytest.mark.processes, pytest.mark.redis, pytest.mark.postgres]
+
+FLOWERCONFIG = REPO / "worker" / "flowerconfig.py"
+USER, PASSWORD = "ledger", "not-an-open-api"
+
+
+class FlowerClient:
+    def __init__(self, port: int, auth: tuple[str, str] | None = (USER, PASSWORD)) -> None:
+        self.base = f"http://127.0.0.1:{port}"
+        self.auth = auth
+
+    def get(self, path: str) -> tuple[int, str]:
+        req = urllib.request.Request(self.base + path)
+        if self.auth:
+            token = base64.b64encode(":".join(self.auth).encode()).decode()
+            req.add_header("Authorization", f"Basic {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310 - 127.0.0.1
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode(errors="replace")
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return 0, ""
+
+    def tasks(self) -> dict[str, Any]:
+        status, body = self.get("/api/tasks?limit=1000")
+        return json.loads(body) if status == 200 else {}
+
+    def state(self, task_id: str) -> str | None:
+        return self.tasks().get(task_id, {}).get("state")
+
+    def metrics(self) -> str:
+        status, body = self.get("/metrics")
+        assert status == 200, (status, body[:500])
+        return body
+
+
+def events_total(metrics: str, event_type: str, task: str) -> float:
+    return sum(v for (name, labels), v in samples(metrics, "flower_events_total").items()
+               if dict(labels).get("type") == event_type and dict(labels).get("task") == task)
+
+
+def ledger_gauge(metrics: str, name: str, **labels: str) -> float | None:
+    return samples(metrics).get((f"celery_ledger_{name}", tuple(sorted(labels.items()))))
+
+
+def start_flower(procs: Any, port: int) -> Any:
+    """``celery flower`` with the shipped flowerconfig.py and basic auth; waits for its API."""
+    proc = procs.command([
+        "flower", f"--port={port}", "--address=127.0.0.1", f"--conf={FLOWERCONFIG}",
+        f"--basic-auth={USER}:{PASSWORD}",
+    ], "flower")
+    client = FlowerClient(port)
+
+    def flower_up() -> bool:
+        if proc.proc is not None and proc.proc.poll() is not None:
+            raise AssertionError(f"flower exited:\n{proc.log()[-3000:]}")
+        return client.get("/api/workers")[0] == 200
+
+    wait_for(flower_up, timeout=60, what="Flower's API")
+    return proc
+
+
+def test_flower_shows_ledger_states_events_and_gauges(tmp_path: Path, redis: str,
+                                                      pg_url: str) -> None:
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url,
+                   # the duplicate re-queues itself every second while the first one runs
+                   CELERY_LEDGER_WAIT_COUNTDOWN_MAX=1, CELERY_LEDGER_METRICS_TTL=1)
+    client = Celery("client", broker=redis, backend=redis)
+    queue = env["TEST_QUEUE"]
+
+    def send(name: str, **kwargs: Any) -> Any:
+        return client.send_task(name, kwargs=kwargs, queue=queue)
+
+    port = free_port()
+    flower = FlowerClient(port)
+    with processes(tmp_path, env) as procs:
+        start_flower(procs, port)
+        # Authentication is configured: without credentials the API and the UI refuse.
+        assert FlowerClient(port, auth=None).get("/api/tasks")[0] == 401
+        assert FlowerClient(port, auth=None).get("/tasks")[0] == 401
+        assert FlowerClient(port, auth=(USER, "wrong")).get("/api/workers")[0] == 401
+        # ...but Flower serves /metrics without authentication (Prometheus scrapes it), and
+        # docs/monitoring.md says so: the ledger's gauges are as open as Flower's own.
+        assert FlowerClient(port, auth=None).get("/metrics")[0] == 200
+
+        procs.worker(extra=["-E"])
+        # Flower subscribes to events asynchronously: resend a plain task until one shows up.
+        probes: list[str] = []
+
+        def event_stream_live() -> bool:
+            probes.append(send("tests_app.plain_add", x=1, y=2).id)
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline:
+                if any(flower.state(p) == "SUCCESS" for p in probes):
+                    return True
+                time.sleep(0.2)
+            return False
+
+        wait_for(event_stream_live, timeout=60, interval=0, what="task events in Flower")
+
+        first = send("tests_app.order", order_id="o-1", amount=10, pause=4.0)
+        wait_for(lambda: flower.state(first.id) == "LEDGER-CLAIMED", timeout=30, interval=0.1,
+                 what="the first delivery as LEDGER-CLAIMED while its body runs")
+        # Same business key, another task id: held back by the live lease, never run beside it.
+        duplicate = send("tests_app.order", order_id="o-1", amount=10, pause=4.0)
+        wait_for(lambda: flower.state(duplicate.id) == "LEDGER-WAITED", timeout=30,
+                 interval=0.1, what="the duplicate as LEDGER-WAITED")
+
+        result = first.get(timeout=60)
+        assert duplicate.get(timeout=60) == result, "the duplicate returned the stored result"
+        # Celery's terminal event outranks a custom state: both end up SUCCESS in Flower.
+        wait_for(lambda: {flower.state(first.id), flower.state(duplicate.id)} == {"SUCCESS"},
+                 timeout=30, what="both deliveries SUCCESS in Flower")
+
+        def counted() -> str | None:
+            page = flower.metrics()
+            ok = (events_total(page, "task-ledger-returned", "tests_app.order") >= 1
+                  and ledger_gauge(page, "task_entries", task="tests_app.order",
+                                   status="completed") == 1)
+            return page if ok else None
+
+        page = wait_for(counted, timeout=30, interval=0.5,
+                        what="task-ledger-returned and the completed entry in /metrics")
+        assert events_total(page, "task-ledger-claimed", "tests_app.order") == 1
+        assert events_total(page, "task-ledger-waited", "tests_app.order") >= 1
+        assert events_total(page, "task-ledger-settled", "tests_app.order") == 1
+        assert ledger_gauge(page, "up") == 1
+        assert ledger_gauge(page, "entries", status="completed") == 1
+        assert ledger_gauge(page, "entries", status="running") == 0
+        assert ledger_gauge(page, "effect_steps") == 3
+        assert ledger_gauge(page, "duplicate_executions") == 0
+        assert ledger_gauge(page, "duplicate_execution_ratio") == 0
+        assert ledger_gauge(page, "blocked_entries") == 0
+        assert ledger_gauge(page, "expired_leases") == 0
+
+        standalone = serve_standalone(tmp_path, pg_url)
+        assert_same_gauges(samples(flower.metrics()), samples(standalone))
+
+
+def serve_standalone(tmp_path: Path, url: str) -> str:
+    """Start ``celery-ledger metrics``, scrape it once, stop it."""
+    port = free_port()
+    log_path = tmp_path / "metrics.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cli("--url", url, "metrics", "--port", str(port)), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        scraper = FlowerClient(port, auth=None)
+
+        def page() -> str | None:
+            assert proc.poll() is None, log_path.read_text()
+            status, body = scraper.get("/metrics")
+            return body if status == 200 else None
+
+        return str(wait_for(page, timeout=30, what="the standalone metrics endpoint"))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+
+
+def test_worker_dash_e_alone_sends_ledger_events(tmp_path: Path, redis: str,
+                                                 pg_url: str) -> None:
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url)
+    client = Celery("client", broker=redis, backend=redis)
+    port = free_port()
+    flower = FlowerClient(port)
+    with processes(tmp_path, env) as procs:
+        start_flower(procs, port)
+        procs.worker(extra=["-E"])
+        probes: list[Any] = []
+
+        def order_seen_by_flower() -> bool:
+            probes.append(client.send_task("tests_app.order", queue=env["TEST_QUEUE"],
+                                           kwargs={"order_id": "o-e", "amount": 1}))
+            probes[-1].get(timeout=30)
+            time.sleep(1)
+            return any(flower.state(p.id) == "SUCCESS" for p in probes)
+
+        wait_for(order_seen_by_flower, timeout=60, interval=0, what="an order in Flower")
+        page = flower.metrics()
+        assert events_total(page, "task-ledger-claimed", "tests_app.order") == 1

@@ -1,0 +1,118 @@
+"""Effect identity: canonical JSON and the keys derived from it (no server needed)."""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import hashlib
+import json
+
+import pytest
+
+from ledger import IdentityError, canonical_json, entry_key, input_hash, provider_key
+
+# -- canonical_json -----------------------------------------------------------------------
+
+
+def test_canonical_json_sorts_keys_and_is_compact() -> None:
+    assert canonical_json({"b": 1, "a": [1, 2, {"d": None, "c": True}]}) == (
+        '{"a":[1,2,{"c":true,"d":null}],"b":1}'
+    )
+
+
+def test_canonical_json_is_independent_of_insertion_order() -> None:
+    one = {"x": 1, "y": {"p": "q", "r": [1.5, "s"]}}
+    two = {"y": {"r": [1.5, "s"], "p": "q"}, "x": 1}
+    assert canonical_json(one) == canonical_json(two)
+
+
+def test_canonical_json_keeps_unicode_and_tuples_as_lists() -> None:
+    assert canonical_json(("é", 1)) == '["é",1]'
+    assert canonical_json(["é", 1]) == canonical_json(("é", 1))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_canonical_json_rejects_non_finite_floats(bad: float) -> None:
+    with pytest.raises(IdentityError, match=r"\$\.amount\[1\]"):
+        canonical_json({"amount": [1.0, bad]})
+
+
+@pytest.mark.parametrize("key", [1, True, None, 2.5, ("a",)])
+def test_canonical_json_rejects_non_string_dict_keys(key: object) -> None:
+    # json.dumps would silently turn 1 and True into "1" and "true": two meanings, one key.
+    with pytest.raises(IdentityError, match=r"\$\.outer: dict key .* is not a string"):
+        canonical_json({"outer": {key: "v"}})
+
+
+@pytest.mark.parametrize(
+    ("value", "type_name"),
+    [
+        ({1, 2}, "set"),
+        (b"raw", "bytes"),
+        (datetime.date(2024, 1, 1), "date"),
+        (decimal.Decimal("1.10"), "Decimal"),
+        (object(), "object"),
+    ],
+)
+def test_canonical_json_rejects_non_json_types_naming_the_path(value: object,
+                                                               type_name: str) -> None:
+    with pytest.raises(IdentityError) as info:
+        canonical_json({"order": {"items": [0, value]}})
+    message = str(info.value)
+    assert "$.order.items[1]" in message
+    assert type_name in message
+
+
+def test_identity_error_is_a_value_error() -> None:
+    # Callers that validate input with `except ValueError` keep working.
+    with pytest.raises(ValueError):
+        canonical_json(float("nan"))
+
+
+# -- entry_key ----------------------------------------------------------------------------
+
+
+def test_entry_key_is_sha256_of_canonical_task_and_material() -> None:
+    material = {"order_id": 42, "region": "eu"}
+    expected = hashlib.sha256(
+        json.dumps(["shop.charge", material], sort_keys=True, separators=(",", ":"))
+        .encode()).hexdigest()
+    assert entry_key("shop.charge", material) == expected
+    assert len(entry_key("shop.charge", material)) == 64
+
+
+def test_entry_key_is_stable_across_key_order() -> None:
+    assert entry_key("t", {"a": 1, "b": 2}) == entry_key("t", {"b": 2, "a": 1})
+
+
+def test_entry_key_is_scoped_by_task_name() -> None:
+    assert entry_key("shop.charge", [42]) != entry_key("shop.refund", [42])
+
+
+def test_entry_key_distinguishes_material() -> None:
+    assert entry_key("t", [42]) != entry_key("t", ["42"])
+    assert entry_key("t", [1]) != entry_key("t", [True])
+
+
+def test_entry_key_rejects_bad_material() -> None:
+    with pytest.raises(IdentityError):
+        entry_key("t", {"when": datetime.datetime(2024, 1, 1)})
+
+
+def test_input_hash_is_stable() -> None:
+    assert input_hash([[1, 2], {"b": 1, "a": 2}]) == input_hash([[1, 2], {"a": 2, "b": 1}])
+    assert input_hash([[1, 2], {}]) != input_hash([[2, 1], {}])
+
+
+# -- provider_key -------------------------------------------------------------------------
+
+
+def test_provider_key_is_stable_and_distinguishes_step_and_occurrence() -> None:
+    key = entry_key("shop.charge", [42])
+    first = provider_key(key, "charge", 0)
+    assert first == provider_key(key, "charge", 0)
+    assert len(first) == 40
+    assert int(first, 16) >= 0  # hex, safe for any provider's idempotency header
+    assert first != provider_key(key, "charge", 1)
+    assert first != provider_key(key, "refund", 0)
+    assert first != provider_key(entry_key("shop.charge", [43]), "charge", 0)

@@ -1,0 +1,207 @@
+"""Recovery with real processes (issue 4): lost workers, paused workers, racing sweeps,
+crash loops. Every wait is bounded."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from helpers import business_key, effect_counts, event_names, key_of
+from ledger import ClaimRequest, EntryStatus, LedgerStore, Owner, StepStatus
+from procs import processes, test_env, wait_for
+from recovery import run_sweep
+from test_delivery import client_app
+from worker.attempt import input_hash_of
+from worker.codec import canonical_arguments
+
+pytestmark = pytest.mark.processes
+
+ORDER_EFFECTS = {"reserve": 1, "charge": 1, "receipt": 1}
+
+
+def effects_of(url: str, tag: str) -> dict[str, int]:
+    return {effect: n for (_, effect), n in effect_counts(url, tag).items()}
+
+
+@pytest.mark.parametrize("how", ["beat", "boot"])
+def test_whole_worker_killed_on_embedded_default_is_recovered(tmp_path, how):
+    """filesystem:// loses the in-flight message when the worker dies; the ledger does not.
+
+    ``beat``: a worker with another node name comes up, and only lease expiry + the beat
+    sweep can find the entry. ``boot``: the same node restarts and its boot sweep resumes it.
+    """
+    ledger = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    env = test_env(tmp_path, broker=None, ledger_url=ledger, CELERY_LEDGER_LEASE_SECONDS="3",
+                   CELERY_LEDGER_SWEEP_INTERVAL="1")
+    app = client_app(env)
+    with processes(tmp_path, env) as procs:
+        first = procs.worker("w1", concurrency=1)
+        result = app.send_task("tests_app.order", args=("emb-1", 3), kwargs={"pause": 4.0})
+        wait_for(lambda: effects_of(ledger, "emb-1").get("reserve"), timeout=30,
+                 what="the first step")
+        first.kill_all()  # SIGKILL the whole worker: parent and pool
+        if how == "beat":
+            procs.worker("w2", concurrency=1)
+            procs.beat()
+        else:
+            procs.worker("w1", concurrency=1)
+        assert result.get(timeout=90)["steps"] == ["reserve:emb-1", "charge:emb-1",
+                                                   "receipt:emb-1"]
+    assert effects_of(ledger, "emb-1") == ORDER_EFFECTS
+    store = LedgerStore(ledger)
+    key = business_key("tests_app.order", order_id="emb-1")
+    events = store.entry_events(key)
+    interrupted = [e for e in events if e.event == "interrupted"]
+    assert interrupted, [e.event for e in events]
+    expected = "lease expired" if how == "beat" else "previous boot"
+    assert expected in (interrupted[0].detail or "")
+    assert store.get_entry(key).status is EntryStatus.COMPLETED
+
+
+def test_pool_process_killed_is_interrupted_before_its_lease_expires(tmp_path, redis, pg_url):
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url, CELERY_LEDGER_LEASE_SECONDS="120")
+    app = client_app(env)
+    with processes(tmp_path, env) as procs:
+        worker = procs.worker("w1", concurrency=1)
+        result = app.send_task("tests_app.order", args=("fast-1", 1), kwargs={"pause": 5.0})
+        wait_for(lambda: effects_of(pg_url, "fast-1").get("reserve"), timeout=30,
+                 what="the first step")
+        store = LedgerStore(pg_url)
+        key = business_key("tests_app.order", order_id="fast-1")
+        lease_until = store.get_entry(key).lease_until
+        killed_at = store.now()
+        for child in worker.children():
+            os.kill(child, signal.SIGKILL)
+        wait_for(lambda: "interrupted" in event_names(store, key), timeout=20,
+                 what="the worker-lost fast path")
+        marked = next(e for e in store.entry_events(key) if e.event == "interrupted")
+        assert marked.at < lease_until, "waited for the lease instead of the fast path"
+        assert marked.at - killed_at < 20
+        assert "pool process" in (marked.detail or "")
+        assert result.get(timeout=60)["order_id"] == "fast-1"
+    assert effects_of(pg_url, "fast-1") == ORDER_EFFECTS
+
+
+def test_paused_worker_is_fenced_out_after_takeover(tmp_path, redis, pg_url):
+    """SIGSTOP past the lease: another worker takes over; after SIGCONT the paused attempt's
+    next step is refused and nothing happens twice."""
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url, CELERY_LEDGER_LEASE_SECONDS="2",
+                   CELERY_LEDGER_SWEEP_INTERVAL="1")
+    app = client_app(env)
+    with processes(tmp_path, env) as procs:
+        zombie = procs.worker("zombie", concurrency=1)
+        result = app.send_task("tests_app.order", args=("zz-1", 1), kwargs={"pause": 3.0})
+        wait_for(lambda: effects_of(pg_url, "zz-1").get("reserve"), timeout=30,
+                 what="the first step")
+        os.killpg(zombie.pid, signal.SIGSTOP)  # parent, pool process and heartbeat thread
+        try:
+            procs.worker("w2", concurrency=1)
+            procs.beat()
+            value = result.get(timeout=90)
+        finally:
+            os.killpg(zombie.pid, signal.SIGCONT)
+        zombie.wait_log("superseded", timeout=30)
+        time.sleep(1.0)  # let the woken attempt try whatever it would still do
+    assert value["steps"] == ["reserve:zz-1", "charge:zz-1", "receipt:zz-1"]
+    assert effects_of(pg_url, "zz-1") == ORDER_EFFECTS
+    store = LedgerStore(pg_url)
+    key = business_key("tests_app.order", order_id="zz-1")
+    entry = store.get_entry(key)
+    assert entry.status is EntryStatus.COMPLETED and entry.fence >= 3
+
+
+class RecordingApp:
+    """Stands in for the Celery app in sweeps: records what would be enqueued."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+        self._lock = threading.Lock()
+
+    def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> None:
+        with self._lock:
+            self.sent.append(options["task_id"])
+
+
+def make_interrupted(store: LedgerStore, n: int, task: str = "tests_app.order",
+                     queue: str | None = None) -> list[str]:
+    keys = []
+    for i in range(n):
+        key = business_key(task, order_id=f"race-{i}")
+        snapshot = json.dumps({"args": [f"race-{i}", 1], "kwargs": {}, "queue": queue,
+                               "ledger_key": None})
+        args_hash = hashlib.sha256(
+            canonical_arguments([[f"race-{i}", 1], {}]).encode()).hexdigest()
+        store.claim(ClaimRequest(key=key, task_name=task, task_id=f"tid-{i}", args_hash=args_hash,
+                                 snapshot=snapshot, side_effect="non_idempotent",
+                                 owner=Owner("dead@host", "b0", 1), lease_seconds=0.01))
+        # The dead attempt had completed its first step: the resumed body replays it (a
+        # body with no step rows at all would be ambiguous as a whole, and block).
+        ident = ("reserve", input_hash_of([[f"race-{i}", "reserve"], {}]), 0)
+        store.write_step(key, 1, ident, seq=1, status=StepStatus.COMPLETED,
+                         output=f'"reserve:race-{i}"')
+        keys.append(key)
+    time.sleep(0.05)
+    return keys
+
+
+def test_concurrent_sweeps_resume_each_entry_once(ledger_url):
+    store = LedgerStore(ledger_url)
+    keys = make_interrupted(store, 20)
+    app = RecordingApp()
+    errors: list[BaseException] = []
+
+    def sweep() -> None:
+        try:
+            run_sweep(LedgerStore(ledger_url), app, lease_seconds=60, max_resumes=5,
+                      retention_days=7, batch=50)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=sweep) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    assert sorted(app.sent) == sorted(f"tid-{i}" for i in range(20))
+    for key in keys:
+        assert event_names(store, key).count("resuming") == 1
+
+
+def test_two_beats_resume_each_entry_once(tmp_path, redis, pg_url):
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url, CELERY_LEDGER_SWEEP_INTERVAL="1")
+    store = LedgerStore(pg_url)
+    keys = make_interrupted(store, 10, queue=env["TEST_QUEUE"])
+    with processes(tmp_path, env) as procs:
+        procs.beat("beat1")
+        procs.beat("beat2")
+        procs.worker("w1", concurrency=2)
+        wait_for(lambda: all(store.get_entry(k).status is EntryStatus.COMPLETED for k in keys),
+                 timeout=90, what="every interrupted entry to complete")
+    for i, key in enumerate(keys):
+        assert event_names(store, key).count("resuming") == 1
+        assert effects_of(pg_url, f"race-{i}") == {"charge": 1, "receipt": 1}  # reserve replayed
+
+
+def test_crash_loop_is_blocked_and_the_queue_keeps_flowing(tmp_path, redis, pg_url):
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url, CELERY_LEDGER_MAX_RESUMES="2")
+    app = client_app(env)
+    with processes(tmp_path, env) as procs:
+        procs.worker("w1", concurrency=1)
+        bomb = app.send_task("tests_app.crash_always", args=("bomb",))
+        orders = [app.send_task("tests_app.order", args=(f"flow-{i}", i)) for i in range(5)]
+        with pytest.raises(Exception, match="crash loop") as info:
+            bomb.get(timeout=120)
+        assert type(info.value).__name__ == "LedgerBlocked"
+        assert [r.get(timeout=60)["order_id"] for r in orders] == [f"flow-{i}" for i in range(5)]
+    store = LedgerStore(pg_url)
+    entry = store.get_entry(key_of("tests_app.crash_always", bomb.id))
+    assert entry.status is EntryStatus.BLOCKED
+    assert "interrupted 3 times" in (entry.reason or "")

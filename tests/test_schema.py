@@ -1,0 +1,173 @@
+"""Schema versioning on SQLite and PostgreSQL: create at head, refuse newer, write nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import Engine, inspect, text
+
+from ledger import ClaimRequest, Gate, LedgerStore, Owner, SchemaError, SchemaTooNew
+from ledger.engine import make_engine
+from ledger.migrate import VERSION_TABLE, current_revision, head_revision, pending_revisions
+from ledger.schema import SCHEMA_REVISION, metadata
+
+LEDGER_TABLES = {"ledger_entries", "ledger_steps", "ledger_events"}
+
+#: The partial indexes on the hot predicates, and a fragment each WHERE clause must hold.
+PARTIAL_INDEXES = {
+    "ix_ledger_entries_running_lease": "running",
+    "ix_ledger_entries_running_owner": "running",
+    "ix_ledger_entries_attention": "interrupted",
+    "ix_ledger_entries_settled_at": "settled_at",
+}
+
+
+@pytest.fixture
+def raw_engine(ledger_url: str) -> Iterator[Engine]:
+    """An engine on the test database that bypasses the store (no schema check)."""
+    engine = make_engine(ledger_url)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def claim_request() -> ClaimRequest:
+    return ClaimRequest(key="k", task_name="t", task_id="tid", args_hash="h", snapshot=None,
+                        side_effect="non_idempotent", owner=Owner("n", "b", 1),
+                        lease_seconds=30.0)
+
+
+def tables(engine: Engine) -> set[str]:
+    return set(inspect(engine).get_table_names())
+
+
+def stamp_revision(engine: Engine, revision: str) -> None:
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {VERSION_TABLE} "
+                          "(version_num VARCHAR(32) NOT NULL PRIMARY KEY)"))
+        conn.execute(text(f"INSERT INTO {VERSION_TABLE} VALUES (:v)"), {"v": revision})
+
+
+def partial_index_clauses(engine: Engine) -> dict[str, str]:
+    """Index name -> its definition, for every index on ledger_entries, from the catalog."""
+    with engine.connect() as conn:
+        if engine.dialect.name == "sqlite":
+            rows = conn.execute(text(
+                "SELECT name, sql FROM sqlite_master "
+                "WHERE type = 'index' AND tbl_name = 'ledger_entries' AND sql IS NOT NULL"))
+        else:
+            rows = conn.execute(text(
+                "SELECT indexname, indexdef FROM pg_indexes "
+                "WHERE tablename = 'ledger_entries'"))
+        return {name: sql for name, sql in rows}
+
+
+def test_head_revision_matches_schema_module() -> None:
+    assert head_revision() == SCHEMA_REVISION == "0001"
+
+
+def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine) -> None:
+    assert tables(raw_engine) == set()
+    with raw_engine.connect() as conn:
+        assert pending_revisions(conn) == ["0001"]
+        assert current_revision(conn) is None
+    store = LedgerStore(ledger_url)
+    try:
+        assert store.claim(claim_request()).gate is Gate.RUN
+    finally:
+        store.dispose()
+    assert tables(raw_engine) == LEDGER_TABLES | {VERSION_TABLE}
+    with raw_engine.connect() as conn:
+        assert current_revision(conn) == head_revision()
+        assert pending_revisions(conn) == []
+    # A second store (another worker starting) finds the schema current and applies nothing.
+    again = LedgerStore(ledger_url)
+    try:
+        assert again.claim(claim_request()).gate is Gate.WAIT
+    finally:
+        again.dispose()
+
+
+def test_migrated_schema_matches_the_table_definitions(ledger_url: str,
+                                                       raw_engine: Engine) -> None:
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+
+    store = LedgerStore(ledger_url)
+    store.now()
+    store.dispose()
+    with raw_engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
+        diff = compare_metadata(ctx, metadata)
+    assert diff == []
+
+
+def test_partial_indexes_exist(ledger_url: str, raw_engine: Engine) -> None:
+    store = LedgerStore(ledger_url)
+    store.now()
+    store.dispose()
+    clauses = partial_index_clauses(raw_engine)
+    for name, fragment in PARTIAL_INDEXES.items():
+        assert name in clauses, f"{name} missing; have {sorted(clauses)}"
+        definition = clauses[name]
+        where = definition[definition.upper().index(" WHERE "):]
+        assert fragment in where, definition
+    assert " WHERE " not in clauses["ix_ledger_entries_task_status"].upper()
+
+
+def test_newer_schema_is_refused_and_nothing_is_written(ledger_url: str,
+                                                        raw_engine: Engine) -> None:
+    stamp_revision(raw_engine, "9999")
+    store = LedgerStore(ledger_url)
+    try:
+        for _ in range(2):  # a refused open must not be remembered as a good one
+            with pytest.raises(SchemaTooNew) as info:
+                store.claim(claim_request())
+            message = str(info.value)
+            assert "9999" in message and "newer" in message
+            assert "upgrade celery-ledger" in message
+    finally:
+        store.dispose()
+    assert tables(raw_engine) == {VERSION_TABLE}
+    with raw_engine.connect() as conn:
+        assert current_revision(conn) == "9999"
+        with pytest.raises(SchemaTooNew):
+            pending_revisions(conn)
+
+
+def test_newer_schema_is_refused_without_migrate(ledger_url: str, raw_engine: Engine) -> None:
+    stamp_revision(raw_engine, "9999")
+    store = LedgerStore(ledger_url, migrate=False)
+    try:
+        with pytest.raises(SchemaTooNew, match="9999"):
+            store.claim(claim_request())
+    finally:
+        store.dispose()
+    assert tables(raw_engine) == {VERSION_TABLE}
+
+
+def test_no_migrate_on_empty_database_says_run_migrate(ledger_url: str,
+                                                       raw_engine: Engine) -> None:
+    store = LedgerStore(ledger_url, migrate=False)
+    try:
+        with pytest.raises(SchemaError, match="celery-ledger migrate") as info:
+            store.claim(claim_request())
+        assert not isinstance(info.value, SchemaTooNew)
+        with pytest.raises(SchemaError, match="celery-ledger migrate"):
+            store.claim(claim_request())
+    finally:
+        store.dispose()
+    assert tables(raw_engine) == set(), "migrate=False must create nothing"
+
+
+def test_no_migrate_on_current_database_works(ledger_url: str) -> None:
+    migrating = LedgerStore(ledger_url)
+    migrating.now()
+    migrating.dispose()
+    store = LedgerStore(ledger_url, migrate=False)
+    try:
+        assert store.claim(claim_request()).gate is Gate.RUN
+    finally:
+        store.dispose()
