@@ -23,6 +23,10 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 PG_CONNECT_TIMEOUT_S = 5
 
 
+#: Execution option marking a connection whose transaction only reads.
+READ_ONLY = "ledger_read_only"
+
+
 def normalize_url(url: str) -> str:
     """Map ``postgresql://`` and ``postgres://`` onto the psycopg 3 driver."""
     if url.startswith("postgres://"):
@@ -76,5 +80,9 @@ def _configure_sqlite(engine: Engine) -> None:
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
         # IMMEDIATE takes the write lock up front, so concurrent claims queue on the busy
-        # timeout instead of failing on lock upgrade.
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        # timeout instead of failing on lock upgrade. Read-only methods (operators, metrics)
+        # ask for a plain deferred BEGIN: under WAL they never block a writer.
+        if conn.get_execution_options().get(READ_ONLY):
+            conn.exec_driver_sql("BEGIN")
+        else:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")

@@ -123,5 +123,14 @@ events = Table(
     Column("detail", Text),
     Column("at", Float, nullable=False),
 )
+# Steps whose body started more often than 1 + the authorized re-runs: the duplicates the
+# ledger promises never to make. Normally empty, so stats() reads nothing.
+Index(
+    "ix_ledger_steps_unauthorized",
+    steps.c.key,
+    postgresql_where=steps.c.attempts > steps.c.authorized + 1,
+    sqlite_where=steps.c.attempts > steps.c.authorized + 1,
+)
+
 Index("ix_ledger_events_key", events.c.key, events.c.id)
 Index("ix_ledger_events_event", events.c.event, events.c.key)

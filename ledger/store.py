@@ -27,7 +27,7 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.sql.dml import ReturningInsert, ReturningUpdate
 
 from ledger.dbclock import db_now
-from ledger.engine import is_sqlite, make_engine, normalize_url
+from ledger.engine import READ_ONLY, is_sqlite, make_engine, normalize_url
 from ledger.errors import LedgerUnavailable, SchemaError
 from ledger.migrate import (
     current_revision,
@@ -148,6 +148,17 @@ class StoreCore:
         assert self._autocommit is not None
         with self._translate(), self._autocommit.begin() as conn:
             yield conn
+
+    @contextmanager
+    def _read(self) -> Iterator[Connection]:
+        """A connection for reads only: a deferred transaction on SQLite (never blocks
+        writers under WAL), autocommit on PostgreSQL."""
+        self.engine  # noqa: B018 - builds the engine (and _autocommit) for this process
+        assert self._autocommit is not None
+        with self._translate(), self._autocommit.connect() as conn:
+            conn = conn.execution_options(**{READ_ONLY: True})
+            with conn.begin():
+                yield conn
 
     # -- shared write helpers -------------------------------------------------------------
 
@@ -340,7 +351,7 @@ class HotPath(StoreCore):
 
     def peek_status(self, key: str) -> tuple[EntryStatus, float | None] | None:
         """Read the entry's status and seconds left on its lease (no lock, no write)."""
-        with self._one_statement() as conn:
+        with self._read() as conn:
             row = conn.execute(
                 select(entries.c.status, (entries.c.lease_until - db_now()).label("left"))
                 .where(entries.c.key == key)
@@ -432,7 +443,7 @@ class HotPath(StoreCore):
 
     def load_steps(self, key: str) -> tuple[StepRecord, ...]:
         """Every replay row of ``key`` in one query, in execution order."""
-        with self._one_statement() as conn:
+        with self._read() as conn:
             return self._load_steps(conn, key)
 
     # -- settle ---------------------------------------------------------------------------

@@ -93,7 +93,7 @@ class SweepQueries(HotPath):
 
     def list_interrupted(self, *, limit: int = 500) -> list[Interrupted]:
         """Interrupted entries, oldest first (read-only)."""
-        with self._one_statement() as conn:
+        with self._read() as conn:
             rows = conn.execute(
                 select(entries.c.key, entries.c.task_name, entries.c.task_id, entries.c.fence,
                        entries.c.interruptions,
@@ -169,7 +169,7 @@ class SweepQueries(HotPath):
 
     def count_expired(self) -> int:
         """How many running entries have an expired lease right now (index-only)."""
-        with self._one_statement() as conn:
+        with self._read() as conn:
             return int(conn.execute(
                 select(func.count()).select_from(entries)
                 .where(entries.c.status == _RUNNING, entries.c.lease_until < db_now())

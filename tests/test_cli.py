@@ -333,7 +333,7 @@ def test_stats_counts_and_duplicate_rate(cli: Any, store: LedgerStore) -> None:
     data = json.loads(cli("stats", "--json").stdout)
     assert data["by_status"]["completed"] == 2 and data["blocked"] == 1
     assert data["by_status"]["interrupted"] == 1
-    assert data["duplicate_execution_rate"] == 0.0 and data["effect_steps"] == 1
+    assert data["duplicate_execution_rate"] == 0.0 and data["entries"] == 4
     assert {"task": "shop.charge", "status": "blocked", "count": 1} in data["by_task"]
     out = cli("stats").stdout
     assert "duplicate rate  0.0000 (target 0.0)" in out

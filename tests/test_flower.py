@@ -155,7 +155,6 @@ def test_flower_shows_ledger_states_events_and_gauges(tmp_path: Path, redis: str
         assert ledger_gauge(page, "up") == 1
         assert ledger_gauge(page, "entries", status="completed") == 1
         assert ledger_gauge(page, "entries", status="running") == 0
-        assert ledger_gauge(page, "effect_steps") == 3
         assert ledger_gauge(page, "duplicate_executions") == 0
         assert ledger_gauge(page, "duplicate_execution_ratio") == 0
         assert ledger_gauge(page, "blocked_entries") == 0

@@ -417,7 +417,7 @@ def test_released_step_rerun_is_authorized_not_duplicate(store: LedgerStore) -> 
     row = step_row(store, "key-1")
     assert (row.status, row.attempts, row.authorized) == (StepStatus.COMPLETED, 2, 1)
     stats = store.stats()
-    assert (stats.effect_steps, stats.duplicate_executions) == (1, 0)
+    assert (stats.entries, stats.duplicate_executions) == (1, 0)
     assert stats.duplicate_execution_rate == 0.0
 
 
@@ -460,7 +460,7 @@ def test_unauthorized_restart_is_a_duplicate(store: LedgerStore) -> None:
     row = step_row(store, "key-1")
     assert (row.attempts, row.authorized, row.fence) == (2, 0, claim.fence)
     stats = store.stats()
-    assert (stats.effect_steps, stats.duplicate_executions) == (1, 1)
+    assert (stats.entries, stats.duplicate_executions) == (1, 1)
     assert stats.duplicate_execution_rate == 1.0
 
 
@@ -790,7 +790,7 @@ def test_stats(store: LedgerStore) -> None:
     assert stats.expired_running == 1
     assert stats.interruptions == 1
     assert stats.oldest_running_age >= 0.0
-    assert (stats.effect_steps, stats.duplicate_executions) == (1, 0)
+    assert (stats.entries, stats.duplicate_executions) == (4, 0)
 
 
 # == races ================================================================================

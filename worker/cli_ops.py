@@ -579,7 +579,7 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
         "by_status": stats.by_status, "blocked": stats.by_status.get("blocked", 0),
         "expired_running": stats.expired_running,
         "oldest_running_age_seconds": round(stats.oldest_running_age, 3),
-        "interruptions": stats.interruptions, "effect_steps": stats.effect_steps,
+        "interruptions": stats.interruptions, "entries": stats.entries,
         "duplicate_executions": stats.duplicate_executions,
         "duplicate_execution_rate": stats.duplicate_execution_rate,
         "by_task": [{"task": t, "status": s, "count": n}
@@ -597,7 +597,7 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
         ("expired leases", str(stats.expired_running)),
         ("oldest running", _duration(stats.oldest_running_age)),
         ("interruptions", str(stats.interruptions)),
-        ("effect steps", str(stats.effect_steps)),
+        ("entries", str(stats.entries)),
         ("duplicates", str(stats.duplicate_executions)),
         ("duplicate rate", f"{stats.duplicate_execution_rate:.4f} (target 0.0)"),
     ])

@@ -133,14 +133,12 @@ def _families(stats: LedgerStats | None, age: float, query_seconds: float, *,
     resumes = GaugeMetricFamily(
         f"{PREFIX}_unsettled_interruptions",
         "Interruptions (each one a resume) recorded on entries not yet settled")
-    effect_steps = GaugeMetricFamily(f"{PREFIX}_effect_steps",
-                                     "Recorded effect steps (replay rows) in the ledger")
     duplicates = GaugeMetricFamily(
         f"{PREFIX}_duplicate_executions",
         "Step executions beyond the first that no operator or reconciler authorized")
     rate = GaugeMetricFamily(
         f"{PREFIX}_duplicate_execution_ratio",
-        "duplicate_executions / effect_steps; the ledger's promise is 0")
+        "duplicate_executions per ledger entry; the ledger's promise is 0")
     if stats is not None:
         up.add_metric([], 1.0)
         timing.add_metric([], query_seconds)
@@ -154,14 +152,13 @@ def _families(stats: LedgerStats | None, age: float, query_seconds: float, *,
         blocked.add_metric([], float(stats.by_status.get(EntryStatus.BLOCKED.value, 0)))
         oldest.add_metric([], stats.oldest_running_age)
         resumes.add_metric([], float(stats.interruptions))
-        effect_steps.add_metric([], float(stats.effect_steps))
         duplicates.add_metric([], float(stats.duplicate_executions))
         rate.add_metric([], stats.duplicate_execution_rate)
     elif failed:
         up.add_metric([], 0.0)
         timing.add_metric([], query_seconds)
     yield from (up, timing, cache_age, by_status, by_task, expired, blocked, oldest, resumes,
-                effect_steps, duplicates, rate)
+                duplicates, rate)
 
 
 # -- Flower ------------------------------------------------------------------------------

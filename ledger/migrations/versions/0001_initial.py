@@ -73,6 +73,10 @@ def upgrade() -> None:
         sa.Column("completed_at", sa.Float),
     )
 
+    unauthorized = sa.text("attempts > authorized + 1")
+    op.create_index("ix_ledger_steps_unauthorized", "ledger_steps", ["key"],
+                    postgresql_where=unauthorized, sqlite_where=unauthorized)
+
     op.create_table(
         "ledger_events",
         sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True,
