@@ -20,12 +20,13 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Select, insert, literal, select, update
+from sqlalchemy import Connection, Engine, insert, select, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.sql.dml import ReturningInsert, ReturningUpdate
 
+from ledger import statements as sql
 from ledger.dbclock import db_now
 from ledger.engine import READ_ONLY, is_sqlite, make_engine, normalize_url
 from ledger.errors import LedgerUnavailable, SchemaError
@@ -41,8 +42,7 @@ from ledger.values import RESUME_OWNER, Claim, ClaimRequest, StepRecord
 
 log = logging.getLogger(__name__)
 
-_EVENT_COLS = ["key", "task_id", "fence", "event", "status", "actor", "detail", "at"]
-_RETURNED = (entries.c.key, entries.c.task_id, entries.c.fence, entries.c.status)
+_RETURNED = sql.RETURNED
 
 
 class StoreCore:
@@ -52,6 +52,7 @@ class StoreCore:
                  engine_options: dict[str, Any] | None = None) -> None:
         self.url = normalize_url(url)
         self.is_sqlite = is_sqlite(url)
+        self.dialect = "sqlite" if self.is_sqlite else "postgresql"
         self._migrate = migrate
         self._engine_options = dict(engine_options or {})
         self._engine: Engine | None = None
@@ -173,28 +174,29 @@ class StoreCore:
         actor: str | None,
         detail: str | None = None,
     ) -> list[Any]:
-        """Run an entries INSERT/UPDATE that returns ``_RETURNED`` and append one event per row.
+        """Run an entries INSERT/UPDATE that returns ``RETURNED`` and append one event per row.
 
         PostgreSQL: one statement (a data-modifying CTE), so one round trip and atomic even
         in autocommit. SQLite: two statements inside the caller's transaction.
         Returns the rows the DML returned (at least key, task_id, fence, status).
         """
+        return self._run_with_event(conn, sql.with_event(self.dialect, dml), {}, event, actor,
+                                    detail)
+
+    def _run_with_event(self, conn: Connection, stmt: Any, params: dict[str, Any],
+                        event: str, actor: str | None, detail: str | None = None) -> list[Any]:
+        """Execute a statement built by ``sql.with_event`` with ``params``."""
         if self.is_sqlite:
-            rows = conn.execute(dml).all()
+            rows = list(conn.execute(stmt, params).all())
             if rows:
-                now = conn.execute(select(db_now())).scalar_one()
-                conn.execute(insert(events), [
+                conn.execute(sql.event_insert(), [
                     {"key": r.key, "task_id": r.task_id, "fence": r.fence, "event": event,
-                     "status": r.status, "actor": actor, "detail": detail, "at": now}
+                     "status": r.status, "actor": actor, "detail": detail}
                     for r in rows
                 ])
-            return list(rows)
-        written = dml.cte("written")
-        logged = insert(events).from_select(_EVENT_COLS, select(
-            written.c.key, written.c.task_id, written.c.fence, literal(event),
-            written.c.status, literal(actor), literal(detail), db_now(),
-        )).cte("logged")
-        return list(conn.execute(select(written).add_cte(logged)).all())
+            return rows
+        return list(conn.execute(stmt, {**params, "ev_event": event, "ev_actor": actor,
+                                        "ev_detail": detail}).all())
 
     def _append_event(self, conn: Connection, key: str, event: str, *, task_id: str | None,
                       fence: int | None, status: str | None, actor: str | None,
@@ -203,21 +205,6 @@ class StoreCore:
             key=key, task_id=task_id, fence=fence, event=event, status=status, actor=actor,
             detail=detail, at=db_now(),
         ))
-
-    @staticmethod
-    def _live_entry(key: str, fence: int) -> Select[Any]:
-        """The entry row this attempt still owns, share-locked.
-
-        FOR SHARE makes a concurrent takeover (which updates the row) and this attempt's
-        write serialize: either the write lands first and the takeover's replay load sees
-        it, or the takeover commits first and the re-checked WHERE finds the fence moved.
-        """
-        return (
-            select(entries.c.key)
-            .where(entries.c.key == key, entries.c.fence == fence,
-                   entries.c.status == EntryStatus.RUNNING.value)
-            .with_for_update(read=True)
-        )
 
     def _load_steps(self, conn: Connection, key: str) -> tuple[StepRecord, ...]:
         rows = conn.execute(
@@ -266,21 +253,12 @@ class HotPath(StoreCore):
         raise RuntimeError(f"claim of {req.key} did not converge")  # pragma: no cover
 
     def _insert_new(self, conn: Connection, req: ClaimRequest) -> int | None:
-        now = db_now()
-        ins = (
-            self._insert_dialect()(entries)
-            .values(
-                key=req.key, task_name=req.task_name, task_id=req.task_id,
-                status=EntryStatus.RUNNING.value, fence=1, side_effect=req.side_effect,
-                args_hash=req.args_hash, snapshot=req.snapshot, owner=req.owner.node,
-                owner_boot=req.owner.boot, owner_pid=req.owner.pid,
-                lease_until=now + req.lease_seconds, executions=1, interruptions=0,
-                created_at=now, updated_at=now,
-            )
-            .on_conflict_do_nothing(index_elements=[entries.c.key])
-            .returning(*_RETURNED)
-        )
-        rows = self._write_with_event(conn, ins, "claimed", req.owner.node)
+        rows = self._run_with_event(conn, sql.claim_insert(self.dialect), {
+            "key": req.key, "task_name": req.task_name, "task_id": req.task_id,
+            "side_effect": req.side_effect, "args_hash": req.args_hash,
+            "snapshot": req.snapshot, "owner": req.owner.node, "owner_boot": req.owner.boot,
+            "owner_pid": req.owner.pid, "lease": req.lease_seconds,
+        }, "claimed", req.owner.node)
         return rows[0].fence if rows else None
 
     def _claim_existing_txn(self, conn: Connection, req: ClaimRequest) -> Claim | None:
@@ -366,12 +344,8 @@ class HotPath(StoreCore):
         Returns False when the fence moved (superseded) or the entry is no longer running.
         """
         with self._one_statement() as conn:
-            res = conn.execute(
-                update(entries)
-                .where(entries.c.key == key, entries.c.fence == fence,
-                       entries.c.status == EntryStatus.RUNNING.value)
-                .values(lease_until=db_now() + lease_seconds)
-            )
+            res = conn.execute(sql.renew_update(),
+                               {"k": key, "f": fence, "lease": lease_seconds})
         return res.rowcount == 1
 
     # -- replay rows ----------------------------------------------------------------------
@@ -390,42 +364,14 @@ class HotPath(StoreCore):
         (nothing is written either way).
         """
         name, ihash, occurrence = ident
-        now = db_now()
-        started = status is StepStatus.STARTED
-        # An attempt of the step's body is a ``started`` write onto an existing row, from a
-        # new fence or after a not_executed verdict (a reconciler's verdict carries the same
-        # fence as the re-run it authorizes). A ``completed`` write onto a started row from a
-        # new fence is a reconciler's proof, not a run: counting it would report a duplicate
-        # that never happened.
-        rerun = (steps.c.fence != literal(fence)) | (
-            steps.c.status == StepStatus.NOT_EXECUTED.value)
-        values: dict[str, Any] = {
-            "key": literal(key), "name": literal(name), "input_hash": literal(ihash),
-            "occurrence": literal(occurrence), "seq": literal(seq),
-            "status": literal(status.value), "output": literal(output),
-            "error": literal(error), "fence": literal(fence),
-            "attempts": literal(1), "authorized": literal(
-                1 if status is StepStatus.NOT_EXECUTED else 0),
-            "started_at": now, "completed_at": None if started else now,
+        params = {
+            "key": key, "name": name, "input_hash": ihash, "occurrence": occurrence,
+            "seq": seq, "status": status.value, "output": output, "error": error,
+            "fence": fence, "authorized": 1 if status is StepStatus.NOT_EXECUTED else 0,
         }
-        source = self._live_entry(key, fence).with_only_columns(*values.values())
-        ins = self._insert_dialect()(steps).from_select(list(values), source)
-        ex = ins.excluded
-        stmt = ins.on_conflict_do_update(
-            index_elements=[steps.c.key, steps.c.name, steps.c.input_hash, steps.c.occurrence],
-            set_={
-                "status": ex.status, "output": ex.output, "error": ex.error,
-                "fence": ex.fence,
-                "attempts": (steps.c.attempts + rerun.cast(steps.c.attempts.type)
-                             if started else steps.c.attempts),
-                "authorized": steps.c.authorized + ex.authorized,
-                "started_at": ex.started_at if started else steps.c.started_at,
-                "completed_at": ex.completed_at,
-            },
-            where=steps.c.status != StepStatus.COMPLETED.value,
-        ).returning(steps.c.fence)  # rowcount is not reliable for INSERT; RETURNING is
+        stmt = sql.step_upsert(self.dialect, status is StepStatus.STARTED)
         with self._one_statement() as conn:
-            return conn.execute(stmt).first() is not None
+            return conn.execute(stmt, params).first() is not None
 
     def record_external_ref(self, key: str, fence: int, ident: tuple[str, str, int],
                             ref: str) -> bool:
@@ -436,7 +382,7 @@ class HotPath(StoreCore):
                 update(steps)
                 .where(steps.c.key == key, steps.c.name == name, steps.c.input_hash == ihash,
                        steps.c.occurrence == occurrence,
-                       steps.c.key.in_(self._live_entry(key, fence)))
+                       steps.c.key.in_(sql.live_entry(key, fence)))
                 .values(external_ref=ref)
             )
         return res.rowcount == 1
@@ -457,18 +403,11 @@ class HotPath(StoreCore):
         """
         if status in (EntryStatus.RUNNING, EntryStatus.INTERRUPTED):
             raise ValueError(f"settle cannot move an entry to {status.value}")
-        now = db_now()
-        upd = (
-            update(entries)
-            .where(entries.c.key == key, entries.c.fence == fence,
-                   entries.c.status == EntryStatus.RUNNING.value)
-            .values(status=status.value, result=result, error=error, reason=reason,
-                    lease_until=None, updated_at=now,
-                    settled_at=now if status.settled else None)
-            .returning(*_RETURNED)
-        )
+        params = {"k": key, "f": fence, "to_status": status.value, "new_result": result,
+                  "new_error": error, "new_reason": reason}
         with self._one_statement() as conn:
-            rows = self._write_with_event(conn, upd, "settled", actor, reason or error)
+            rows = self._run_with_event(conn, sql.settle_update(self.dialect, status.settled),
+                                        params, "settled", actor, reason or error)
         return bool(rows)
 
 

@@ -28,6 +28,8 @@ class Heartbeat:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = -1
+        #: When the thread will next wake by itself; a registration due earlier wakes it.
+        self._next_wake = 0.0
 
     def register(self, attempt: Attempt) -> None:
         due = time.monotonic() + attempt.lease_seconds / 3
@@ -38,7 +40,11 @@ class Heartbeat:
                 self._thread = threading.Thread(target=self._run, name="ledger-heartbeat",
                                                 daemon=True)
                 self._thread.start()
-        self._wake.set()
+            # Waking the thread for every task would cost a context switch per task; most
+            # attempts end long before their first renewal, which the sleeping thread meets.
+            wake = due < self._next_wake
+        if wake:
+            self._wake.set()
 
     def unregister(self, attempt: Attempt) -> None:
         with self._lock:
@@ -48,12 +54,17 @@ class Heartbeat:
         while True:
             now = time.monotonic()
             with self._lock:
-                due = [(a, d) for a, d in self._attempts.values() if d <= now]
-                upcoming = [d for _, d in self._attempts.values() if d > now]
-            for attempt, _ in due:
+                due = [a for a, d in self._attempts.values() if d <= now]
+            for attempt in due:
                 self._renew(attempt)
-            wait = (min(upcoming) - time.monotonic()) if upcoming else 5.0
-            self._wake.wait(timeout=max(0.05, min(wait, 5.0)))
+            with self._lock:
+                # Computed under the lock that register() takes, so a registration either
+                # is seen here or sees the _next_wake set here (and wakes the thread).
+                upcoming = [d for _, d in self._attempts.values()]
+                left = (min(upcoming) - time.monotonic()) if upcoming else 5.0
+                wait = max(0.05, min(left, 5.0))
+                self._next_wake = time.monotonic() + wait
+            self._wake.wait(timeout=wait)
             self._wake.clear()
 
     def _renew(self, attempt: Attempt) -> None:
