@@ -5,7 +5,8 @@
   way Flower registers ``celery flower``)
 
 Each command family lives in a module of its own and is added here:
-``worker.cli_ops`` (list/show/release/resume/sweep/stats/doctor/migrate), ``worker.metrics``
+``worker.cli_ops`` (list/show/release/resume/sweep/stats),
+``worker.doctor`` (doctor/migrate), ``worker.metrics``
 (metrics), ``worker.demo`` (demo), ``worker.verify`` (verify).
 """
 
@@ -21,6 +22,7 @@ import click
 #: skipped so that a partial install still offers the rest.
 COMMANDS = [
     ("worker.cli_ops", "COMMANDS"),
+    ("worker.doctor", "COMMANDS"),
     ("worker.metrics", "COMMANDS"),
     ("worker.demo", "COMMANDS"),
     ("worker.verify", "COMMANDS"),

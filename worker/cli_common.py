@@ -1,0 +1,281 @@
+"""What every operator command shares: error handling, output, the store and the app.
+
+Rules every command keeps:
+
+- bad input is one line on stderr and exit status 1, and nothing is written: every check
+  (arguments, JSON, operator token, the entry's state) runs before the one write;
+- human output is a table in click's own formatting, coloured only on a TTY (``click.echo``
+  strips styles otherwise; ``NO_COLOR`` or ``celery --no-color`` turns them off too);
+- ``--json`` prints one JSON document whose fields are listed in ``docs/operations.md`` and only
+  ever grow.
+"""
+
+from __future__ import annotations
+
+import functools
+import getpass
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import click
+from click.core import ParameterSource
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import make_url
+
+from ledger import (
+    RESUME_OWNER,
+    Entry,
+    EntryNotFound,
+    EntryStatus,
+    LedgerError,
+    LedgerStore,
+    SchemaError,
+    SchemaTooNew,
+)
+from ledger.engine import is_sqlite, make_engine, normalize_url
+from ledger.migrate import pending_revisions
+
+STATUS_COLOURS = {"running": "cyan", "completed": "green", "failed": "magenta",
+                   "retrying": "yellow", "interrupted": "yellow", "blocked": "red"}
+CHECK_COLOURS = {"PASS": "green", "WARN": "yellow", "FAIL": "red"}
+
+# -- plumbing ---------------------------------------------------------------------------------
+
+
+def one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn every expected failure into a one-line ``Error: ...`` and exit status 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except click.ClickException:
+            raise
+        except SchemaError as exc:
+            raise click.ClickException(explain_schema(click.get_current_context(), exc)) from exc
+        except (LedgerError, sa_exc.SQLAlchemyError, ValueError, OSError) as exc:
+            raise click.ClickException(one_line(exc)) from exc
+
+    return wrapper
+
+
+def explain_schema(ctx: click.Context, exc: SchemaError) -> str:
+    """The store says "not at head"; say whether that is old (migrate) or newer (upgrade us)."""
+    if isinstance(exc, SchemaTooNew):
+        return one_line(exc)
+    try:
+        engine = make_engine(ctx.obj.url)
+        try:
+            with engine.connect() as conn:
+                pending_revisions(conn)
+        finally:
+            engine.dispose()
+    except SchemaTooNew as newer:
+        return one_line(newer)
+    except Exception:  # noqa: BLE001 - the original message is still right
+        pass
+    return one_line(exc)
+
+
+def require_existing(url: str) -> None:
+    """Refuse a SQLite path that does not exist: opening it would create an empty ledger."""
+    if not is_sqlite(url):
+        return
+    path = make_url(normalize_url(url)).database
+    if not path or path == ":memory:":
+        raise click.ClickException(f"{url} is an in-memory SQLite database: no ledger to operate")
+    if not os.path.exists(path):
+        raise click.ClickException(f"no ledger database at {path} (wrong --url? or run "
+                                   "`celery-ledger migrate` to create one)")
+
+
+def open_store(ctx: click.Context) -> LedgerStore:
+    lctx = ctx.obj
+    require_existing(lctx.url)
+    store: LedgerStore = lctx.store
+    ctx.call_on_close(store.dispose)
+    return store
+
+
+def load_app(ctx: click.Context) -> Any:
+    try:
+        return ctx.obj.app
+    except Exception as exc:  # noqa: BLE001 - an app that does not import is bad input
+        raise click.ClickException(f"cannot load the Celery app: {one_line(exc)}") from exc
+
+
+def load_settings(ctx: click.Context) -> Any:
+    from worker.runtime import settings_for
+
+    return settings_for(load_app(ctx))
+
+
+def command_prefix(ctx: click.Context) -> str:
+    """How this operator invoked us, so that printed commands can be pasted back."""
+    root = ctx.find_root()
+    if root.info_name == "celery" or "broker" in root.params:
+        return f"celery -A {root.params.get('app') or 'proj'} ledger"
+    parts = ["celery-ledger"]
+    if root.params.get("app_name"):
+        parts += ["-A", root.params["app_name"]]
+    if root.params.get("url") and root.get_parameter_source("url") is ParameterSource.COMMANDLINE:
+        parts += ["--url", make_url(root.params["url"]).render_as_string(hide_password=True)]
+    return " ".join(parts)
+
+
+def operator_actor() -> str:
+    try:
+        return f"celery-ledger:{getpass.getuser()}"
+    except Exception:  # noqa: BLE001 - no passwd entry in some containers
+        return "celery-ledger"
+
+
+def echo(ctx: click.Context, text: str = "", *, err: bool = False) -> None:
+    root = ctx.find_root()
+    plain = bool(os.environ.get("NO_COLOR")) or bool(root.params.get("no_color"))
+    click.echo(text, err=err, color=False if plain else None)
+
+
+def emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def print_table(ctx: click.Context, header: list[str], rows: list[list[str]],
+           colour: Callable[[int, str], str | None] = lambda i, v: None) -> None:
+    """Columns padded to their widest cell; colour applied after padding."""
+    widths = [max(len(click.unstyle(r[i])) for r in (header, *rows)) for i in range(len(header))]
+    widths[-1] = 0  # the last column is never padded: no trailing blanks
+
+    def line(cells: list[str], style: Callable[[int, str], dict[str, Any]]) -> str:
+        out = []
+        for i, (v, w) in enumerate(zip(cells, widths, strict=True)):
+            opts = {k: o for k, o in style(i, v).items() if o}
+            out.append(click.style(v.ljust(w), **opts) if opts else v.ljust(w))
+        return "  ".join(out).rstrip()
+
+    echo(ctx, line(header, lambda i, v: {"bold": True}))
+    for row in rows:
+        echo(ctx, line(row, lambda i, v: {"fg": colour(i, v)}))
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(max(seconds, 0))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def timestamp(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def parse_since(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    raw = text.strip().lower()
+    try:
+        value = float(raw[:-1]) * units[raw[-1]] if raw[-1:] in units else float(raw)
+    except ValueError:
+        raise click.ClickException(f"--since {text!r}: give seconds or a duration like 30s, "
+                                   "10m, 2h, 1d") from None
+    if value < 0:
+        raise click.ClickException(f"--since {text!r} must not be negative")
+    return value
+
+
+def resolve_key(store: LedgerStore, ref: str) -> str:
+    """A full key, a key prefix, or a task id, to exactly one key."""
+    if not ref.strip():
+        raise click.ClickException("give a key, a key prefix or a task id")
+    keys = store.find_keys(ref, limit=5)
+    if ref in keys:
+        return ref
+    if not keys:
+        raise EntryNotFound(f"no ledger entry matches {ref!r} (a key, a key prefix or a task id)")
+    if len(keys) > 1:
+        shown = ", ".join(k[:16] for k in keys)
+        raise click.ClickException(f"{ref!r} matches several entries ({shown}); give more of "
+                                   "the key")
+    return keys[0]
+
+
+# -- what an operator should do next --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NextAction:
+    #: release | resume | resend | sweep | wait | none
+    action: str
+    hint: str
+    command: str | None = None
+
+
+def next_action(entry: Entry, now: float, prefix: str) -> NextAction:
+    """The one thing that moves this entry on, and the command that does it."""
+    key = entry.key
+    if entry.status is EntryStatus.BLOCKED:
+        return NextAction(
+            "release", "release after checking the step",
+            f"{prefix} release {key} --verified not-executed|completed --by WHO --reason WHY")
+    if entry.status is EntryStatus.INTERRUPTED:
+        if entry.snapshot is None:
+            return NextAction(
+                "resend", f"no argument snapshot: re-send task id {entry.task_id} by hand",
+                f"{prefix} release {key} --verified completed --result-json JSON --by WHO "
+                "--reason WHY")
+        return NextAction("resume", "resume now (or wait for the sweep)",
+                          f"{prefix} resume {key}")
+    if entry.status is EntryStatus.RUNNING:
+        left = None if entry.lease_until is None else entry.lease_until - now
+        if left is None or left <= 0:
+            return NextAction("sweep", "lease expired: sweep interrupts and resumes it",
+                              f"{prefix} sweep")
+        if entry.owner == RESUME_OWNER:
+            return NextAction("wait", f"re-enqueued, waiting for a worker ({duration(left)})")
+        return NextAction("wait", f"running (lease {duration(left)} left)")
+    if entry.status is EntryStatus.RETRYING:
+        return NextAction("wait", "Celery retry pending")
+    return NextAction("none", "-")
+
+
+def entry_view(entry: Entry, now: float, prefix: str) -> dict[str, Any]:
+    """One entry as ``list --json`` and ``show --json`` print it."""
+    nxt = next_action(entry, now, prefix)
+    released = None
+    if entry.released_at is not None:
+        released = {"by": entry.released_by, "reason": entry.released_reason,
+                    "at": entry.released_at, "from_status": entry.released_from}
+    return {
+        "key": entry.key, "task": entry.task_name, "task_id": entry.task_id,
+        "status": entry.status.value, "fence": entry.fence, "owner": entry.owner,
+        "side_effect": entry.side_effect,
+        "age_seconds": round(now - entry.updated_at, 3),
+        "lease_remaining_seconds": (None if entry.lease_until is None
+                                    else round(entry.lease_until - now, 3)),
+        "created_at": entry.created_at, "updated_at": entry.updated_at,
+        "settled_at": entry.settled_at, "executions": entry.executions,
+        "interruptions": entry.interruptions, "reason": entry.reason,
+        "has_snapshot": entry.snapshot is not None, "released": released,
+        "next_action": nxt.action, "hint": nxt.hint, "next_command": nxt.command,
+    }
+
+
+def status_colour(col: int) -> Callable[[int, str], str | None]:
+    return lambda i, v: STATUS_COLOURS.get(v) if i == col else None
+
+
