@@ -10,7 +10,7 @@ from sqlalchemy import case, func, or_, select, update
 from ledger.dbclock import db_now
 from ledger.errors import EntryNotFound, ReleaseRefused
 from ledger.schema import entries, events, steps
-from ledger.states import EntryStatus, StepStatus, Verdict
+from ledger.states import EntryStatus, SideEffect, StepStatus, Verdict
 from ledger.sweeps import SweepQueries
 from ledger.values import Entry, EventRecord
 
@@ -233,10 +233,15 @@ class OperatorQueries(SweepQueries):
             ).scalar_one()
             # Only rows with an unauthorized extra attempt, through their partial index: the
             # cost follows the duplicates (zero, normally), not the size of the steps table.
+            # read/idempotent/keyed steps may legitimately run again (keyed ones with the same
+            # provider key, which the provider deduplicates): only the other classes count.
             duplicates = conn.execute(
                 select(func.coalesce(func.sum(
                     steps.c.attempts - 1 - steps.c.authorized), 0))
-                .where(steps.c.attempts > steps.c.authorized + 1)
+                .select_from(steps.join(entries, entries.c.key == steps.c.key))
+                .where(steps.c.attempts > steps.c.authorized + 1,
+                       entries.c.side_effect.in_([SideEffect.NON_IDEMPOTENT.value,
+                                                  SideEffect.IRREVERSIBLE.value]))
             ).scalar_one()
         by_status: dict[str, int] = {s.value: 0 for s in EntryStatus}
         for (_, s), n in by_task_status.items():

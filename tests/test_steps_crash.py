@@ -138,3 +138,19 @@ def test_loop_without_crash_records_three_occurrences(tmp_path, redis, pg_url):
     rows = LedgerStore(pg_url).load_steps(key_of("tests_app.loop", result.id))
     assert [(r.name, r.occurrence) for r in rows] == [("tick", 0), ("tick", 1), ("tick", 2)]
     wait_for(lambda: True, timeout=1)
+
+
+def test_keyed_step_reruns_with_the_same_provider_key(tmp_path, redis, pg_url):
+    """keyed: an ambiguous step re-runs, sending the provider the same idempotency key, so the
+    provider (not the ledger) makes the second call a no-op."""
+    value, task_id = run_with_crash(tmp_path, redis, pg_url, "step-returned:charge",
+                                    "tests_app.keyed_charge", ("k1",))
+    calls = effect_counts(pg_url, "k1")
+    assert len(calls) == 1, calls  # one distinct provider key ...
+    ((_, sent),) = calls.keys()
+    assert calls[("k1", sent)] == 2  # ... sent twice: the crash hid the first call's success
+    assert value == sent + ":k1"
+    store = LedgerStore(pg_url)
+    assert store.get_entry(key_of("tests_app.keyed_charge", task_id)).status is \
+        EntryStatus.COMPLETED
+    assert store.stats().duplicate_executions == 0  # keyed re-runs are not duplicates

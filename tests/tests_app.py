@@ -132,6 +132,12 @@ def unserializable_output(self: LedgerTask, tag: str) -> Any:
     return self.step("make", lambda: object())
 
 
+@app.task(base=LedgerTask, bind=True, name="tests_app.keyed_charge", side_effect="keyed")
+def keyed_charge(self: LedgerTask, order_id: str) -> str:
+    # The provider deduplicates on the key it receives: record which key each call sent.
+    return self.step("charge", lambda: effect(order_id, f"charge:{self.provider_key}"))
+
+
 @app.task(name="tests_app.plain_add")
 def plain_add(x: int, y: int) -> int:
     return x + y
