@@ -53,7 +53,10 @@ def with_event(dialect: str, dml: Any) -> Any:
 @cache
 def event_insert() -> Any:
     """One audit event; ``at`` on the database clock."""
-    return insert(events).values(at=db_now())
+    return insert(events).values(
+        key=B("key", String), task_id=B("task_id", String), fence=B("fence", Integer),
+        event=B("event", String), status=B("status", String), actor=B("actor", String),
+        detail=B("detail", Text), at=db_now())
 
 
 @cache

@@ -30,6 +30,7 @@ from ledger import statements as sql
 from ledger.dbclock import db_now
 from ledger.engine import READ_ONLY, is_sqlite, make_engine, normalize_url
 from ledger.errors import LedgerUnavailable, SchemaError
+from ledger.fastpath import FastPath
 from ledger.migrate import (
     current_revision,
     ensure_schema,
@@ -60,6 +61,7 @@ class StoreCore:
         self._pid = -1
         self._lock = threading.Lock()
         self._schema_ready = False
+        self._fast: FastPath | None = None
 
     def __repr__(self) -> str:
         return f"<LedgerStore {self.engine.url.render_as_string(hide_password=True)}>"
@@ -88,6 +90,7 @@ class StoreCore:
             # Inherited through fork(): forget the parent's connections without closing
             # them, since closing would end the parent's sessions on its sockets.
             self._engine.dispose(close=False)
+        self._fast = None  # its connections belonged to the parent, like the engine's
         engine = make_engine(self.url, **self._engine_options)
         self._engine = engine
         # On SQLite every method is a BEGIN IMMEDIATE transaction anyway (the file lock is
@@ -95,6 +98,12 @@ class StoreCore:
         self._autocommit = (
             engine if self.is_sqlite else engine.execution_options(isolation_level="AUTOCOMMIT")
         )
+        # The hot path's raw connections come from an engine of their own on PostgreSQL,
+        # always in autocommit, so they can never leak autocommit into a pooled connection
+        # that a SQLAlchemy transaction later checks out.
+        fast_engine = engine if self.is_sqlite else make_engine(
+            self.url, **{**self._engine_options, "isolation_level": "AUTOCOMMIT"})
+        self._fast = FastPath(fast_engine, sqlite=self.is_sqlite)
         self._pid = os.getpid()
 
     def _check_schema(self, engine: Engine) -> None:
@@ -123,7 +132,10 @@ class StoreCore:
     def dispose(self) -> None:
         """Close this process's connections (the store reopens on next use)."""
         if self._engine is not None and self._pid == os.getpid():
+            if self._fast is not None and self._fast.engine is not self._engine:
+                self._fast.engine.dispose()
             self._engine.dispose()
+        self._fast = None
         self._engine = None
         self._pid = -1
 
@@ -160,6 +172,34 @@ class StoreCore:
             conn = conn.execution_options(**{READ_ONLY: True})
             with conn.begin():
                 yield conn
+
+    @property
+    def fast(self) -> FastPath:
+        """This process's hot-path connections (see ``ledger.fastpath``)."""
+        self.engine  # noqa: B018 - builds the engine (and the fast path) for this process
+        assert self._fast is not None
+        return self._fast
+
+    def _fast_with_event(self, key: Any, build: Any, params: dict[str, Any], event: str,
+                         actor: str | None, detail: str | None = None) -> list[Any]:
+        """Run a ``sql.with_event`` statement on the hot path; return its (key, task_id,
+        fence, status, ...) rows as tuples. One statement on PostgreSQL; on SQLite the event
+        rows follow in the same transaction."""
+        fast = self.fast
+        stmt = fast.compiled(key, build)
+        with fast.cursor() as cur:
+            if self.is_sqlite:
+                cur.execute(stmt.sql, stmt.params(params))
+                rows = cur.fetchall()
+                if rows:
+                    ev = fast.compiled("event", sql.event_insert)
+                    cur.executemany(ev.sql, [ev.params({
+                        "key": r[0], "task_id": r[1], "fence": r[2], "event": event,
+                        "status": r[3], "actor": actor, "detail": detail}) for r in rows])
+                return list(rows)
+            cur.execute(stmt.sql, stmt.params(
+                {**params, "ev_event": event, "ev_actor": actor, "ev_detail": detail}))
+            return list(cur.fetchall())
 
     # -- shared write helpers -------------------------------------------------------------
 
@@ -234,32 +274,26 @@ class HotPath(StoreCore):
         events. Returns the ``Claim``; never raises for a lost race.
         """
         for _ in range(3):
-            if self.is_sqlite:
-                with self._txn() as conn:
-                    fence = self._insert_new(conn, req)
-                    claim = self._claim_existing_txn(conn, req) if fence is None else None
-            else:
-                with self._one_statement() as conn:
-                    fence = self._insert_new(conn, req)
-                claim = None
-                if fence is None:
-                    with self._txn() as conn:
-                        claim = self._claim_existing_txn(conn, req)
+            fence = self._insert_new(req)
             if fence is not None:
                 return Claim(Gate.RUN, req.key, fence)
+            with self._txn() as conn:
+                claim = self._claim_existing_txn(conn, req)
             if claim is not None:
                 return claim
             # The row vanished between our insert and our read (pruned): insert again.
         raise RuntimeError(f"claim of {req.key} did not converge")  # pragma: no cover
 
-    def _insert_new(self, conn: Connection, req: ClaimRequest) -> int | None:
-        rows = self._run_with_event(conn, sql.claim_insert(self.dialect), {
-            "key": req.key, "task_name": req.task_name, "task_id": req.task_id,
-            "side_effect": req.side_effect, "args_hash": req.args_hash,
-            "snapshot": req.snapshot, "owner": req.owner.node, "owner_boot": req.owner.boot,
-            "owner_pid": req.owner.pid, "lease": req.lease_seconds,
-        }, "claimed", req.owner.node)
-        return rows[0].fence if rows else None
+    def _insert_new(self, req: ClaimRequest) -> int | None:
+        rows = self._fast_with_event(
+            "claim", lambda: sql.claim_insert(self.dialect), {
+                "key": req.key, "task_name": req.task_name, "task_id": req.task_id,
+                "side_effect": req.side_effect, "args_hash": req.args_hash,
+                "snapshot": req.snapshot, "owner": req.owner.node,
+                "owner_boot": req.owner.boot, "owner_pid": req.owner.pid,
+                "lease": req.lease_seconds,
+            }, "claimed", req.owner.node)
+        return int(rows[0][2]) if rows else None
 
     def _claim_existing_txn(self, conn: Connection, req: ClaimRequest) -> Claim | None:
         row = conn.execute(
@@ -343,10 +377,10 @@ class HotPath(StoreCore):
 
         Returns False when the fence moved (superseded) or the entry is no longer running.
         """
-        with self._one_statement() as conn:
-            res = conn.execute(sql.renew_update(),
-                               {"k": key, "f": fence, "lease": lease_seconds})
-        return res.rowcount == 1
+        stmt = self.fast.compiled("renew", sql.renew_update)
+        with self.fast.cursor() as cur:
+            cur.execute(stmt.sql, stmt.params({"k": key, "f": fence, "lease": lease_seconds}))
+            return bool(cur.rowcount == 1)
 
     # -- replay rows ----------------------------------------------------------------------
 
@@ -369,9 +403,12 @@ class HotPath(StoreCore):
             "seq": seq, "status": status.value, "output": output, "error": error,
             "fence": fence, "authorized": 1 if status is StepStatus.NOT_EXECUTED else 0,
         }
-        stmt = sql.step_upsert(self.dialect, status is StepStatus.STARTED)
-        with self._one_statement() as conn:
-            return conn.execute(stmt, params).first() is not None
+        started = status is StepStatus.STARTED
+        stmt = self.fast.compiled(("step", started),
+                                  lambda: sql.step_upsert(self.dialect, started))
+        with self.fast.cursor() as cur:
+            cur.execute(stmt.sql, stmt.params(params))
+            return cur.fetchone() is not None
 
     def record_external_ref(self, key: str, fence: int, ident: tuple[str, str, int],
                             ref: str) -> bool:
@@ -405,9 +442,10 @@ class HotPath(StoreCore):
             raise ValueError(f"settle cannot move an entry to {status.value}")
         params = {"k": key, "f": fence, "to_status": status.value, "new_result": result,
                   "new_error": error, "new_reason": reason}
-        with self._one_statement() as conn:
-            rows = self._run_with_event(conn, sql.settle_update(self.dialect, status.settled),
-                                        params, "settled", actor, reason or error)
+        settled = status.settled
+        rows = self._fast_with_event(("settle", settled),
+                                     lambda: sql.settle_update(self.dialect, settled),
+                                     params, "settled", actor, reason or error)
         return bool(rows)
 
 
