@@ -7,7 +7,7 @@ from typing import Any
 
 from sqlalchemy import case, func, or_, select, update
 
-from ledger.dbclock import db_now
+from ledger.dbclock import db_now, db_now_stable
 from ledger.errors import EntryNotFound, ReleaseRefused
 from ledger.schema import entries, events, steps
 from ledger.states import EntryStatus, SideEffect, StepStatus, Verdict
@@ -95,10 +95,10 @@ class OperatorQueries(SweepQueries):
             q = q.where(or_(
                 entries.c.status.in_([EntryStatus.INTERRUPTED.value, EntryStatus.BLOCKED.value]),
                 (entries.c.status == EntryStatus.RUNNING.value)
-                & (entries.c.lease_until < db_now()),
+                & (entries.c.lease_until < db_now_stable()),
             ))
         if since_seconds is not None:
-            q = q.where(entries.c.updated_at >= db_now() - since_seconds)
+            q = q.where(entries.c.updated_at >= db_now_stable() - since_seconds)
         with self._read() as conn:
             return [Entry.from_row(r) for r in conn.execute(q)]
 
@@ -221,7 +221,7 @@ class OperatorQueries(SweepQueries):
             }
             running = conn.execute(
                 select(
-                    func.count(case((entries.c.lease_until < db_now(), 1))),
+                    func.count(case((entries.c.lease_until < db_now_stable(), 1))),
                     func.coalesce(func.max(db_now() - entries.c.updated_at), 0.0),
                 ).where(entries.c.status == EntryStatus.RUNNING.value)
             ).one()

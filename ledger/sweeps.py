@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Select, delete, func, select, update
 
-from ledger.dbclock import db_now
+from ledger.dbclock import db_now, db_now_stable
 from ledger.schema import entries, events, steps
 from ledger.states import EntryStatus
 from ledger.store import _RETURNED, HotPath
@@ -34,7 +34,7 @@ class SweepQueries(HotPath):
         """
         with self._txn() as conn:
             keys = select(entries.c.key).where(
-                entries.c.status == _RUNNING, entries.c.lease_until < db_now(),
+                entries.c.status == _RUNNING, entries.c.lease_until < db_now_stable(),
             ).order_by(entries.c.lease_until).limit(limit)
             if not self.is_sqlite:
                 keys = keys.with_for_update(skip_locked=True)
@@ -148,7 +148,7 @@ class SweepQueries(HotPath):
         picked = (
             select(entries.c.key)
             .where(entries.c.settled_at.is_not(None),
-                   entries.c.settled_at < db_now() - older_than_seconds)
+                   entries.c.settled_at < db_now_stable() - older_than_seconds)
             .order_by(entries.c.settled_at).limit(limit)
         )
         if not self.is_sqlite:
@@ -172,5 +172,5 @@ class SweepQueries(HotPath):
         with self._read() as conn:
             return int(conn.execute(
                 select(func.count()).select_from(entries)
-                .where(entries.c.status == _RUNNING, entries.c.lease_until < db_now())
+                .where(entries.c.status == _RUNNING, entries.c.lease_until < db_now_stable())
             ).scalar_one())
