@@ -139,7 +139,7 @@ def run(url: str, args: argparse.Namespace) -> None:
     cached = timed(lambda: generate_latest(registry), 1000)
     stats = store.stats()
     print(f"aggregates: {dict(sorted(stats.by_status.items()))}, "
-          f"expired {stats.expired_running}, effect steps {stats.effect_steps:,}")
+          f"expired {stats.expired_running}, entries {stats.entries:,}")
     print(f"stats() uncached: median {statistics.median(cold) * 1000:.1f} ms, "
           f"max {max(cold) * 1000:.1f} ms over {args.repeat} runs")
     print(f"scrape that recomputes: {first * 1000:.1f} ms; "

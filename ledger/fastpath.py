@@ -51,6 +51,9 @@ class FastPath:
         self.engine = engine
         self._sqlite = sqlite
         self._compiled: dict[Any, Compiled] = {}
+        #: Called with each SQL string sent (benchmarks count round trips with it); empty in
+        #: production, where the cursor is handed out as it is.
+        self.listeners: list[Callable[[str], None]] = []
         dbapi = engine.dialect.dbapi
         assert dbapi is not None
         #: DBAPI errors that mean "the database is not reachable (or not now)".
@@ -75,7 +78,7 @@ class FastPath:
             conn = self.engine.raw_connection()
         except Exception as exc:  # SQLAlchemy wraps the driver's connect errors
             raise LedgerUnavailable(f"ledger database unavailable: {exc}") from exc
-        cur = conn.cursor()
+        cur = conn.cursor() if not self.listeners else _Observed(conn.cursor(), self.listeners)
         try:
             if self._sqlite:
                 cur.execute("BEGIN IMMEDIATE")
@@ -94,3 +97,24 @@ class FastPath:
         finally:
             cur.close()
             conn.close()  # back to the pool (an invalidated one is discarded)
+
+
+class _Observed:
+    """A cursor that tells ``listeners`` about every statement it sends."""
+
+    def __init__(self, cur: Any, listeners: list[Callable[[str], None]]) -> None:
+        self._cur = cur
+        self._listeners = listeners
+
+    def execute(self, sql: str, params: Any = None) -> Any:
+        for listener in self._listeners:
+            listener(sql)
+        return self._cur.execute(sql) if params is None else self._cur.execute(sql, params)
+
+    def executemany(self, sql: str, seq: Any) -> Any:
+        for listener in self._listeners:
+            listener(sql)
+        return self._cur.executemany(sql, seq)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cur, name)

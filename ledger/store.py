@@ -36,6 +36,7 @@ from ledger.migrate import (
     ensure_schema,
     head_revision,
     pending_revisions,
+    schema_is_current,
 )
 from ledger.schema import entries, events, steps
 from ledger.states import EntryStatus, Gate, StepStatus
@@ -107,6 +108,8 @@ class StoreCore:
         self._pid = os.getpid()
 
     def _check_schema(self, engine: Engine) -> None:
+        if schema_is_current(engine):
+            return
         if self._migrate:
             ensure_schema(engine)
             return

@@ -104,7 +104,9 @@ class CeleryProcess:
         if self.proc.poll() is None:
             try:
                 os.killpg(self.pid, signal.SIGCONT)  # a stopped process cannot exit
-                os.killpg(self.pid, signal.SIGTERM)
+                # The parent only: a warm shutdown. SIGTERM to the whole group would kill the
+                # pool processes, and the parent would fork new ones and keep consuming.
+                os.kill(self.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
             with contextlib.suppress(subprocess.TimeoutExpired):

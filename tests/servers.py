@@ -76,7 +76,9 @@ def redis_url() -> str:
         missing("Redis")
     import redis
 
-    _redis_db = _redis_db % 15 + 1
+    # Start from this process's pid: two pytest runs at once (a developer and a helper)
+    # then walk different database numbers instead of flushing each other's.
+    _redis_db = (_redis_db or os.getpid()) % 15 + 1
     client = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=_redis_db)
     client.flushdb()
     client.close()

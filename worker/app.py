@@ -122,6 +122,14 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
             # `celery worker -E` sets the worker's attribute, not the app setting that the
             # pool processes read to decide whether to send task-ledger-* events.
             sender.app.conf.worker_send_task_events = True
+        try:
+            # Open the ledger here, before the pool forks: the schema is checked (or migrated)
+            # once, an unreachable ledger is reported at start, and the database driver is
+            # imported once and shared copy-on-write by every pool process.
+            runtime.store_for(sender.app).ensure_ready()
+        except LedgerError as exc:
+            log.error("ledger not reachable at worker start (%s); tasks are redelivered until "
+                      "it is", exc)
 
 
 def _on_worker_ready(sender: Any = None, **_: Any) -> None:

@@ -16,6 +16,7 @@ harmless) and write once.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ledger import (
     Fenced,
     LedgerStore,
+    LedgerUnavailable,
     PayloadError,
     SideEffect,
     StepRecord,
@@ -118,17 +120,15 @@ class Attempt:
         self._seq += 1
         seq = row.seq if row is not None else self._seq
         if writes_intent:
-            self._fenced(self.store.write_step(self.key, self.fence, ident, seq=seq,
-                                               status=StepStatus.STARTED), f"step {name} start")
+            self._fenced(self._write(ident, seq, StepStatus.STARTED), f"step {name} start")
             crash_point(self.settings, f"step-started:{name}")
         self.current = ident
         try:
             output = fn(*args, **kwargs)
         except not_executed_on as exc:
             if writes_intent:
-                self._fenced(self.store.write_step(
-                    self.key, self.fence, ident, seq=seq, status=StepStatus.NOT_EXECUTED,
-                    error=repr(exc)), f"step {name} not-executed")
+                self._fenced(self._write(ident, seq, StepStatus.NOT_EXECUTED, error=repr(exc)),
+                             f"step {name} not-executed")
             raise
         except BaseException:
             if writes_intent:
@@ -144,12 +144,37 @@ class Attempt:
             if writes_intent:
                 self.ambiguous = ident
             raise
-        self._fenced(self.store.write_step(self.key, self.fence, ident, seq=seq,
-                                           status=StepStatus.COMPLETED, output=encoded),
-                     f"step {name} complete")
+        try:
+            done = self._write(ident, seq, StepStatus.COMPLETED, output=encoded)
+        except LedgerUnavailable:
+            self.ambiguous = ident  # it ran; the ledger could not be told
+            raise
+        self._fenced(done, f"step {name} complete")
         crash_point(self.settings, f"step-completed:{name}")
         # Return what replay would return, so the first run and a resume agree exactly.
         return decode(encoded)
+
+    def _write(self, ident: tuple[str, str, int], seq: int, status: StepStatus, *,
+               output: str | None = None, error: str | None = None) -> bool:
+        """Write a replay row, retrying an unreachable ledger for ``ledger_settle_retry_seconds``.
+
+        A short outage must not turn into a failed task: the row is an upsert, so writing it
+        again after a lost reply is harmless. Past the bound, ``LedgerUnavailable`` propagates
+        and the task leaves the entry running for recovery (``LedgerTask._run_attempt``).
+        """
+        deadline = time.monotonic() + self.settings.settle_retry_seconds
+        delay = 0.1
+        while True:
+            try:
+                return self.store.write_step(self.key, self.fence, ident, seq=seq,
+                                             status=status, output=output, error=error)
+            except LedgerUnavailable as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("step %s write of key=%s task_id=%s fence=%s failed (%s); retrying",
+                            ident[0], self.key, self.task_id, self.fence, exc)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
     def record_external_ref(self, ref: str) -> None:
         """Durably attach a provider handle to the running step, before the external call."""

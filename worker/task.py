@@ -239,6 +239,16 @@ class LedgerTask(Task):
                 raise Ignore() from exc
             except LedgerBlocked:
                 raise
+            except LedgerUnavailable as exc:
+                # The ledger went away mid-body, past the write retries. Settling `failed`
+                # would be a lie (nothing failed) and impossible anyway: leave the entry
+                # running. Its lease expires, the sweep interrupts it, and a resume replays
+                # what completed. Re-deliver after the lease too, in case the sweep's own
+                # resume message is the one that gets lost.
+                log.error("ledger unreachable mid-task key=%s task_id=%s fence=%s (%s); entry "
+                          "left running for recovery", attempt.key, attempt.task_id,
+                          attempt.fence, exc)
+                return self._redeliver(args, kwargs, countdown=lease + 1.0)
             except BaseException as exc:
                 self._settle_failure(attempt, exc, args, kwargs)
                 raise

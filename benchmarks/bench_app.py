@@ -1,0 +1,69 @@
+"""The Celery app the throughput and memory benchmarks run: ``celery -A bench_app worker``.
+
+One task name, ``bench_app.noop``, built two ways from the environment:
+
+- ``BENCH_MODE=plain``: plain Celery. This module then imports nothing of celery-ledger (not
+  even SQLAlchemy), so the memory comparison is against a project that does not use the ledger;
+- ``BENCH_MODE=ledger``: the same body on ``LedgerTask`` with a PostgreSQL (or SQLite) ledger.
+
+Both get the same broker, result backend, serializer, ``acks_late``, prefetch and
+``result_extended`` settings, so a ratio of the two isolates what the ledger costs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from celery import Celery, Task
+
+#: Settings shared by both modes. acks_late and prefetch 1 are what LedgerTask/create_app use;
+#: the plain baseline takes them too, or it would be measuring a weaker delivery guarantee.
+COMMON_CONF: dict[str, Any] = {
+    "task_serializer": "json",
+    "result_serializer": "json",
+    "accept_content": ["json"],
+    "worker_prefetch_multiplier": 1,
+    "task_acks_late": True,
+    "task_reject_on_worker_lost": True,
+    "result_extended": True,
+    "broker_connection_retry_on_startup": True,
+    "worker_hijack_root_logger": False,
+}
+
+
+def make_app(mode: str, *, broker: str, queue: str, ledger_url: str | None = None) -> Celery:
+    """The benchmark app in ``mode`` (``plain`` or ``ledger``)."""
+    conf = {**COMMON_CONF, "task_default_queue": queue}
+    base: type[Task]
+    if mode == "ledger":
+        from worker import LedgerTask, create_app
+
+        if not ledger_url:
+            raise ValueError("BENCH_MODE=ledger needs BENCH_LEDGER_URL")
+        app = create_app("bench_app", broker_url=broker, result_backend=broker,
+                         ledger_url=ledger_url, **conf)
+        base = LedgerTask
+    elif mode == "plain":
+        app = Celery("bench_app", broker=broker, backend=broker)
+        app.conf.update(conf)
+        base = Task
+    else:
+        raise ValueError(f"BENCH_MODE must be plain or ledger, not {mode!r}")
+
+    # shared=False: a second app built in the same process (the benchmark's one-process
+    # measurement) must not inherit this app's task under the same name.
+    @app.task(base=base, name="bench_app.noop", shared=False, acks_late=True,
+              reject_on_worker_lost=True)
+    def noop(i: int) -> int:
+        return i
+
+    return app
+
+
+app = make_app(
+    os.environ.get("BENCH_MODE", "plain"),
+    broker=os.environ.get("BENCH_BROKER_URL", "redis://127.0.0.1:6379/0"),
+    queue=os.environ.get("BENCH_QUEUE", "bench"),
+    ledger_url=os.environ.get("BENCH_LEDGER_URL"),
+)

@@ -1,0 +1,321 @@
+"""Shared plumbing of the benchmarks: scratch databases, statement counting, worker processes.
+
+Every benchmark returns ``Row``s (one figure each) so that ``benchmarks/run.py`` can print them
+in one table and write ``docs/benchmarks.md``. Figures are measurements, never assertions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from sqlalchemy import Engine, event  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+PG_ADMIN = os.environ.get("CELERY_LEDGER_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+#: Redis database 0 is never flushed here: the benchmarks use queue names and task ids of
+#: their own and delete exactly the keys they created (the tests flush databases 1-15).
+REDIS_URL = os.environ.get("CELERY_LEDGER_BENCH_REDIS", "redis://127.0.0.1:6379/0")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One figure of one benchmark."""
+
+    bench: str
+    metric: str
+    value: float
+    unit: str
+    target: str = ""
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Report:
+    """What a benchmark measured: its rows, and free text (plans, profiles) for the docs."""
+
+    rows: list[Row] = field(default_factory=list)
+    text: dict[str, str] = field(default_factory=dict)
+
+    def add(self, *args: Any, **kwargs: Any) -> None:
+        self.rows.append(Row(*args, **kwargs))
+
+    def extend(self, other: Report) -> None:
+        self.rows.extend(other.rows)
+        self.text.update(other.text)
+
+
+def format_rows(rows: list[Row]) -> str:
+    """A fixed-width table: benchmark | metric | value | unit | target."""
+    header = ("benchmark", "metric", "value", "unit", "target")
+    body = [(r.bench, r.metric, fmt(r.value), r.unit, r.target) for r in rows]
+    widths = [max(len(str(x[i])) for x in [header, *body]) for i in range(len(header))]
+    lines = [" | ".join(str(c).ljust(w) for c, w in zip(header, widths, strict=True))]
+    lines.append("-+-".join("-" * w for w in widths))
+    lines += [" | ".join(str(c).ljust(w) for c, w in zip(b, widths, strict=True)) for b in body]
+    return "\n".join(lines)
+
+
+def fmt(value: float) -> str:
+    if value == int(value) and abs(value) >= 100:
+        return f"{int(value):,}"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    return f"{value:.3g}" if value else "0"
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+# -- scratch databases ---------------------------------------------------------------------
+
+
+@contextmanager
+def pg_database(admin_url: str = PG_ADMIN) -> Iterator[str]:
+    """A PostgreSQL database of this run's own, dropped afterwards; yields its URL."""
+    import psycopg
+
+    admin = admin_url.replace("+psycopg", "")
+    name = f"cl_bench_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(admin, autocommit=True, connect_timeout=5) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"{admin.rsplit('/', 1)[0]}/{name}"
+    finally:
+        with psycopg.connect(admin, autocommit=True, connect_timeout=5) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextmanager
+def sqlite_database() -> Iterator[str]:
+    with tempfile.TemporaryDirectory(prefix="cl_bench_") as tmp:
+        yield f"sqlite:///{tmp}/ledger.sqlite3"
+
+
+@contextmanager
+def databases(backends: list[str]) -> Iterator[dict[str, str]]:
+    """One scratch ledger URL per backend name (``postgres``, ``sqlite``)."""
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for backend in backends:
+            cm = pg_database() if backend == "postgres" else sqlite_database()
+            urls[backend] = stack.enter_context(cm)
+        yield urls
+
+
+def pg_stat(url: str, admin_url: str = PG_ADMIN) -> dict[str, int]:
+    """Cumulative counters of one database from pg_stat_database (read from another db)."""
+    import psycopg
+
+    name = url.rsplit("/", 1)[1]
+    with psycopg.connect(admin_url.replace("+psycopg", ""), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT xact_commit, xact_rollback, tup_inserted, tup_updated, tup_deleted "
+            "FROM pg_stat_database WHERE datname = %s", (name,)).fetchone()
+    assert row is not None
+    return dict(zip(["commit", "rollback", "inserted", "updated", "deleted"], row, strict=True))
+
+
+# -- counting statements -------------------------------------------------------------------
+
+
+class StatementCounter:
+    """Counts the statements an engine sends (``before_cursor_execute``) and its transactions.
+
+    Each statement is one round trip to the database; on PostgreSQL a ``begin`` of a
+    non-autocommit transaction adds one (psycopg sends BEGIN on its own) and its commit another.
+    """
+
+    def __init__(self, engine: Engine, fast: Any = None) -> None:
+        self.engine = engine
+        #: The store's hot path (``ledger.fastpath.FastPath``), which bypasses engine events.
+        self.fast = fast
+        self.statements: list[str] = []
+        self.begins = 0
+        self.commits = 0
+
+    def _on_fast(self, sql: str) -> None:
+        head = sql.split(None, 1)[0].upper()
+        if head == "BEGIN":
+            self.begins += 1
+        elif head == "COMMIT":
+            self.commits += 1
+        elif head != "ROLLBACK":
+            self.statements.append(sql)
+
+    def _on_execute(self, conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        self.statements.append(statement)
+
+    def _on_begin(self, conn: Any) -> None:
+        if not _autocommit(conn):
+            self.begins += 1
+
+    def _on_commit(self, conn: Any) -> None:
+        if not _autocommit(conn):
+            self.commits += 1
+
+    def __enter__(self) -> StatementCounter:
+        event.listen(self.engine, "before_cursor_execute", self._on_execute)
+        event.listen(self.engine, "begin", self._on_begin)
+        event.listen(self.engine, "commit", self._on_commit)
+        if self.fast is not None:
+            self.fast.listeners.append(self._on_fast)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        event.remove(self.engine, "before_cursor_execute", self._on_execute)
+        event.remove(self.engine, "begin", self._on_begin)
+        event.remove(self.engine, "commit", self._on_commit)
+        if self.fast is not None:
+            self.fast.listeners.remove(self._on_fast)
+
+    def reset(self) -> None:
+        self.statements.clear()
+        self.begins = self.commits = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.statements)
+
+    def writes(self) -> int:
+        """Statements that modify data (INSERT/UPDATE/DELETE, including CTEs that do)."""
+        return sum(1 for s in self.statements if _is_write(s))
+
+    def touching(self, table: str) -> int:
+        return sum(1 for s in self.statements if table in s)
+
+
+def _autocommit(conn: Any) -> bool:
+    # From the execution options, not get_isolation_level(): that one may ask the server.
+    return conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT"
+
+
+def _is_write(sql: str) -> bool:
+    head = sql.lstrip().upper()
+    if head.startswith(("INSERT", "UPDATE", "DELETE")):
+        return True
+    return head.startswith("WITH") and any(w in head for w in ("INSERT ", "UPDATE ", "DELETE "))
+
+
+# -- worker processes ----------------------------------------------------------------------
+
+
+class Worker:
+    """One ``celery -A bench_app worker`` in a session of its own, always stopped by its pid.
+
+    The session makes ``killpg(pid)`` reach its pool processes and nothing else.
+    """
+
+    def __init__(self, env: dict[str, str], log_path: Path, *, concurrency: int = 2) -> None:
+        self.args = [sys.executable, "-m", "celery", "-A", "bench_app", "worker",
+                     "-P", "prefork", "-c", str(concurrency), "-Q", env["BENCH_QUEUE"],
+                     "-n", f"bench-{uuid.uuid4().hex[:6]}@%h", "-l", "warning",
+                     "--without-mingle", "--without-gossip", "--without-heartbeat"]
+        self.env = {**os.environ, **env,
+                    "PYTHONPATH": os.pathsep.join([str(BENCH), str(REPO),
+                                                   os.environ.get("PYTHONPATH", "")])}
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Worker:
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in __exit__
+        self.proc = subprocess.Popen(self.args, cwd=BENCH, env=self.env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def children(self) -> list[int]:
+        """The prefork pool processes (direct children of the worker)."""
+        try:
+            text = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text()
+        except OSError:
+            return []
+        return [int(p) for p in text.split()]
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, timeout: float = 15) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=timeout)
+        # Whatever is left of the session (a pool process that ignored the warm shutdown).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        self._log.close()
+        self.proc = None
+
+
+def wait_for(predicate: Callable[[], Any], *, timeout: float, interval: float = 0.2,
+             what: str = "condition", check: Callable[[], None] | None = None) -> Any:
+    """Poll ``predicate`` until truthy; raise TimeoutError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if check is not None:
+            check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def memory_of(pid: int) -> dict[str, int]:
+    """RSS and PSS of one process in KiB (``/proc/<pid>/smaps_rollup``)."""
+    out = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name in ("Rss", "Pss", "Private_Dirty", "Shared_Clean"):
+            out[name.lower()] = int(rest.split()[0])
+    return out

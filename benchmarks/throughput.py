@@ -1,0 +1,236 @@
+"""Throughput of a trivial task: plain Celery vs ``LedgerTask``, side by side in one invocation.
+
+    python benchmarks/throughput.py                    # 5,000 tasks, median of 3 rounds
+    python benchmarks/throughput.py --tasks 200 --rounds 1
+
+Setup (identical for both, see ``bench_app``): Redis broker and result backend, one worker
+``-P prefork -c 2``, ``acks_late``, prefetch 1, ``result_extended``, log level warning. The
+ledgered run uses a PostgreSQL ledger in a scratch database created and dropped here.
+
+Each round pre-fills a fresh queue with N tasks, then starts a worker and lets it drain the
+queue. Throughput is ``(N - 1) / (last date_done - first date_done)`` from the result
+backend, so worker start-up is not counted. Rounds alternate which mode goes first.
+
+Then, in this process (no worker), ``task.apply()`` of the ledgered task with SQLAlchemy
+``before_cursor_execute`` counting: statements and round trips per task on the hot path. The
+worker run also reports PostgreSQL's own counters (pg_stat_database) per task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from common import (
+    REDIS_URL,
+    Report,
+    StatementCounter,
+    Worker,
+    format_rows,
+    median,
+    pg_database,
+    pg_stat,
+    wait_for,
+)
+
+BENCH = "throughput"
+TASK = "bench_app.noop"
+
+
+def _redis(url: str) -> Any:
+    import redis
+
+    return redis.Redis.from_url(url)
+
+
+def enqueue(broker: str, queue: str, n: int) -> list[str]:
+    """Send ``n`` noop tasks to ``queue``; return their ids."""
+    from celery import Celery
+
+    sender = Celery("bench_sender", broker=broker)
+    sender.conf.update(task_serializer="json", accept_content=["json"])
+    ids = [str(uuid.uuid4()) for _ in range(n)]
+    with sender.producer_or_acquire() as producer:
+        for i, task_id in enumerate(ids):
+            sender.send_task(TASK, args=[i], task_id=task_id, queue=queue, producer=producer)
+    sender.close()
+    return ids
+
+
+def _meta_keys(ids: list[str]) -> list[str]:
+    return [f"celery-task-meta-{i}" for i in ids]
+
+
+def drain(mode: str, n: int, *, broker: str, ledger_url: str | None, tmp: Path,
+          on_drained: Callable[[Worker], Any] | None = None) -> dict[str, Any]:
+    """Pre-fill a queue with ``n`` tasks, start a worker, wait until every result is stored.
+
+    Returns tasks/s and, through ``on_drained``, whatever the caller measures on the live
+    worker. The worker is stopped (its whole session) whatever happens.
+    """
+    queue = f"bench-{mode}-{uuid.uuid4().hex[:8]}"
+    client = _redis(broker)
+    ids = enqueue(broker, queue, n)
+    keys = _meta_keys(ids)
+    env = {"BENCH_MODE": mode, "BENCH_BROKER_URL": broker, "BENCH_QUEUE": queue}
+    if ledger_url:
+        env["BENCH_LEDGER_URL"] = ledger_url
+    before = pg_stat(ledger_url) if ledger_url and ledger_url.startswith("postgres") else None
+    extra: Any = None
+    try:
+        with Worker(env, tmp / f"worker-{queue}.log") as worker:
+            def done() -> bool:
+                return sum(client.exists(*keys[i:i + 1000]) for i in range(0, n, 1000)) >= n
+
+            def check() -> None:
+                if not worker.alive():
+                    raise RuntimeError(f"{mode} worker exited:\n{worker.log_tail()}")
+
+            wait_for(done, timeout=60 + n / 20, interval=0.25, what=f"{n} {mode} results",
+                     check=check)
+            if on_drained is not None:
+                extra = on_drained(worker)
+        metas = [json.loads(v) for i in range(0, n, 1000) for v in client.mget(keys[i:i + 1000])]
+    finally:
+        client.delete(queue, f"_kombu.binding.{queue}")
+        for i in range(0, n, 1000):
+            client.delete(*keys[i:i + 1000])
+        client.close()
+    failed = [m for m in metas if m["status"] != "SUCCESS"]
+    if failed:
+        raise RuntimeError(f"{len(failed)} {mode} tasks did not succeed, e.g. {failed[0]}")
+    stamps = sorted(datetime.fromisoformat(m["date_done"]).timestamp() for m in metas)
+    span = stamps[-1] - stamps[0]
+    out: dict[str, Any] = {"rate": (n - 1) / span if span > 0 else float("nan"), "span": span,
+                           "extra": extra}
+    if before is not None:
+        assert ledger_url is not None
+        time.sleep(1.0)  # backends flush their statistics when they exit
+        after = pg_stat(ledger_url)
+        out["pg"] = {k: (after[k] - before[k]) / n for k in after}
+    return out
+
+
+def count_hot_path(ledger_url: str, broker: str, n: int = 200) -> dict[str, float]:
+    """Statements per ledgered task, counted in this process through ``task.apply()``."""
+    from bench_app import make_app
+
+    from worker import runtime
+
+    app = make_app("ledger", broker=broker, queue="unused", ledger_url=ledger_url)
+    task = app.tasks[TASK]
+    store = runtime.store_for(app)
+    store.ensure_ready()
+    task.apply(args=(0,))  # warm the pool
+    with StatementCounter(store.engine, store.fast) as counter:
+        for i in range(n):
+            task.apply(args=(i,))
+    store.dispose()
+    return {"statements": counter.count / n, "writes": counter.writes() / n,
+            "round_trips": (counter.count + counter.begins + counter.commits) / n}
+
+
+def profile_hot_path(ledger_url: str, broker: str, n: int = 500) -> str:
+    """cProfile of ``n`` eager ledgered tasks: where the in-process time goes."""
+    from bench_app import make_app
+
+    from worker import runtime
+
+    app = make_app("ledger", broker=broker, queue="unused", ledger_url=ledger_url)
+    task = app.tasks[TASK]
+    store = runtime.store_for(app)
+    task.apply(args=(0,))
+    prof = cProfile.Profile()
+    started = time.perf_counter()
+    prof.enable()
+    for i in range(n):
+        task.apply(args=(i,))
+    prof.disable()
+    took = time.perf_counter() - started
+    plain = make_app("plain", broker=broker, queue="unused").tasks[TASK]
+    plain_took = time_apply(plain, n)
+    store.dispose()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
+    return (f"{n} eager applies: ledgered {took / n * 1000:.2f} ms/task (under cProfile), "
+            f"plain {plain_took / n * 1000:.3f} ms/task\n" + buf.getvalue())
+
+
+def time_apply(task: Any, n: int) -> float:
+    started = time.perf_counter()
+    for i in range(n):
+        task.apply(args=(i,))
+    return time.perf_counter() - started
+
+
+def run(tasks: int = 5000, rounds: int = 3, broker: str = REDIS_URL,
+        profile: bool = False) -> Report:
+    report = Report()
+    rates: dict[str, list[float]] = {"plain": [], "ledger": []}
+    pg_per_task: list[dict[str, float]] = []
+    with pg_database() as ledger_url, tempfile.TemporaryDirectory(prefix="cl_tp_") as tmp:
+        from ledger import LedgerStore
+
+        store = LedgerStore(ledger_url)
+        store.ensure_ready()  # migrate once here, not in the first claim of the worker
+        store.dispose()
+        for r in range(rounds):
+            order = ("plain", "ledger") if r % 2 == 0 else ("ledger", "plain")
+            for mode in order:
+                out = drain(mode, tasks, broker=broker, tmp=Path(tmp),
+                            ledger_url=ledger_url if mode == "ledger" else None)
+                rates[mode].append(out["rate"])
+                if "pg" in out:
+                    pg_per_task.append(out["pg"])
+                print(f"  round {r + 1} {mode}: {out['rate']:.0f} tasks/s "
+                      f"({tasks} in {out['span']:.2f}s)", file=sys.stderr)
+        hot = count_hot_path(ledger_url, broker)
+        if profile:
+            report.text["throughput profile"] = profile_hot_path(ledger_url, broker)
+    plain, ledger = median(rates["plain"]), median(rates["ledger"])
+    note = f"median of {rounds}, {tasks} tasks, -c 2"
+    report.add(BENCH, "plain celery (acks_late)", plain, "tasks/s", note=note)
+    report.add(BENCH, "LedgerTask (PostgreSQL)", ledger, "tasks/s", note=note)
+    report.add(BENCH, "ratio ledger/plain", ledger / plain, "x", target=">= 0.80")
+    report.add(BENCH, "statements per task", hot["statements"], "stmts",
+               note="claim + settle, counted in one process")
+    report.add(BENCH, "writes per task", hot["writes"], "stmts")
+    report.add(BENCH, "round trips per task", hot["round_trips"], "trips",
+               note="statements + BEGIN/COMMIT of explicit transactions")
+    if pg_per_task:
+        report.add(BENCH, "pg transactions per task", median([p["commit"] for p in pg_per_task]),
+                   "xacts", note="pg_stat_database during the worker run")
+        report.add(BENCH, "pg rows written per task",
+                   median([p["inserted"] + p["updated"] for p in pg_per_task]), "rows")
+    report.text["throughput rounds"] = "\n".join(
+        f"{mode}: " + ", ".join(f"{x:.0f}" for x in xs) + " tasks/s" for mode, xs in rates.items())
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=5000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--broker", default=REDIS_URL)
+    parser.add_argument("--profile", action="store_true",
+                        help="also cProfile the ledgered task in this process")
+    args = parser.parse_args()
+    report = run(args.tasks, args.rounds, args.broker, args.profile)
+    print(format_rows(report.rows))
+    for title, text in report.text.items():
+        print(f"\n{title}:\n{text}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,580 @@
+"""The workload ``celery-ledger demo`` and ``celery-ledger verify`` run, and how to count it.
+
+An *order* is four steps: ``quote`` (a read), then three effects: ``reserve`` stock, ``charge``
+the card, send the ``receipt``. Each effect appends one row to the namespace's effects table,
+which has no unique constraint, so an effect that ran twice is two rows. The same body runs
+three ways, so the only difference between the columns of the demo's table is the task class:
+
+- ``plain_order``: a plain Celery task with Celery's default early ack;
+- ``plain_order_acks_late``: a plain task with ``acks_late`` and ``reject_on_worker_lost``;
+- ``ledgered_order``: a ``LedgerTask`` keyed by ``order_id`` whose steps go through ``self.step``.
+
+``celery -A worker.demo_app worker`` builds the app on first attribute access (PEP 562) from the
+``CELERY_LEDGER_DEMO_*`` environment variables the demo sets for each process, never at import.
+The counting half (``effect_counts``, ``ledger_outcomes``, ``drop_namespace``) is used by the
+commands, which import this module without building an app.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import (
+    Column,
+    Connection,
+    Engine,
+    Float,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    delete,
+    func,
+    insert,
+    select,
+)
+from sqlalchemy.exc import DBAPIError
+
+from ledger import BODY_STEP, EntryStatus, StepStatus, entry_key
+from ledger.engine import READ_ONLY, make_engine
+from ledger.schema import entries, events, steps
+from recovery.reconcile import AmbiguousStep, Reconciled
+from worker.codec import decode
+
+log = logging.getLogger(__name__)
+
+# -- what the commands set for each process ------------------------------------------------
+
+#: Queue the worker consumes and the app sends to (one per run, so runs never mix).
+ENV_QUEUE = "CELERY_LEDGER_DEMO_QUEUE"
+#: SQLAlchemy URL of the database holding the effects tables.
+ENV_EFFECTS_URL = "CELERY_LEDGER_DEMO_EFFECTS_URL"
+#: Namespace: names the effects tables and prefixes the Redis keys, so cleanup is exact.
+ENV_NAMESPACE = "CELERY_LEDGER_DEMO_NAMESPACE"
+#: Redis only: a visibility timeout (seconds) that makes the broker redeliver live tasks.
+ENV_VISIBILITY = "CELERY_LEDGER_DEMO_VISIBILITY_TIMEOUT"
+
+PLAIN = "celery_ledger.demo.plain_order"
+PLAIN_ACKS_LATE = "celery_ledger.demo.plain_order_acks_late"
+LEDGERED = "celery_ledger.demo.ledgered_order"
+
+#: The effect steps of an order, in order.
+EFFECTS = ("reserve", "charge", "receipt")
+
+
+@contextmanager
+def reading(engine: Engine) -> Iterator[Connection]:
+    """A read-only connection: a deferred transaction on SQLite, which never blocks writers."""
+    with engine.connect() as conn:
+        yield conn.execution_options(**{READ_ONLY: True})
+
+
+# -- the effects tables ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EffectTables:
+    """The namespace's two tables: effects, and what the reconciler answered."""
+
+    metadata: MetaData
+    effects: Table
+    answers: Table
+
+
+def effect_tables(namespace: str) -> EffectTables:
+    """Tables named after ``namespace`` (which must be short and alphanumeric)."""
+    if not namespace.replace("_", "").isalnum() or len(namespace) > 40:
+        raise ValueError(f"namespace {namespace!r} must be alphanumeric, at most 40 chars")
+    md = MetaData()
+    effects = Table(
+        f"celery_ledger_demo_{namespace}_effects", md,
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("run", String(64), nullable=False),
+        Column("order_id", String(128), nullable=False),
+        Column("effect", String(32), nullable=False),
+        Column("pid", Integer, nullable=False),
+        Column("at", Float, nullable=False),
+    )
+    answers = Table(
+        f"celery_ledger_demo_{namespace}_answers", md,
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("order_id", String(128), nullable=False),
+        Column("step", String(64), nullable=False),
+        Column("verdict", String(16), nullable=False),
+        Column("at", Float, nullable=False),
+    )
+    return EffectTables(md, effects, answers)
+
+
+class EffectsDb:
+    """The effects database of one namespace, with an engine per process (fork safety)."""
+
+    def __init__(self, url: str, namespace: str) -> None:
+        self.url = url
+        self.namespace = namespace
+        self.tables = effect_tables(namespace)
+        self._engine: Engine | None = None
+        self._pid = -1
+
+    @property
+    def engine(self) -> Engine:
+        # A pool process inherits the parent's engine object across fork; a pooled
+        # connection shared by two processes corrupts both, so each process makes its own.
+        if self._engine is None or self._pid != os.getpid():
+            self._engine = make_engine(self.url)
+            self._pid = os.getpid()
+        return self._engine
+
+    def create(self) -> None:
+        """Create the tables (the command does, before it starts any worker)."""
+        try:
+            self.tables.metadata.create_all(self.engine)
+        except DBAPIError:
+            # Two processes created it at the same moment (PostgreSQL's catalog race).
+            self.tables.metadata.create_all(self.engine)
+
+    def drop(self) -> None:
+        self.tables.metadata.drop_all(self.engine)
+
+    def dispose(self) -> None:
+        if self._engine is not None:
+            self._engine.dispose()
+            self._engine = None
+
+    def record(self, run: str, order_id: str, effect: str) -> str:
+        """Perform one effect: append its row. Returns what the step returns."""
+        with self.engine.begin() as conn:
+            conn.execute(insert(self.tables.effects).values(
+                run=run, order_id=order_id, effect=effect, pid=os.getpid(), at=time.time()))
+        return f"{effect}:{order_id}"
+
+    def count(self, order_id: str, effect: str) -> int:
+        t = self.tables.effects
+        with reading(self.engine) as conn:
+            return int(conn.execute(select(func.count()).select_from(t).where(
+                t.c.order_id == order_id, t.c.effect == effect)).scalar_one())
+
+    def note_answer(self, order_id: str, step: str, verdict: str) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(insert(self.tables.answers).values(
+                order_id=order_id, step=step, verdict=verdict, at=time.time()))
+
+
+# -- the order, three ways ------------------------------------------------------------------
+
+StepRunner = Callable[..., Any]
+
+
+def quote(order_id: str, amount: int) -> dict[str, Any]:
+    """A read: look up the price (pure, so it may run any number of times)."""
+    return {"order_id": order_id, "amount": amount, "currency": "EUR"}
+
+
+def run_order(step: StepRunner, db: EffectsDb, run: str, order_id: str, amount: int,
+              gap: float) -> dict[str, Any]:
+    """The order's body, shared by the plain and the ledgered task.
+
+    ``gap`` is work between the effects (talking to the warehouse, the bank): it is where a
+    crash usually lands, and why a crash leaves orders half done.
+    """
+    price = step("quote", quote, order_id, amount, effect=False)
+    reserved = step("reserve", db.record, run, order_id, "reserve")
+    time.sleep(gap)
+    charged = step("charge", db.record, run, order_id, "charge")
+    time.sleep(gap)
+    receipt = step("receipt", db.record, run, order_id, "receipt")
+    return {"order_id": order_id, "amount": price["amount"],
+            "steps": [reserved, charged, receipt]}
+
+
+def _plain_step(name: str, fn: Callable[..., Any], *args: Any, effect: bool | None = None
+                ) -> Any:
+    return fn(*args)
+
+
+def make_reconciler(db: EffectsDb) -> Callable[[AmbiguousStep], Reconciled]:
+    """The reconciler of ``ledgered_order``: ask the "provider" (the effects table).
+
+    Safety argument, per answer:
+
+    - an effect step whose row exists **completed**: the effect happened exactly once, and a
+      paused attempt that wakes up can no longer record or repeat it (its next write is
+      fenced);
+    - an effect step whose row is absent is **unknown**, never "not executed": a paused
+      (SIGSTOP) attempt may have written ``started`` and still be about to insert the row;
+      re-running would then charge twice. The entry is parked ``blocked`` for an operator;
+    - ``__body__`` (killed after the claim, before the first step row) is **not executed**:
+      every effect of this task runs inside a step whose ``started`` row is written fenced
+      *before* the effect, and the takeover found no step row at all, so no effect began
+      under an older fence and none can begin now.
+    """
+
+    def reconcile(step: AmbiguousStep) -> Reconciled:
+        order_id = step.kwargs.get("order_id") or step.args[1]
+        if step.step == BODY_STEP:
+            db.note_answer(order_id, step.step, "not_executed")
+            return Reconciled.not_executed("every effect of an order is a fenced step, and "
+                                           "no step row exists")
+        if step.step in EFFECTS and db.count(order_id, step.step) >= 1:
+            db.note_answer(order_id, step.step, "completed")
+            return Reconciled.completed(f"{step.step}:{order_id}",
+                                        note="the effect row is at the provider")
+        db.note_answer(order_id, step.step, "unknown")
+        return Reconciled.unknown("no effect row yet; a paused attempt may still write it")
+
+    return reconcile
+
+
+# -- the app --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Everything a demo process reads from its environment, once, at app creation."""
+
+    data_dir: Path
+    queue: str
+    namespace: str
+    effects_url: str
+    broker_url: str | None = None
+    ledger_url: str | None = None
+    result_backend: str | None = None
+    visibility_timeout: float | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> DemoConfig:
+        """Raises: KeyError naming the variable the demo should have set."""
+        vis = env.get(ENV_VISIBILITY)
+        return cls(
+            data_dir=Path(env["CELERY_LEDGER_DATA_DIR"]), queue=env[ENV_QUEUE],
+            namespace=env[ENV_NAMESPACE], effects_url=env[ENV_EFFECTS_URL],
+            broker_url=env.get("CELERY_BROKER_URL"), ledger_url=env.get("CELERY_LEDGER_URL"),
+            result_backend=env.get("CELERY_RESULT_BACKEND"),
+            visibility_timeout=float(vis) if vis else None,
+        )
+
+
+def redis_keyprefix(namespace: str, queue: str = "") -> str:
+    """Every Redis key of a namespace starts with this (kombu's ``global_keyprefix``).
+
+    One prefix per queue: kombu keeps unacked messages in one hash per prefix, and a worker
+    with a short visibility timeout restores every message in it, whoever holds it; a run
+    must only ever redeliver its own.
+    """
+    return f"celery-ledger-demo-{namespace}:" + (f"{queue}:" if queue else "")
+
+
+def build_app(env: Mapping[str, str] | None = None) -> Celery:
+    """The demo's app: the embedded default, or the broker and ledger the environment names."""
+    from worker.app import create_app  # here: building the app is what needs Celery wiring
+
+    cfg = DemoConfig.from_env(os.environ if env is None else env)
+    app = create_app("celery_ledger_demo", data_dir=cfg.data_dir, broker_url=cfg.broker_url,
+                     result_backend=cfg.result_backend, ledger_url=cfg.ledger_url)
+    app.conf.update(
+        task_default_queue=cfg.queue,
+        # The commands count effects and ledger rows; Celery results would only be clutter.
+        task_ignore_result=True,
+        # No pidbox queues: nothing here is remote-controlled, and on Redis they would be
+        # keys outside the namespace prefix.
+        worker_enable_remote_control=False,
+        # How long the pool's parent waits for a dead pool process's result before it
+        # declares WorkerLostError (Celery's default: 10 s). Only then does acks_late requeue,
+        # early ack record the failure, and the ledger's worker-lost fast path run; 1 s keeps
+        # those within the run. It changes when, not what, for all three tasks alike.
+        worker_lost_wait=1.0,
+    )
+    options = dict(app.conf.broker_transport_options or {})
+    broker = cfg.broker_url or "filesystem://"
+    if broker.startswith("filesystem"):
+        options["polling_interval"] = 0.1  # kombu's default (1 s) would dominate a demo
+    if broker.startswith("redis"):
+        options["global_keyprefix"] = redis_keyprefix(cfg.namespace, cfg.queue)
+        if cfg.visibility_timeout:
+            options["visibility_timeout"] = cfg.visibility_timeout
+            # kombu scans for expired unacked messages every interval * throttle seconds
+            # (100 s by default); once a second makes the redelivery happen within a run.
+            options["unacked_restore_interval"] = 1
+            options["unacked_restore_throttle"] = 1
+    app.conf.broker_transport_options = options
+    register(app, EffectsDb(cfg.effects_url, cfg.namespace))
+    return app
+
+
+def register(app: Celery, db: EffectsDb) -> None:
+    """Register the three order tasks on ``app``."""
+    from worker.task import LedgerTask
+
+    @app.task(name=PLAIN)
+    def plain_order(run: str, order_id: str, amount: int, gap: float) -> dict[str, Any]:
+        return run_order(_plain_step, db, run, order_id, amount, gap)
+
+    @app.task(name=PLAIN_ACKS_LATE, acks_late=True, reject_on_worker_lost=True)
+    def plain_order_acks_late(run: str, order_id: str, amount: int, gap: float
+                              ) -> dict[str, Any]:
+        return run_order(_plain_step, db, run, order_id, amount, gap)
+
+    @app.task(base=LedgerTask, bind=True, name=LEDGERED, key_from=("order_id",),
+              reconciler=make_reconciler(db))
+    def ledgered_order(self: Any, run: str, order_id: str, amount: int, gap: float
+                       ) -> dict[str, Any]:
+        result = run_order(self.step, db, run, order_id, amount, gap)
+        result["replayed"] = self.ledger_attempt.replayed
+        return result
+
+
+_app: Celery | None = None
+
+
+def __getattr__(name: str) -> Any:
+    global _app
+    if name in ("app", "celery"):
+        if _app is None:
+            _app = build_app()
+        return _app
+    raise AttributeError(name)
+
+
+# -- counting -------------------------------------------------------------------------------
+
+
+@dataclass
+class OrderEffects:
+    """What happened to one order in the outside world."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    #: pid of the process that performed each effect last.
+    pids: dict[str, int] = field(default_factory=dict)
+
+    def has(self, effect: str) -> bool:
+        return self.counts.get(effect, 0) > 0
+
+
+@dataclass
+class EffectsSnapshot:
+    """Every order of one run, as the effects table sees it."""
+
+    orders: dict[str, OrderEffects]
+    rows: int
+    last_at: float | None
+
+    def with_effect(self, effect: str) -> set[str]:
+        return {o for o, e in self.orders.items() if e.has(effect)}
+
+    def duplicate_effects(self) -> int:
+        return sum(max(0, n - 1) for e in self.orders.values() for n in e.counts.values())
+
+    def charged_twice(self) -> int:
+        return sum(1 for e in self.orders.values() if e.counts.get("charge", 0) > 1)
+
+
+def effect_counts(db: EffectsDb, run: str) -> EffectsSnapshot:
+    """One grouped query over the effects of ``run``."""
+    t = db.tables.effects
+    q = (select(t.c.order_id, t.c.effect, func.count(), func.max(t.c.pid), func.max(t.c.at))
+         .where(t.c.run == run).group_by(t.c.order_id, t.c.effect))
+    orders: dict[str, OrderEffects] = {}
+    rows, last = 0, None
+    with reading(db.engine) as conn:
+        if not conn.dialect.has_table(conn, t.name):
+            return EffectsSnapshot({}, 0, None)
+        for order_id, effect, n, pid, at in conn.execute(q):
+            o = orders.setdefault(order_id, OrderEffects())
+            o.counts[effect] = int(n)
+            o.pids[effect] = int(pid)
+            rows += int(n)
+            last = at if last is None else max(last, at)
+    return EffectsSnapshot(orders, rows, last)
+
+
+def reconciler_answers(db: EffectsDb) -> dict[str, int]:
+    """verdict -> how many times the reconciler gave it."""
+    t = db.tables.answers
+    with reading(db.engine) as conn:
+        if not conn.dialect.has_table(conn, t.name):
+            return {}
+        return {v: int(n) for v, n in conn.execute(
+            select(t.c.verdict, func.count()).group_by(t.c.verdict))}
+
+
+def ledger_key(order_id: str) -> str:
+    """The entry key ``ledgered_order`` claims for ``order_id`` (``key_from=("order_id",)``)."""
+    return entry_key(LEDGERED, {"order_id": order_id})
+
+
+@dataclass(frozen=True)
+class LedgerOutcome:
+    """One ledgered order's entry, as the ledger sees it."""
+
+    order_id: str
+    key: str
+    status: EntryStatus
+    executions: int
+    replayed: int
+    reason: str | None
+    error: str | None
+    #: Steps left ``started`` (the ambiguous ones), for blocked entries.
+    ambiguous_steps: tuple[str, ...]
+    #: Step-body runs beyond the first that no not-executed verdict authorized (the ledger's
+    #: own duplicate count: sum of max(0, attempts - 1 - authorized) over its effect steps).
+    unauthorized_reruns: int
+
+
+def ledger_outcomes(ledger_engine: Engine, order_ids: Iterable[str]) -> dict[str, LedgerOutcome]:
+    """The entry of each order that has one (an order without one was never claimed)."""
+    by_key = {ledger_key(o): o for o in order_ids}
+    keys = list(by_key)
+    found: dict[str, LedgerOutcome] = {}
+    with reading(ledger_engine) as conn:
+        for i in range(0, len(keys), 500):
+            chunk = keys[i:i + 500]
+            started: dict[str, list[str]] = {}
+            reruns: dict[str, int] = {}
+            for key, name, status, attempts, authorized in conn.execute(select(
+                    steps.c.key, steps.c.name, steps.c.status, steps.c.attempts,
+                    steps.c.authorized).where(steps.c.key.in_(chunk))):
+                if status == StepStatus.STARTED.value:
+                    started.setdefault(key, []).append(name)
+                if status != StepStatus.NOT_EXECUTED.value:
+                    reruns[key] = reruns.get(key, 0) + max(0, attempts - 1 - authorized)
+            for row in conn.execute(select(
+                    entries.c.key, entries.c.status, entries.c.executions, entries.c.result,
+                    entries.c.reason, entries.c.error).where(entries.c.key.in_(chunk))):
+                result = decode(row.result) if row.result else None
+                replayed = result.get("replayed", 0) if isinstance(result, dict) else 0
+                found[by_key[row.key]] = LedgerOutcome(
+                    by_key[row.key], row.key, EntryStatus(row.status), int(row.executions),
+                    int(replayed), row.reason, _error_line(row.error),
+                    tuple(started.get(row.key, ())), reruns.get(row.key, 0))
+    return found
+
+
+def _error_line(error: str | None) -> str | None:
+    if not error:
+        return None
+    try:
+        data = decode(error)
+        text = f"{data['exc_type']}: {' '.join(map(str, data['exc_message']))}"
+    except (ValueError, KeyError, TypeError):
+        text = error
+    return " ".join(text.split())[:300]
+
+
+# -- one run's report -------------------------------------------------------------------------
+
+
+@dataclass
+class RunReport:
+    """What one run measured (the JSON fields of ``runs.<id>``)."""
+
+    task: str
+    title: str
+    ledgered: bool
+    accepted: int = 0
+    completed: int = 0
+    #: Never completed and not parked (failed and blocked are reported apart). For a ledgered
+    #: run: claimed by the ledger and never settled nor parked (the ledger's promise).
+    lost: int = 0
+    #: Ledgered runs: sent, but no ledger entry at the end: the broker dropped the message
+    #: before any worker claimed it (``filesystem://`` forgets what a killed worker fetched).
+    never_claimed: int = 0
+    #: Messages still in the run's queue when it stopped (not yet consumed by anyone).
+    queued_at_end: int = 0
+    failed: int = 0
+    blocked: int = 0
+    charged_twice: int = 0
+    #: Effect rows beyond the first, per order and effect.
+    duplicate_effects: int = 0
+    #: duplicate_effects / effects that should have happened once.
+    duplicate_rate: float = 0.0
+    #: The ledger's own count of unauthorized step re-runs (ledgered runs only).
+    ledger_duplicate_executions: int = 0
+    steps_replayed: int = 0
+    resumed: int = 0
+    #: A few keys of resumed entries (for ``celery-ledger show``).
+    resumed_keys: list[str] = field(default_factory=list)
+    reconciler: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    crashes: list[str] = field(default_factory=list)
+    lost_orders: list[str] = field(default_factory=list)
+    never_claimed_orders: list[str] = field(default_factory=list)
+    blocked_orders: list[dict[str, Any]] = field(default_factory=list)
+    failed_orders: list[dict[str, Any]] = field(default_factory=list)
+
+
+def tally(report: RunReport, db: EffectsDb, run: str, order_ids: list[str],
+          ledger_engine: Engine | None, enqueued_at: float) -> RunReport:
+    """Fill ``report`` from the effects table (and the ledger, for a ledgered run)."""
+    snap = effect_counts(db, run)
+    wanted = set(order_ids)
+    completed = snap.with_effect("receipt") & wanted
+    r = report
+    r.accepted = len(order_ids)
+    r.charged_twice = snap.charged_twice()
+    r.duplicate_effects = snap.duplicate_effects()
+    r.duplicate_rate = round(r.duplicate_effects / (len(order_ids) * len(EFFECTS)), 4)
+    r.seconds = round(max(0.0, (snap.last_at or enqueued_at) - enqueued_at), 1)
+    if not r.ledgered or ledger_engine is None:
+        r.completed = len(completed)
+        lost = [o for o in order_ids if o not in completed]
+    else:
+        outcomes = ledger_outcomes(ledger_engine, order_ids)
+        status = {o: outcomes[o].status if o in outcomes else None for o in order_ids}
+        r.completed = sum(1 for s in status.values() if s is EntryStatus.COMPLETED)
+        blocked = [outcomes[o] for o, s in status.items() if s is EntryStatus.BLOCKED]
+        failed = [outcomes[o] for o, s in status.items() if s is EntryStatus.FAILED]
+        r.blocked, r.failed = len(blocked), len(failed)
+        r.blocked_orders = [{"order_id": o.order_id, "key": o.key, "reason": o.reason,
+                             "ambiguous_steps": list(o.ambiguous_steps)} for o in blocked]
+        r.failed_orders = [{"order_id": o.order_id, "key": o.key, "error": o.error}
+                           for o in failed[:20]]
+        r.steps_replayed = sum(o.replayed for o in outcomes.values())
+        resumed = [o for o in outcomes.values() if o.executions > 1]
+        r.resumed = len(resumed)
+        r.resumed_keys = [o.key for o in resumed[:5]]
+        r.ledger_duplicate_executions = sum(o.unauthorized_reruns for o in outcomes.values())
+        r.reconciler = reconciler_answers(db)
+        settled = (EntryStatus.COMPLETED, EntryStatus.BLOCKED, EntryStatus.FAILED)
+        lost = [o for o, s in status.items() if s is not None and s not in settled]
+        never = [o for o, s in status.items() if s is None]
+        r.never_claimed = len(never)
+        r.never_claimed_orders = never[:20]
+    r.lost = len(lost)
+    r.lost_orders = lost[:20]
+    return r
+
+
+def drop_namespace(ledger_engine: Engine | None, order_ids: Iterable[str],
+                   db: EffectsDb) -> None:
+    """Remove what a run left: its ledger entries (with steps and events) and its tables."""
+    if ledger_engine is not None:
+        keys = [ledger_key(o) for o in order_ids]
+        with ledger_engine.begin() as conn:
+            for i in range(0, len(keys), 500):
+                chunk = keys[i:i + 500]
+                conn.execute(delete(steps).where(steps.c.key.in_(chunk)))
+                conn.execute(delete(events).where(events.c.key.in_(chunk)))
+                conn.execute(delete(entries).where(entries.c.key.in_(chunk)))
+    db.drop()
+
+
+def purge_redis(broker_url: str, namespace: str) -> int:
+    """Delete every Redis key of ``namespace`` (queues, unacked, bindings). Returns how many."""
+    import redis
+
+    client = redis.Redis.from_url(broker_url, socket_timeout=5)
+    try:
+        keys = list(client.scan_iter(match=redis_keyprefix(namespace) + "*", count=500))
+        if keys:
+            client.delete(*keys)
+        return len(keys)
+    finally:
+        client.close()

@@ -1,0 +1,537 @@
+"""``celery-ledger verify``: prove, on your own broker and ledger, that nothing is lost or
+duplicated under chaos; and show what plain Celery does under the same chaos.
+
+Two runs side by side, each with two workers on a queue of its own (the ledgered run also has
+beat): N synthetic orders of three effect steps each, through ``LedgerTask`` and through a
+plain Celery task with ``acks_late`` + ``reject_on_worker_lost`` (the plain configuration that
+loses least). While they run, a chaos loop, bounded in actions and in time, picks at random
+intervals (``--seed`` makes the choices repeatable; the timing is the machine's):
+
+- ``kill-child``: SIGKILL one pool process;
+- ``kill-worker``: SIGKILL a whole worker (parent and pool), restart it under the same name;
+- ``pause``: SIGSTOP a worker past the lease, then SIGCONT: a zombie that wakes up fenced;
+- ``ledger-outage``: PostgreSQL: cut the ledgered processes' connections for a few seconds
+  (they reach the ledger through a TCP proxy on 127.0.0.1 that this command owns); SQLite:
+  hold the write lock of verify's own ledger file for longer than the lease.
+
+On Redis the second worker of each run has a 1 s visibility timeout, so the broker redelivers
+tasks that are still running (celery #4400). Each action hits both runs at the same moment,
+the same way (the ledger outage has nothing to cut in the plain run). Everything verify
+creates lives in a namespace of its own (queues, Redis key prefix, effects tables, ledger
+keys) and is removed afterwards unless ``--keep``.
+
+Counted at the end: **lost** (claimed by the ledger, never settled nor parked), **never
+claimed** (sent, but no ledger entry: the broker dropped the message before any worker claimed
+it, which no task-side ledger can see; ``filesystem://`` does this to what a SIGKILLed worker
+had fetched), failed, blocked (with the ambiguous step), duplicated effects and the duplicate
+rate (effect rows beyond one per order and effect), the ledger's own count of unauthorized
+step re-runs, resumed entries and replayed steps. The exit status is 1 if the ledgered run
+lost or duplicated anything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import sqlite3
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import click
+from sqlalchemy.engine import make_url
+
+from ledger.engine import is_sqlite, make_engine
+from worker import demo_app
+from worker.demo import prepare
+from worker.demo_app import RunReport
+from worker.orchestrate import (
+    Orchestra,
+    Phases,
+    RunKind,
+    Sandbox,
+    SignalStop,
+    Workload,
+    quiet_logging,
+    safe_url,
+)
+from worker.tcpproxy import TcpProxy
+
+log = logging.getLogger(__name__)
+
+LEASE_SECONDS = 3.0
+SWEEP_INTERVAL = 1.0
+#: Redis only: the second worker's visibility timeout; shorter than the long orders below.
+VISIBILITY_TIMEOUT = 1.0
+#: Seconds of work between an order's effects, drawn per order. Most orders are short; the
+#: long ones outlive the visibility timeout, and give crashes something to land in.
+GAPS = (0.02, 0.05, 0.1, 0.1, 0.2, 0.3, 1.2)
+#: Seconds between chaos actions (uniform).
+CHAOS_INTERVAL = (0.7, 2.5)
+#: At most this many actions, whatever the duration.
+MAX_ACTIONS = 400
+#: How long a ledger outage lasts (PostgreSQL) or the SQLite write lock is held.
+OUTAGE_SECONDS = {"postgresql": 2.5, "sqlite": LEASE_SECONDS + 1.0}
+#: The ledgered run is idle only after a lease could expire and a sweep pass.
+LEDGER_IDLE_SECONDS = LEASE_SECONDS + 3 * SWEEP_INTERVAL + 2.0
+#: After the chaos, how long the runs get to finish.
+SETTLE_SECONDS = 120.0
+
+KINDS = (
+    RunKind("ledgered", demo_app.LEDGERED, "celery-ledger", "(LedgerTask)", ledgered=True),
+    RunKind("plain", demo_app.PLAIN_ACKS_LATE, "plain Celery", "(acks_late)"),
+)
+
+
+# -- the ledger outage ------------------------------------------------------------------------
+
+
+class LedgerOutage:
+    """Cut the ledger for the ledgered run's processes, then restore it."""
+
+    #: Why this broker/ledger pair cannot have an outage (None: it can).
+    unavailable: str | None = None
+    seconds = 0.0
+
+    def worker_url(self, url: str) -> str:
+        """The ledger URL the ledgered processes use."""
+        return url
+
+    def begin(self) -> str:
+        raise NotImplementedError
+
+    def end(self) -> None:
+        """Restore the ledger. Safe to call when it is not cut."""
+
+    def close(self) -> None:
+        self.end()
+
+
+class NoOutage(LedgerOutage):
+    def __init__(self, why: str) -> None:
+        self.unavailable = why
+
+
+class ProxyOutage(LedgerOutage):
+    """PostgreSQL: the ledgered processes connect through a proxy on 127.0.0.1; cut it."""
+
+    seconds = OUTAGE_SECONDS["postgresql"]
+
+    def __init__(self, url: str) -> None:
+        parsed = make_url(url)
+        self.proxy = TcpProxy(parsed.host or "127.0.0.1", parsed.port or 5432).start()
+        self._cut = False
+
+    def worker_url(self, url: str) -> str:
+        return make_url(url).set(host="127.0.0.1", port=self.proxy.port).render_as_string(
+            hide_password=False)
+
+    def begin(self) -> str:
+        self.proxy.stop()
+        self._cut = True
+        return f"ledger connections cut for {self.seconds:.1f}s (TCP proxy stopped)"
+
+    def end(self) -> None:
+        if self._cut:
+            self.proxy.start()
+            self._cut = False
+
+    def close(self) -> None:
+        self.end()
+        self.proxy.stop()
+
+
+class SqliteStall(LedgerOutage):
+    """SQLite has no connection to cut: hold its write lock past the lease instead.
+
+    Every ledger write (claim, heartbeat, step, settle, sweep) waits; leases run out while
+    their owners are alive, so the sweep that follows takes over live attempts, which must
+    then find themselves fenced.
+    """
+
+    seconds = OUTAGE_SECONDS["sqlite"]
+
+    def __init__(self, url: str) -> None:
+        self.path = make_url(url).database or ""
+        self._release = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def begin(self) -> str:
+        self._release.clear()
+        locked = threading.Event()
+        self._thread = threading.Thread(target=self._hold, args=(locked,), daemon=True,
+                                        name="verify-sqlite-stall")
+        self._thread.start()
+        locked.wait(timeout=35)
+        return f"ledger write lock held for {self.seconds:.1f}s (SQLite)"
+
+    def _hold(self, locked: threading.Event) -> None:
+        conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+        try:
+            conn.execute("BEGIN EXCLUSIVE")
+            locked.set()
+            # Bounded even if nobody calls end(): never hold a ledger hostage.
+            self._release.wait(timeout=self.seconds + 10)
+            conn.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            log.warning("could not hold the SQLite write lock: %s", exc)
+        finally:
+            locked.set()
+            conn.close()
+
+    def end(self) -> None:
+        self._release.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+
+
+def outage_for(box: Sandbox) -> LedgerOutage:
+    if not is_sqlite(box.ledger_url):
+        return ProxyOutage(box.ledger_url)
+    if not box.owns_ledger:
+        return NoOutage("the SQLite ledger is not verify's own file; its write lock would "
+                        "stall every other process that uses it")
+    return SqliteStall(box.ledger_url)
+
+
+# -- the chaos loop ---------------------------------------------------------------------------
+
+
+@dataclass
+class ChaosLog:
+    actions: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        return dict(Counter(a["action"] for a in self.actions))
+
+
+class Chaos:
+    """Random actions at random intervals against every run alike; every timer it sets
+    (SIGCONT, restoring the ledger) fires by ``finish`` at the latest."""
+
+    def __init__(self, works: list[Workload], rng: random.Random, outage: LedgerOutage,
+                 chaos_log: ChaosLog) -> None:
+        self.works = works
+        self.rng = rng
+        self.outage = outage
+        self.log = chaos_log
+        self.started = time.monotonic()
+        self.next_at = self.started + rng.uniform(*CHAOS_INTERVAL)
+        self.timers: list[tuple[float, str, Any]] = []
+        self.outage_on = False
+        weights = {"kill-child": 4, "kill-worker": 2, "pause": 2, "ledger-outage": 2}
+        if outage.unavailable:
+            del weights["ledger-outage"]
+        self.actions = list(weights)
+        self.weights = list(weights.values())
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        for timer in [t for t in self.timers if t[0] <= now]:
+            self.timers.remove(timer)
+            timer[2]()
+        if now >= self.next_at and len(self.log.actions) < MAX_ACTIONS:
+            self.next_at = now + self.rng.uniform(*CHAOS_INTERVAL)
+            self.act(self.rng.choices(self.actions, self.weights)[0])
+
+    def act(self, action: str) -> None:
+        # One draw decides the victim for every run: same schedule, same choices.
+        pick = self.rng.random()
+        at = round(time.monotonic() - self.started, 1)
+        if action == "ledger-outage":
+            if self.outage_on:
+                return
+            self.outage_on = True
+            detail = self.outage.begin()
+            self.timers.append((time.monotonic() + self.outage.seconds, "outage",
+                                self._end_outage))
+            self.log.actions.append({"t": at, "action": action, "run": "ledgered",
+                                     "detail": detail})
+            return
+        for work in self.works:
+            done = self._act_on(work, action, pick)
+            if done:
+                self.log.actions.append({"t": at, "action": action, "run": work.kind.id,
+                                         "detail": done})
+
+    def _act_on(self, work: Workload, action: str, pick: float) -> str | None:
+        ready = [(n, p) for n, p in sorted(work.workers.items())
+                 if p.alive and not p.paused and p.is_ready()]
+        if not ready:
+            return None
+        name, proc = ready[int(pick * len(ready))]
+        if action == "kill-child":
+            children = proc.children()
+            if not children:
+                return None
+            pid = children[int(pick * len(children)) % len(children)]
+            return f"SIGKILL pool process {pid} of {name}" if proc.kill_child(pid) else None
+        if action == "kill-worker":
+            if len(ready) < 2:
+                return None  # keep one worker consuming, or the run only ever restarts
+            proc.kill()
+            work.restart(name)
+            return f"SIGKILL worker {name} (pid {proc.pid} and its pool), restarted"
+        if action == "pause":
+            if len(ready) < 2:
+                return None
+            proc.pause()
+            seconds = LEASE_SECONDS + 1.5
+            self.timers.append((time.monotonic() + seconds, "resume", proc.resume))
+            return f"SIGSTOP worker {name} (pid {proc.pid}) for {seconds:.1f}s, then SIGCONT"
+        raise ValueError(action)
+
+    def _end_outage(self) -> None:
+        self.outage.end()
+        self.outage_on = False
+
+    def finish(self) -> None:
+        """Fire every pending timer now: resume paused workers, restore the ledger."""
+        for _, _, fn in sorted(self.timers, key=lambda t: t[0]):
+            fn()
+        self.timers.clear()
+        self.outage.end()
+        self.outage_on = False
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
+@dataclass
+class VerifyReport:
+    ok: bool
+    seed: int
+    tasks: int
+    duration: float
+    concurrency: int
+    broker: str
+    ledger: str
+    seconds: float
+    runs: dict[str, RunReport]
+    chaos: dict[str, Any]
+    kept: bool = False
+    data_dir: str = ""
+
+
+def run_verify(*, tasks: int, duration: float, seed: int, concurrency: int,
+               broker: str | None, ledger: str | None, keep: bool,
+               phases: Phases) -> VerifyReport:
+    started = time.monotonic()
+    rng = random.Random(seed)
+    box = Sandbox.create(prefix="celery-ledger-verify", broker=broker, ledger=ledger)
+    phases.note(f"data: {box.data_dir} ({box.describe()}); seed {seed}")
+    ledger_engine = make_engine(box.ledger_url)
+    chaos_log = ChaosLog()
+    works: list[Workload] = []
+    reports: dict[str, RunReport] = {}
+    outage: LedgerOutage = NoOutage("not started")
+    gaps = [rng.choice(GAPS) for _ in range(tasks)]
+    try:
+        with Orchestra("worker.demo_app", box.data_dir / "logs") as orch:
+            prepare(box)
+            outage = outage_for(box)
+            if outage.unavailable:
+                chaos_log.skipped.append(f"ledger-outage: {outage.unavailable}")
+            settings = {"CELERY_LEDGER_LEASE_SECONDS": str(LEASE_SECONDS),
+                        "CELERY_LEDGER_SWEEP_INTERVAL": str(SWEEP_INTERVAL)}
+            second: dict[str, str] = {}
+            if box.redis:
+                second = {demo_app.ENV_VISIBILITY: str(VISIBILITY_TIMEOUT)}
+            else:
+                chaos_log.skipped.append(
+                    "visibility-timeout redelivery: Redis only (filesystem:// never "
+                    "redelivers a message a worker holds)")
+            for kind in KINDS:
+                env = dict(settings)
+                if kind.ledgered:
+                    env["CELERY_LEDGER_URL"] = outage.worker_url(box.ledger_url)
+                works.append(Workload(kind, box, orch, orders=tasks, concurrency=concurrency,
+                                      env=env, ledger_idle=LEDGER_IDLE_SECONDS))
+            with phases.phase("start"):
+                procs = []
+                for w in works:
+                    procs += [w.start_worker("w1"), w.start_worker("w2", env=second)]
+                    if w.kind.ledgered:
+                        procs.append(w.start_beat())
+                phases.update(f"starting {len(procs)} processes ...")
+                orch.wait_ready(procs)
+                for w in works:
+                    w.enqueue(gaps)
+                phases.done(f"{len(procs)} processes up; {tasks} orders sent to each run")
+            with phases.phase("chaos"):
+                chaos = Chaos(works, rng, outage, chaos_log)
+                deadline = time.monotonic() + duration
+                try:
+                    while time.monotonic() < deadline and not _drained(works, ledger_engine):
+                        chaos.tick()
+                        phases.update(_status(works, chaos_log))
+                        time.sleep(0.1)
+                finally:
+                    chaos.finish()
+                counts = chaos_log.counts()
+                phases.done(", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
+                            or "no action was due")
+            with phases.phase("settle"):
+                for w in works:  # a worker killed last is still starting: let it come up
+                    w.finished = False
+                    w.mark_progress()
+                deadline = time.monotonic() + SETTLE_SECONDS
+                while time.monotonic() < deadline and not all(w.finished for w in works):
+                    for w in works:
+                        if not w.finished:
+                            w.settle_tick(ledger_engine)
+                    phases.update(_status(works, chaos_log))
+                    time.sleep(0.25)
+                phases.done("every run finished or went idle")
+            orch.stop_all()
+            with phases.phase("count"):
+                reports = {w.kind.id: w.tally(ledger_engine) for w in works}
+                phases.done("effects and ledger entries counted")
+    finally:
+        outage.close()
+        order_ids = [o for w in works if w.kind.ledgered for o in w.order_ids]
+        for w in works:
+            w.db.dispose()
+        try:
+            box.remove(keep, order_ids, ledger_engine)
+        finally:
+            ledger_engine.dispose()
+    led = reports["ledgered"]
+    ok = (led.lost == 0 and led.duplicate_effects == 0 and led.charged_twice == 0
+          and led.ledger_duplicate_executions == 0)
+    return VerifyReport(
+        ok=ok, seed=seed, tasks=tasks, duration=duration, concurrency=concurrency,
+        broker=safe_url(box.broker_url) or "filesystem://", ledger=safe_url(box.ledger_url),
+        seconds=round(time.monotonic() - started, 1), runs=reports,
+        chaos={"actions": chaos_log.actions, "counts": chaos_log.counts(),
+               "skipped": chaos_log.skipped},
+        kept=keep, data_dir=str(box.data_dir))
+
+
+def _drained(works: list[Workload], ledger_engine: Any) -> bool:
+    """Whether the chaos can stop early: every run accounted for everything, or went idle
+    (a plain run's lost orders never come back; neither does a message the broker lost)."""
+    return all([w.finished or w.settle_tick(ledger_engine) for w in works])
+
+
+def _status(works: list[Workload], chaos_log: ChaosLog) -> str:
+    done = " · ".join(f"{w.kind.id} {w.completed()}/{len(w.order_ids)}" for w in works)
+    return f"{done} · {len(chaos_log.actions)} actions"
+
+
+# -- output -----------------------------------------------------------------------------------
+
+
+def _rate(r: RunReport) -> str:
+    return f"{100 * r.duplicate_rate:.2f}%"
+
+
+ROWS = [
+    ("orders completed", lambda r, n: f"{r.completed}/{n}"),
+    ("lost", lambda r, n: str(r.lost)),
+    ("never claimed", lambda r, n: str(r.never_claimed) if r.ledgered else "-"),
+    ("failed", lambda r, n: str(r.failed) if r.ledgered else "-"),
+    ("blocked (parked)", lambda r, n: str(r.blocked) if r.ledgered else "-"),
+    ("duplicate effects", lambda r, n: str(r.duplicate_effects)),
+    ("charged twice", lambda r, n: str(r.charged_twice)),
+    ("duplicate rate", lambda r, n: _rate(r)),
+    ("ledger re-runs", lambda r, n: str(r.ledger_duplicate_executions) if r.ledgered else "-"),
+    ("resumed", lambda r, n: str(r.resumed) if r.ledgered else "-"),
+    ("steps replayed", lambda r, n: str(r.steps_replayed) if r.ledgered else "-"),
+    ("time taken", lambda r, n: f"{r.seconds:.1f}s"),
+]
+
+
+def render(report: VerifyReport) -> str:
+    runs = [report.runs[k.id] for k in KINDS]
+    width = 16
+    lines = ["", " " * 20 + "".join(f"{k.title:>{width}}" for k in KINDS),
+             " " * 20 + "".join(f"{k.subtitle:>{width}}" for k in KINDS)]
+    for label, cell in ROWS:
+        lines.append(f"{label:<20}" + "".join(f"{cell(r, report.tasks):>{width}}"
+                                              for r in runs))
+    lines.append("")
+    counts = report.chaos["counts"]
+    lines.append("chaos: " + (", ".join(f"{n} × {a}" for a, n in sorted(counts.items()))
+                              or "none"))
+    for skipped in report.chaos["skipped"]:
+        lines.append(f"  skipped {skipped}")
+    led = report.runs["ledgered"]
+    if led.reconciler:
+        answers = ", ".join(f"{v} {n}" for v, n in sorted(led.reconciler.items()))
+        lines.append(f"reconciler answers: {answers}")
+    for b in led.blocked_orders:
+        steps = ", ".join(b["ambiguous_steps"]) or "(none started)"
+        lines.append(f"blocked {b['order_id']}: ambiguous step {steps}: {b['reason']}")
+    for f in led.failed_orders:
+        lines.append(f"failed  {f['order_id']}: {f['error']}")
+    if led.never_claimed:
+        lines.append(f"never claimed: {led.never_claimed} ledgered order(s) have no ledger "
+                     f"entry ({led.queued_at_end} message(s) still queued): the broker dropped "
+                     "them before any worker claimed them, which no task-side ledger can see "
+                     "(filesystem:// forgets what a SIGKILLed worker had fetched)")
+    lines.append("")
+    verdict = (click.style("PASS", fg="green", bold=True) if report.ok
+               else click.style("FAIL", fg="red", bold=True))
+    lines.append(f"{verdict}: ledgered run: {led.lost} lost after a claim, "
+                 f"{led.duplicate_effects} duplicated effect(s), {led.blocked} blocked, "
+                 f"{led.failed} failed, {led.never_claimed} never claimed, {led.resumed} resumed."
+                 f" Seed {report.seed}; {report.seconds:.0f}s on {report.broker} with ledger "
+                 f"{report.ledger}.")
+    if report.kept:
+        lines.append(f"Data kept in {report.data_dir}.")
+    return "\n".join(lines)
+
+
+@click.command("verify")
+@click.option("--tasks", type=click.IntRange(1, 100_000), default=500, show_default=True,
+              help="Orders per run (three effect steps each).")
+@click.option("--duration", type=click.FloatRange(1, 3600), default=60.0, show_default=True,
+              help="Longest the chaos loop runs, in seconds.")
+@click.option("--seed", type=int, help="Seed of the random choices (printed when not given).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@click.option("--broker", envvar="CELERY_BROKER_URL", metavar="URL",
+              help="Broker URL (redis://...); default: filesystem:// in a temporary directory.")
+@click.option("--ledger", "ledger_url", metavar="URL",
+              help="Ledger URL; default: the group's --url / CELERY_LEDGER_URL, else SQLite "
+                   "in a temporary directory.")
+@click.option("--concurrency", type=click.IntRange(1, 8), default=2, show_default=True,
+              help="Pool processes per worker.")
+@click.option("--keep", is_flag=True, help="Keep the data directory and the ledger rows.")
+@click.pass_context
+def verify(ctx: click.Context, tasks: int, duration: float, seed: int | None, as_json: bool,
+           broker: str | None, ledger_url: str | None, concurrency: int, keep: bool) -> None:
+    """Run synthetic orders under chaos; fail if the ledgered run lost or duplicated any."""
+    if ledger_url is None and ctx.parent is not None:
+        ledger_url = ctx.parent.params.get("url")
+    if seed is None:
+        seed = random.SystemRandom().randrange(1, 2**31)
+    phases = Phases(4, stream=sys.stderr if as_json else sys.stdout)
+    if not as_json:
+        click.echo(f"celery-ledger verify: {tasks} orders per run under chaos for at most "
+                   f"{duration:.0f}s (reproduce the choices with --seed {seed})")
+    try:
+        with quiet_logging():
+            report = run_verify(tasks=tasks, duration=duration, seed=seed,
+                                concurrency=concurrency, broker=broker, ledger=ledger_url,
+                                keep=keep, phases=phases)
+    except SignalStop as stop:
+        click.echo(f"\ninterrupted ({stop}); every process verify started is stopped", err=True)
+        sys.exit(128 + stop.signum)
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted; every process verify started is stopped", err=True)
+        sys.exit(130)
+    if as_json:
+        click.echo(json.dumps(asdict(report), indent=2, sort_keys=True))
+    else:
+        click.echo(render(report))
+    sys.exit(0 if report.ok else 1)
+
+
+COMMANDS = [verify]
