@@ -312,10 +312,15 @@ def wait_for(predicate: Callable[[], Any], *, timeout: float, interval: float = 
 
 
 def memory_of(pid: int) -> dict[str, int]:
-    """RSS and PSS of one process in KiB (``/proc/<pid>/smaps_rollup``)."""
+    """RSS, PSS and USS of one process in KiB (``/proc/<pid>/smaps_rollup``).
+
+    USS (private clean + private dirty) is what one more pool process costs: pages shared
+    copy-on-write with the parent (modules imported before the fork) are not in it.
+    """
     out = {}
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
         name, _, rest = line.partition(":")
-        if name in ("Rss", "Pss", "Private_Dirty", "Shared_Clean"):
+        if name in ("Rss", "Pss", "Private_Dirty", "Private_Clean", "Shared_Clean"):
             out[name.lower()] = int(rest.split()[0])
+    out["uss"] = out.get("private_clean", 0) + out.get("private_dirty", 0)
     return out

@@ -33,6 +33,7 @@ def _children_memory(worker: Worker) -> dict[str, Any]:
         "children": len(children),
         "rss": sum(m["rss"] for m in per_child) / len(per_child),
         "pss": sum(m["pss"] for m in per_child) / len(per_child),
+        "uss": sum(m["uss"] for m in per_child) / len(per_child),
         "parent_rss": memory_of(worker.pid)["rss"],
     }
 
@@ -53,7 +54,7 @@ def run(tasks: int = 2000, broker: str = REDIS_URL) -> Report:
             measured[mode] = out["extra"]
     plain, ledger = measured["plain"], measured["ledger"]
     note = f"mean of {plain['children']} pool processes after {tasks} tasks"
-    for kind in ("rss", "pss"):
+    for kind in ("rss", "pss", "uss"):
         label = kind.upper()
         report.add(BENCH, f"{label} per pool process, plain", plain[kind] / 1024, "MiB",
                    note=note)

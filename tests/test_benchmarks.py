@@ -39,6 +39,7 @@ EXPECTED = [
     ("memory", "RSS per pool process, plain"),
     ("memory", "RSS per pool process, ledger"),
     ("memory", "PSS ratio ledger/plain"),
+    ("memory", "USS ratio ledger/plain"),
     ("scrape", "stats() uncached"),
     ("scrape", "scrape from the cache"),
 ]
