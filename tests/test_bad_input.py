@@ -86,7 +86,7 @@ def test_ledger_unreachable_at_settle_leaves_entry_for_recovery(tmp_path, redis,
     """The ledger goes away while the body runs: settle retries within its bound, then leaves
     the entry running; the lease expires, beat's sweep resumes it, steps replay, and the task
     completes with every effect exactly once."""
-    from tcpproxy import TcpProxy
+    from worker.tcpproxy import TcpProxy
 
     LedgerStore(pg_url).ensure_ready()  # schema, while reachable
     pg_port = int(pg_url.split("@", 1)[1].split("/", 1)[0].split(":")[1])

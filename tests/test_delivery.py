@@ -102,7 +102,7 @@ def test_business_key_with_different_arguments_conflicts(tmp_path):
 def test_ledger_unreachable_at_claim_runs_nothing_then_completes_once(tmp_path, pg_url):
     """The ledger is down when the task arrives: the body does not run; it is redelivered
     with backoff and completes exactly once when the ledger is back."""
-    from tcpproxy import TcpProxy
+    from worker.tcpproxy import TcpProxy
 
     LedgerStore(pg_url).ensure_ready()  # create the schema while the database is reachable
     host_port = pg_url.split("@", 1)[1].split("/", 1)[0]
