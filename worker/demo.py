@@ -39,6 +39,7 @@ from worker.orchestrate import (
     Workload,
     quiet_logging,
     safe_url,
+    side_by_side,
 )
 
 #: Short lease and sweep: a cut order is found within seconds, not minutes.
@@ -243,13 +244,7 @@ ROWS = [
 
 def render(report: DemoReport) -> str:
     runs = [report.runs[k.id] for k in KINDS]
-    width = 16
-    head1 = " " * 20 + "".join(f"{k.title:>{width}}" for k in KINDS)
-    head2 = " " * 20 + "".join(f"{k.subtitle:>{width}}" for k in KINDS)
-    lines = ["", head1, head2]
-    for label, cell in ROWS:
-        lines.append(f"{label:<20}" + "".join(f"{cell(r, report.orders):>{width}}"
-                                              for r in runs))
+    lines = side_by_side(KINDS, runs, ROWS, report.orders)
     led = report.runs["ledgered"]
     lines.append("")
     for k, r in zip(KINDS, runs, strict=True):

@@ -621,3 +621,15 @@ def quiet_logging() -> Iterator[None]:
         yield
     finally:
         root.setLevel(level)
+
+
+def side_by_side(kinds: Iterable[RunKind], runs: list[Any], rows: list[tuple[str, Any]],
+                 total: int, *, width: int = 16) -> list[str]:
+    """The comparison table: one column per run kind, one line per ``(label, cell)`` row."""
+    kinds = list(kinds)
+    lines = ["", " " * 20 + "".join(f"{k.title:>{width}}" for k in kinds),
+             " " * 20 + "".join(f"{k.subtitle:>{width}}" for k in kinds)]
+    for label, cell in rows:
+        lines.append(f"{label:<20}" + "".join(f"{cell(r, total):>{width}}" for r in runs))
+    return lines
+

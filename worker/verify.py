@@ -58,6 +58,7 @@ from worker.orchestrate import (
     Workload,
     quiet_logging,
     safe_url,
+    side_by_side,
 )
 from worker.tcpproxy import TcpProxy
 
@@ -450,12 +451,7 @@ ROWS = [
 
 def render(report: VerifyReport) -> str:
     runs = [report.runs[k.id] for k in KINDS]
-    width = 16
-    lines = ["", " " * 20 + "".join(f"{k.title:>{width}}" for k in KINDS),
-             " " * 20 + "".join(f"{k.subtitle:>{width}}" for k in KINDS)]
-    for label, cell in ROWS:
-        lines.append(f"{label:<20}" + "".join(f"{cell(r, report.tasks):>{width}}"
-                                              for r in runs))
+    lines = side_by_side(KINDS, runs, ROWS, report.tasks)
     lines.append("")
     counts = report.chaos["counts"]
     lines.append("chaos: " + (", ".join(f"{n} × {a}" for a, n in sorted(counts.items()))
