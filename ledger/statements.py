@@ -61,7 +61,11 @@ def event_insert() -> Any:
 
 @cache
 def claim_insert(dialect: str) -> Any:
-    """Insert a new entry as running with fence 1, or nothing if the key exists."""
+    """Insert a new entry as running with fence 1, or nothing if the key exists.
+
+    ``executions`` is 1 for a claim (the body is about to run) and 0 for a publish intent
+    (``HotPath.record_intent``: nothing has run yet).
+    """
     now = db_now()
     ins = (
         _insert(dialect)(entries)
@@ -70,7 +74,8 @@ def claim_insert(dialect: str) -> Any:
             status=_RUNNING, fence=1, side_effect=B("side_effect"), args_hash=B("args_hash"),
             snapshot=B("snapshot", Text), owner=B("owner"), owner_boot=B("owner_boot"),
             owner_pid=B("owner_pid", Integer), lease_until=now + B("lease", Float),
-            executions=1, interruptions=0, created_at=now, updated_at=now,
+            executions=B("executions", Integer), interruptions=0, created_at=now,
+            updated_at=now,
         )
         .on_conflict_do_nothing(index_elements=[entries.c.key])
         .returning(*RETURNED)

@@ -294,9 +294,27 @@ class HotPath(StoreCore):
                 "side_effect": req.side_effect, "args_hash": req.args_hash,
                 "snapshot": req.snapshot, "owner": req.owner.node,
                 "owner_boot": req.owner.boot, "owner_pid": req.owner.pid,
-                "lease": req.lease_seconds,
+                "lease": req.lease_seconds, "executions": 1,
             }, "claimed", req.owner.node)
         return int(rows[0][2]) if rows else None
+
+    def record_intent(self, req: ClaimRequest) -> bool:
+        """Record a task at publish time, before any worker has it (one statement).
+
+        The entry is ``running`` under the resume marker with a lease of
+        ``req.lease_seconds`` and no execution: the first claim runs it (RUN, not TAKEOVER);
+        if the message is lost before any claim (``filesystem://`` forgets what a killed
+        worker had fetched), the lease expires and the sweep re-enqueues it like any
+        interrupted entry. Returns False if the key already has an entry (nothing written).
+        """
+        rows = self._fast_with_event(
+            "claim", lambda: sql.claim_insert(self.dialect), {
+                "key": req.key, "task_name": req.task_name, "task_id": req.task_id,
+                "side_effect": req.side_effect, "args_hash": req.args_hash,
+                "snapshot": req.snapshot, "owner": RESUME_OWNER, "owner_boot": None,
+                "owner_pid": None, "lease": req.lease_seconds, "executions": 0,
+            }, "queued", req.owner.node)
+        return bool(rows)
 
     def _claim_existing_txn(self, conn: Connection, req: ClaimRequest) -> Claim | None:
         row = conn.execute(
@@ -337,6 +355,10 @@ class HotPath(StoreCore):
                                  lease_remaining=float(row.remaining))
                 interruptions += 1  # the attempt that held it is gone: count the loss here
 
+        if gate is Gate.TAKEOVER and row.executions == 0:
+            # A publish intent (or its resume) that no attempt ran yet: a first run, with
+            # nothing that could be ambiguous and no crash to count.
+            gate = Gate.RUN
         if gate is Gate.TAKEOVER and interruptions > req.max_interruptions:
             reason = (f"crash loop: interrupted {interruptions} times "
                       f"(ledger_max_resumes={req.max_interruptions})")
@@ -358,7 +380,9 @@ class HotPath(StoreCore):
             lease_until=now + req.lease_seconds, executions=entries.c.executions + 1,
             interruptions=interruptions, updated_at=now,
         ))
-        self._append_event(conn, req.key, "takeover" if gate is Gate.TAKEOVER else "rerun",
+        event = ("claimed" if row.executions == 0
+                 else "takeover" if gate is Gate.TAKEOVER else "rerun")
+        self._append_event(conn, req.key, event,
                            task_id=req.task_id, fence=fence, status=EntryStatus.RUNNING.value,
                            actor=req.owner.node, detail=f"from {found.value}")
         return Claim(gate, req.key, fence, found=found, steps=self._load_steps(conn, req.key),

@@ -7,14 +7,16 @@ from typing import Any
 from sqlalchemy import text
 
 from ledger import LedgerStore, entry_key
-from ledger.engine import make_engine
+from ledger.engine import READ_ONLY, make_engine
 
 
 def effect_counts(effects_url: str, tag: str | None = None) -> dict[tuple[str, str], int]:
     """(tag, effect) -> how many times it happened."""
     engine = make_engine(effects_url)
     try:
-        with engine.connect() as conn:
+        # A read-only (deferred) transaction: on SQLite it must not take the write lock the
+        # workers under test need.
+        with engine.connect().execution_options(**{READ_ONLY: True}) as conn:
             if not conn.dialect.has_table(conn, "test_effects"):
                 return {}
             q = "SELECT tag, effect, COUNT(*) FROM test_effects"

@@ -26,6 +26,13 @@ pytestmark = pytest.mark.processes
 ORDER_EFFECTS = {"reserve": 1, "charge": 1, "receipt": 1}
 
 
+def step_completed(url: str, order_id: str, step: str = "reserve") -> bool:
+    """Whether the order's step has its `completed` row: killing the worker after this point
+    leaves nothing ambiguous (after its effect but before this row, it would)."""
+    rows = LedgerStore(url).load_steps(business_key("tests_app.order", order_id=order_id))
+    return any(r.name == step and r.status is StepStatus.COMPLETED for r in rows)
+
+
 def effects_of(url: str, tag: str) -> dict[str, int]:
     return {effect: n for (_, effect), n in effect_counts(url, tag).items()}
 
@@ -44,7 +51,7 @@ def test_whole_worker_killed_on_embedded_default_is_recovered(tmp_path, how):
     with processes(tmp_path, env) as procs:
         first = procs.worker("w1", concurrency=1)
         result = app.send_task("tests_app.order", args=("emb-1", 3), kwargs={"pause": 4.0})
-        wait_for(lambda: effects_of(ledger, "emb-1").get("reserve"), timeout=30,
+        wait_for(lambda: step_completed(ledger, "emb-1"), timeout=30,
                  what="the first step")
         first.kill_all()  # SIGKILL the whole worker: parent and pool
         if how == "beat":
@@ -71,7 +78,7 @@ def test_pool_process_killed_is_interrupted_before_its_lease_expires(tmp_path, r
     with processes(tmp_path, env) as procs:
         worker = procs.worker("w1", concurrency=1)
         result = app.send_task("tests_app.order", args=("fast-1", 1), kwargs={"pause": 5.0})
-        wait_for(lambda: effects_of(pg_url, "fast-1").get("reserve"), timeout=30,
+        wait_for(lambda: step_completed(pg_url, "fast-1"), timeout=30,
                  what="the first step")
         store = LedgerStore(pg_url)
         key = business_key("tests_app.order", order_id="fast-1")
@@ -98,7 +105,7 @@ def test_paused_worker_is_fenced_out_after_takeover(tmp_path, redis, pg_url):
     with processes(tmp_path, env) as procs:
         zombie = procs.worker("zombie", concurrency=1)
         result = app.send_task("tests_app.order", args=("zz-1", 1), kwargs={"pause": 3.0})
-        wait_for(lambda: effects_of(pg_url, "zz-1").get("reserve"), timeout=30,
+        wait_for(lambda: step_completed(pg_url, "zz-1"), timeout=30,
                  what="the first step")
         os.killpg(zombie.pid, signal.SIGSTOP)  # parent, pool process and heartbeat thread
         try:
@@ -205,3 +212,41 @@ def test_crash_loop_is_blocked_and_the_queue_keeps_flowing(tmp_path, redis, pg_u
     entry = store.get_entry(key_of("tests_app.crash_always", bomb.id))
     assert entry.status is EntryStatus.BLOCKED
     assert "interrupted 3 times" in (entry.reason or "")
+
+
+def test_message_lost_before_any_claim_is_resent_from_its_publish_intent(tmp_path):
+    """filesystem:// deletes a message when a worker fetches it, so a worker killed between
+    fetch and claim takes the message with it. With publish intents (on by default for that
+    broker) the ledger knows the task from the moment it was sent: the intent's lease expires,
+    the sweep re-sends it, and it runs once."""
+    from pathlib import Path
+
+    from worker import LedgerTask, create_app
+
+    ledger = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    env = test_env(tmp_path, broker=None, ledger_url=ledger, CELERY_LEDGER_SWEEP_INTERVAL="1")
+    producer = create_app("producer", data_dir=env["CELERY_LEDGER_DATA_DIR"],
+                          ledger_url=ledger, ledger_publish_intent_seconds=2,
+                          task_default_queue=env["TEST_QUEUE"])
+
+    @producer.task(base=LedgerTask, bind=True, name="tests_app.order", key_from=("order_id",),
+                   shared=False)
+    def order(self: Any, order_id: str, amount: int, pause: float = 0.0) -> None:
+        raise AssertionError("the producer never runs the body")
+
+    result = order.apply_async(("lost-1", 7))
+    queued = list((Path(env["CELERY_LEDGER_DATA_DIR"]) / "broker").glob("*.msg"))
+    assert len(queued) == 1
+    queued[0].unlink()  # the broker lost it: no worker will ever see this message
+    store = LedgerStore(ledger)
+    key = business_key("tests_app.order", order_id="lost-1")
+    assert store.get_entry(key).executions == 0
+    with processes(tmp_path, env) as procs:
+        procs.worker("w1", concurrency=1)
+        procs.beat()
+        value = result.get(timeout=60)
+    assert value["steps"] == ["reserve:lost-1", "charge:lost-1", "receipt:lost-1"]
+    assert effects_of(ledger, "lost-1") == ORDER_EFFECTS
+    events = event_names(store, key)
+    assert events[:2] == ["queued", "interrupted"] and "resuming" in events
+    assert events.count("claimed") == 1 and store.get_entry(key).executions == 1

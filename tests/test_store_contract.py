@@ -969,3 +969,24 @@ def test_prune_skips_an_entry_being_released(pg_url: str) -> None:
         assert store.entry_events("key-1") != []
     finally:
         store.dispose()
+
+
+def test_publish_intent_is_claimed_as_a_first_run(store: LedgerStore) -> None:
+    """An intent recorded at publish time: the first claim RUNs it (no ambiguity, no crash
+    counted); a lost message's intent expires, is interrupted by the sweep, and still RUNs."""
+    assert store.record_intent(request(lease=60))
+    assert not store.record_intent(request(lease=60))  # one intent per key
+    claim = store.claim(request())
+    assert (claim.gate, claim.fence, claim.executions) == (Gate.RUN, 2, 0)
+    assert [e.event for e in store.entry_events("key-1")] == ["queued", "claimed"]
+    assert store.get_entry("key-1").interruptions == 0
+
+
+def test_lost_publish_intent_is_swept_and_run(store: LedgerStore) -> None:
+    assert store.record_intent(request(lease=0.05))
+    time.sleep(0.1)
+    (lost,) = store.interrupt_expired()
+    assert lost.key == "key-1" and lost.has_snapshot
+    assert store.begin_resume("key-1", lost.fence, lease_seconds=60) is not None
+    claim = store.claim(request())
+    assert claim.gate is Gate.RUN and claim.steps == ()

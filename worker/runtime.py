@@ -58,6 +58,13 @@ def store_for(app: Any) -> LedgerStore:
     return store
 
 
+def publish_intent_enabled(app: Any) -> bool:
+    flag = settings_for(app).publish_intent
+    if flag is None:
+        return str(app.conf.broker_url or "").startswith("filesystem")
+    return flag
+
+
 def events_enabled(app: Any) -> bool:
     flag = settings_for(app).send_events
     if flag is None:

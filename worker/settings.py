@@ -54,6 +54,13 @@ class LedgerSettings:
     crash_points: frozenset[str] = frozenset()
     #: Marker file that makes each crash point fire once (CELERY_LEDGER_CRASH_ONCE).
     crash_once_file: str | None = None
+    #: Record each task in the ledger when it is published (``LedgerTask.apply_async``), so a
+    #: message the broker loses before any claim is re-sent by the sweep. None: on for the
+    #: ``filesystem://`` broker (it deletes a message when a worker fetches it), off otherwise.
+    publish_intent: bool | None = None
+    #: How long a published task may wait in the queue before the sweep re-sends it. A longer
+    #: backlog only costs a duplicate message (the claim deduplicates), never a duplicate run.
+    publish_intent_seconds: float = 300.0
     #: Operator tokens: when set, ``release --by`` must name one of them.
     operator_tokens: frozenset[str] = frozenset()
 
@@ -104,9 +111,9 @@ class LedgerSettings:
             raise ValueError("ledger_max_result_bytes must be > 0")
 
 
-_FLOATS = {"lease_seconds", "sweep_interval", "retention_days", "wait_poll_seconds",
-           "wait_countdown_max", "unavailable_backoff", "unavailable_backoff_max",
-           "settle_retry_seconds", "reconcile_timeout"}
+_FLOATS = {"publish_intent_seconds", "lease_seconds", "sweep_interval", "retention_days",
+           "wait_poll_seconds", "wait_countdown_max", "unavailable_backoff",
+           "unavailable_backoff_max", "settle_retry_seconds", "reconcile_timeout"}
 _INTS = {"max_resumes", "max_result_bytes", "sweep_batch"}
 _SETS = {"crash_points", "operator_tokens"}
 
@@ -120,7 +127,7 @@ def _parse(name: str, raw: Any) -> Any:
         if name in _SETS:
             items = raw.split(",") if isinstance(raw, str) else raw
             return frozenset(i.strip() for i in items if str(i).strip())
-        if name == "send_events":
+        if name in ("send_events", "publish_intent"):
             if isinstance(raw, bool) or raw is None:
                 return raw
             return str(raw).strip().lower() in ("1", "true", "yes", "on")

@@ -21,6 +21,7 @@ from typing import Any
 
 from celery import Task
 from celery.exceptions import Ignore, Retry
+from celery.utils import uuid
 
 from ledger import (
     BODY_STEP,
@@ -170,6 +171,41 @@ class LedgerTask(Task):
             type(self)._signature_cache = inspect.signature(self.run)
         assert self._signature_cache is not None
         return self._signature_cache
+
+    # -- publishing -----------------------------------------------------------------------
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
+                    producer: Any = None, link: Any = None, link_error: Any = None,
+                    shadow: Any = None, **options: Any) -> Any:
+        """Send the task; with publish intents on, record it in the ledger first.
+
+        The intent (``LedgerStore.record_intent``) lets the sweep re-send a message the broker
+        loses before any worker claims it. It never stops a publish: if the ledger cannot be
+        reached, the task is sent anyway (and claimed, or redelivered, as usual).
+        """
+        if not self.app.conf.task_always_eager and runtime.publish_intent_enabled(self.app):
+            task_id = task_id or uuid()
+            self._record_intent(tuple(args or ()), dict(kwargs or {}), task_id, options)
+        return super().apply_async(args, kwargs, task_id=task_id, producer=producer, link=link,
+                                   link_error=link_error, shadow=shadow, **options)
+
+    def _record_intent(self, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str,
+                       options: dict[str, Any]) -> None:
+        headers = options.get("headers") or {}
+        try:
+            key, args_hash = self.ledger_key(args, kwargs, task_id, headers.get("ledger_key"))
+            snapshot = encode({"args": list(args), "kwargs": kwargs,
+                               "queue": options.get("queue") or getattr(self, "queue", None),
+                               "ledger_key": headers.get("ledger_key")},
+                              limit=16 * 1024 * 1024, what="argument snapshot")
+            settings = runtime.settings_for(self.app)
+            runtime.store_for(self.app).record_intent(ClaimRequest(
+                key=key, task_name=self.name, task_id=task_id, args_hash=args_hash,
+                snapshot=snapshot, side_effect=self.side_effect,
+                owner=runtime.owner_for(None), lease_seconds=settings.publish_intent_seconds,
+                max_interruptions=settings.max_resumes))
+        except Exception as exc:  # noqa: BLE001 - an intent must never stop a publish
+            log.warning("no publish intent for %s[%s]: %s", self.name, task_id, exc)
 
     # -- delivery -------------------------------------------------------------------------
 
