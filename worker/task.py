@@ -183,7 +183,9 @@ class LedgerTask(Task):
         loses before any worker claims it. It never stops a publish: if the ledger cannot be
         reached, the task is sent anyway (and claimed, or redelivered, as usual).
         """
-        if not self.app.conf.task_always_eager and runtime.publish_intent_enabled(self.app):
+        redelivery = (options.get("headers") or {}).get("ledger_redelivery")
+        if (not redelivery and not self.app.conf.task_always_eager
+                and runtime.publish_intent_enabled(self.app)):
             task_id = task_id or uuid()
             self._record_intent(tuple(args or ()), dict(kwargs or {}), task_id, options)
         return super().apply_async(args, kwargs, task_id=task_id, producer=producer, link=link,
@@ -467,8 +469,9 @@ class LedgerTask(Task):
         """
         req = self.request
         sig = self.signature_from_request(req, args, kwargs, countdown=countdown)
-        if headers:
-            sig.options["headers"] = {**(sig.options.get("headers") or {}), **headers}
+        # The entry exists (WAIT) or the ledger is down (claim): no publish intent to record.
+        sig.options["headers"] = {**(sig.options.get("headers") or {}), **(headers or {}),
+                                  "ledger_redelivery": True}
         sig.apply_async()
         raise Ignore()
 
