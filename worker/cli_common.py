@@ -39,8 +39,14 @@ from ledger import (
 from ledger.engine import is_sqlite, make_engine, normalize_url
 from ledger.migrate import pending_revisions
 
-STATUS_COLOURS = {"running": "cyan", "completed": "green", "failed": "magenta",
-                   "retrying": "yellow", "interrupted": "yellow", "blocked": "red"}
+STATUS_COLOURS = {
+    "running": "cyan",
+    "completed": "green",
+    "failed": "magenta",
+    "retrying": "yellow",
+    "interrupted": "yellow",
+    "blocked": "red",
+}
 CHECK_COLOURS = {"PASS": "green", "WARN": "yellow", "FAIL": "red"}
 
 # -- plumbing ---------------------------------------------------------------------------------
@@ -93,8 +99,10 @@ def require_existing(url: str) -> None:
     if not path or path == ":memory:":
         raise click.ClickException(f"{url} is an in-memory SQLite database: no ledger to operate")
     if not os.path.exists(path):
-        raise click.ClickException(f"no ledger database at {path} (wrong --url? or run "
-                                   "`celery-ledger migrate` to create one)")
+        raise click.ClickException(
+            f"no ledger database at {path} (wrong --url? or run "
+            "`celery-ledger migrate` to create one)"
+        )
 
 
 def open_store(ctx: click.Context) -> LedgerStore:
@@ -148,8 +156,12 @@ def emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
 
 
-def print_table(ctx: click.Context, header: list[str], rows: list[list[str]],
-           colour: Callable[[int, str], str | None] = lambda i, v: None) -> None:
+def print_table(
+    ctx: click.Context,
+    header: list[str],
+    rows: list[list[str]],
+    colour: Callable[[int, str], str | None] = lambda i, v: None,
+) -> None:
     """Columns padded to their widest cell; colour applied after padding."""
     widths = [max(len(click.unstyle(r[i])) for r in (header, *rows)) for i in range(len(header))]
     widths[-1] = 0  # the last column is never padded: no trailing blanks
@@ -191,8 +203,9 @@ def parse_since(text: str) -> float:
     try:
         value = float(raw[:-1]) * units[raw[-1]] if raw[-1:] in units else float(raw)
     except ValueError:
-        raise click.ClickException(f"--since {text!r}: give seconds or a duration like 30s, "
-                                   "10m, 2h, 1d") from None
+        raise click.ClickException(
+            f"--since {text!r}: give seconds or a duration like 30s, 10m, 2h, 1d"
+        ) from None
     if value < 0:
         raise click.ClickException(f"--since {text!r} must not be negative")
     return value
@@ -209,8 +222,9 @@ def resolve_key(store: LedgerStore, ref: str) -> str:
         raise EntryNotFound(f"no ledger entry matches {ref!r} (a key, a key prefix or a task id)")
     if len(keys) > 1:
         shown = ", ".join(k[:16] for k in keys)
-        raise click.ClickException(f"{ref!r} matches several entries ({shown}); give more of "
-                                   "the key")
+        raise click.ClickException(
+            f"{ref!r} matches several entries ({shown}); give more of the key"
+        )
     return keys[0]
 
 
@@ -230,21 +244,25 @@ def next_action(entry: Entry, now: float, prefix: str) -> NextAction:
     key = entry.key
     if entry.status is EntryStatus.BLOCKED:
         return NextAction(
-            "release", "release after checking the step",
-            f"{prefix} release {key} --verified not-executed|completed --by WHO --reason WHY")
+            "release",
+            "release after checking the step",
+            f"{prefix} release {key} --verified not-executed|completed --by WHO --reason WHY",
+        )
     if entry.status is EntryStatus.INTERRUPTED:
         if entry.snapshot is None:
             return NextAction(
-                "resend", f"no argument snapshot: re-send task id {entry.task_id} by hand",
+                "resend",
+                f"no argument snapshot: re-send task id {entry.task_id} by hand",
                 f"{prefix} release {key} --verified completed --result-json JSON --by WHO "
-                "--reason WHY")
-        return NextAction("resume", "resume now (or wait for the sweep)",
-                          f"{prefix} resume {key}")
+                "--reason WHY",
+            )
+        return NextAction("resume", "resume now (or wait for the sweep)", f"{prefix} resume {key}")
     if entry.status is EntryStatus.RUNNING:
         left = None if entry.lease_until is None else entry.lease_until - now
         if left is None or left <= 0:
-            return NextAction("sweep", "lease expired: sweep interrupts and resumes it",
-                              f"{prefix} sweep")
+            return NextAction(
+                "sweep", "lease expired: sweep interrupts and resumes it", f"{prefix} sweep"
+            )
         if entry.owner == RESUME_OWNER:
             return NextAction("wait", f"re-enqueued, waiting for a worker ({duration(left)})")
         return NextAction("wait", f"running (lease {duration(left)} left)")
@@ -258,24 +276,37 @@ def entry_view(entry: Entry, now: float, prefix: str) -> dict[str, Any]:
     nxt = next_action(entry, now, prefix)
     released = None
     if entry.released_at is not None:
-        released = {"by": entry.released_by, "reason": entry.released_reason,
-                    "at": entry.released_at, "from_status": entry.released_from}
+        released = {
+            "by": entry.released_by,
+            "reason": entry.released_reason,
+            "at": entry.released_at,
+            "from_status": entry.released_from,
+        }
     return {
-        "key": entry.key, "task": entry.task_name, "task_id": entry.task_id,
-        "status": entry.status.value, "fence": entry.fence, "owner": entry.owner,
+        "key": entry.key,
+        "task": entry.task_name,
+        "task_id": entry.task_id,
+        "status": entry.status.value,
+        "fence": entry.fence,
+        "owner": entry.owner,
         "side_effect": entry.side_effect,
         "age_seconds": round(now - entry.updated_at, 3),
-        "lease_remaining_seconds": (None if entry.lease_until is None
-                                    else round(entry.lease_until - now, 3)),
-        "created_at": entry.created_at, "updated_at": entry.updated_at,
-        "settled_at": entry.settled_at, "executions": entry.executions,
-        "interruptions": entry.interruptions, "reason": entry.reason,
-        "has_snapshot": entry.snapshot is not None, "released": released,
-        "next_action": nxt.action, "hint": nxt.hint, "next_command": nxt.command,
+        "lease_remaining_seconds": (
+            None if entry.lease_until is None else round(entry.lease_until - now, 3)
+        ),
+        "created_at": entry.created_at,
+        "updated_at": entry.updated_at,
+        "settled_at": entry.settled_at,
+        "executions": entry.executions,
+        "interruptions": entry.interruptions,
+        "reason": entry.reason,
+        "has_snapshot": entry.snapshot is not None,
+        "released": released,
+        "next_action": nxt.action,
+        "hint": nxt.hint,
+        "next_command": nxt.command,
     }
 
 
 def status_colour(col: int) -> Callable[[int, str], str | None]:
     return lambda i, v: STATUS_COLOURS.get(v) if i == col else None
-
-

@@ -47,16 +47,24 @@ from worker.codec import encode
 
 @click.command("list")
 @click.option("--stuck", is_flag=True, help="Interrupted, blocked, or running past its lease.")
-@click.option("--status", "statuses", multiple=True,
-              help="Only these statuses (repeat, or comma-separate).")
+@click.option(
+    "--status", "statuses", multiple=True, help="Only these statuses (repeat, or comma-separate)."
+)
 @click.option("--task", help="Only this task name.")
 @click.option("--since", help="Only entries changed within this long (30s, 10m, 2h, 1d).")
 @click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (see docs/operations.md).")
 @click.pass_context
 @guarded
-def list_cmd(ctx: click.Context, stuck: bool, statuses: tuple[str, ...], task: str | None,
-             since: str | None, limit: int, as_json: bool) -> None:
+def list_cmd(
+    ctx: click.Context,
+    stuck: bool,
+    statuses: tuple[str, ...],
+    task: str | None,
+    since: str | None,
+    limit: int,
+    as_json: bool,
+) -> None:
     """Entries, newest change first, with what to do next."""
     wanted = [s.strip() for raw in statuses for s in raw.split(",") if s.strip()]
     known = [s.value for s in EntryStatus]
@@ -65,8 +73,9 @@ def list_cmd(ctx: click.Context, stuck: bool, statuses: tuple[str, ...], task: s
         raise click.ClickException(f"unknown status {bad[0]!r}; one of {', '.join(known)}")
     since_seconds = parse_since(since) if since else None
     store = open_store(ctx)
-    found = store.list_entries(statuses=wanted or None, task=task, stuck=stuck,
-                               since_seconds=since_seconds, limit=limit)
+    found = store.list_entries(
+        statuses=wanted or None, task=task, stuck=stuck, since_seconds=since_seconds, limit=limit
+    )
     now = store.now()
     prefix = command_prefix(ctx)
     views = [entry_view(e, now, prefix) for e in found]
@@ -76,10 +85,21 @@ def list_cmd(ctx: click.Context, stuck: bool, statuses: tuple[str, ...], task: s
     if not views:
         echo(ctx, "no entries")
         return
-    rows = [[v["key"][:12], v["task"], v["status"], duration(v["age_seconds"]), str(v["fence"]),
-             v["owner"] or "-", v["hint"]] for v in views]
-    print_table(ctx, ["KEY", "TASK", "STATUS", "AGE", "FENCE", "OWNER", "NEXT"], rows,
-           status_colour(2))
+    rows = [
+        [
+            v["key"][:12],
+            v["task"],
+            v["status"],
+            duration(v["age_seconds"]),
+            str(v["fence"]),
+            v["owner"] or "-",
+            v["hint"],
+        ]
+        for v in views
+    ]
+    print_table(
+        ctx, ["KEY", "TASK", "STATUS", "AGE", "FENCE", "OWNER", "NEXT"], rows, status_colour(2)
+    )
 
 
 @click.command("show")
@@ -99,59 +119,120 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
     view["snapshot"] = loads(entry.snapshot) if entry.snapshot else None
     view["result"] = loads(entry.result) if entry.result else None
     view["error"] = loads(entry.error) if entry.error else None
-    view["steps"] = [{
-        "name": s.name, "occurrence": s.occurrence, "status": s.status.value,
-        "external_ref": s.external_ref, "fence": s.fence, "attempts": s.attempts,
-        "authorized": s.authorized, "started_at": s.started_at, "completed_at": s.completed_at,
-        "duration_seconds": (None if s.completed_at is None or s.started_at is None
-                             else round(s.completed_at - s.started_at, 6)),
-        "ambiguous": s.status is StepStatus.STARTED,
-    } for s in steps]
-    view["events"] = [{"id": e.id, "event": e.event, "status": e.status, "fence": e.fence,
-                       "actor": e.actor, "detail": e.detail, "at": e.at, "task_id": e.task_id}
-                      for e in events]
+    view["steps"] = [
+        {
+            "name": s.name,
+            "occurrence": s.occurrence,
+            "status": s.status.value,
+            "external_ref": s.external_ref,
+            "fence": s.fence,
+            "attempts": s.attempts,
+            "authorized": s.authorized,
+            "started_at": s.started_at,
+            "completed_at": s.completed_at,
+            "duration_seconds": (
+                None
+                if s.completed_at is None or s.started_at is None
+                else round(s.completed_at - s.started_at, 6)
+            ),
+            "ambiguous": s.status is StepStatus.STARTED,
+        }
+        for s in steps
+    ]
+    view["events"] = [
+        {
+            "id": e.id,
+            "event": e.event,
+            "status": e.status,
+            "fence": e.fence,
+            "actor": e.actor,
+            "detail": e.detail,
+            "at": e.at,
+            "task_id": e.task_id,
+        }
+        for e in events
+    ]
     if as_json:
         view["now"] = now
         emit_json(view)
         return
     fields = [
-        ("key", view["key"]), ("task", f"{view['task']}  (task id {view['task_id']})"),
-        ("status", view["status"]), ("reason", view["reason"] or "-"),
-        ("fence", str(view["fence"])), ("owner", view["owner"] or "-"),
-        ("lease", duration(view["lease_remaining_seconds"]) + " left"
-         if view["lease_remaining_seconds"] is not None else "-"),
+        ("key", view["key"]),
+        ("task", f"{view['task']}  (task id {view['task_id']})"),
+        ("status", view["status"]),
+        ("reason", view["reason"] or "-"),
+        ("fence", str(view["fence"])),
+        ("owner", view["owner"] or "-"),
+        (
+            "lease",
+            duration(view["lease_remaining_seconds"]) + " left"
+            if view["lease_remaining_seconds"] is not None
+            else "-",
+        ),
         ("side effect", view["side_effect"]),
         ("runs", f"{view['executions']} execution(s), {view['interruptions']} interruption(s)"),
-        ("created", timestamp(entry.created_at)), ("updated", timestamp(entry.updated_at)),
-        ("arguments", json.dumps(view["snapshot"], default=str) if view["snapshot"]
-         else "no snapshot (cannot be re-enqueued)"),
+        ("created", timestamp(entry.created_at)),
+        ("updated", timestamp(entry.updated_at)),
+        (
+            "arguments",
+            json.dumps(view["snapshot"], default=str)
+            if view["snapshot"]
+            else "no snapshot (cannot be re-enqueued)",
+        ),
     ]
     if entry.result is not None:
         fields.append(("result", json.dumps(view["result"], default=str)[:200]))
     if view["released"]:
         r = view["released"]
-        fields.append(("released", f"by {r['by']} at {timestamp(r['at'])} from {r['from_status']}: "
-                                   f"{r['reason']}"))
+        fields.append(
+            (
+                "released",
+                f"by {r['by']} at {timestamp(r['at'])} from {r['from_status']}: {r['reason']}",
+            )
+        )
     formatter = click.HelpFormatter(width=120)
     formatter.write_dl(fields, col_max=14)
     echo(ctx, formatter.getvalue().rstrip())
     echo(ctx)
     echo(ctx, click.style("steps", bold=True))
     if steps:
-        print_table(ctx, ["NAME", "OCC", "STATUS", "EXTERNAL REF", "RUNS", "STARTED", "TOOK"], [
-            [s["name"], str(s["occurrence"]), s["status"] + (" (ambiguous)" if s["ambiguous"]
-                                                             else ""),
-             s["external_ref"] or "-", f"{s['attempts']} ({s['authorized']} authorized)",
-             timestamp(s["started_at"]), f"{s['duration_seconds']:.3f}s"
-             if s["duration_seconds"] is not None else "-"]
-            for s in view["steps"]], lambda i, v: "red" if i == 2 and "ambiguous" in v else None)
+        print_table(
+            ctx,
+            ["NAME", "OCC", "STATUS", "EXTERNAL REF", "RUNS", "STARTED", "TOOK"],
+            [
+                [
+                    s["name"],
+                    str(s["occurrence"]),
+                    s["status"] + (" (ambiguous)" if s["ambiguous"] else ""),
+                    s["external_ref"] or "-",
+                    f"{s['attempts']} ({s['authorized']} authorized)",
+                    timestamp(s["started_at"]),
+                    f"{s['duration_seconds']:.3f}s" if s["duration_seconds"] is not None else "-",
+                ]
+                for s in view["steps"]
+            ],
+            lambda i, v: "red" if i == 2 and "ambiguous" in v else None,
+        )
     else:
         echo(ctx, "  (none recorded)")
     echo(ctx)
     echo(ctx, click.style("events", bold=True))
-    print_table(ctx, ["AT", "EVENT", "STATUS", "FENCE", "ACTOR", "DETAIL"], [
-        [timestamp(e["at"]), e["event"], e["status"] or "-", str(e["fence"]), e["actor"] or "-",
-         e["detail"] or ""] for e in view["events"]], status_colour(2))
+    print_table(
+        ctx,
+        ["AT", "EVENT", "STATUS", "FENCE", "ACTOR", "DETAIL"],
+        [
+            [
+                timestamp(e["at"]),
+                e["event"],
+                e["status"] or "-",
+                str(e["fence"]),
+                e["actor"] or "-",
+                e["detail"] or "",
+            ]
+            for e in view["events"]
+        ],
+        status_colour(2),
+    )
     echo(ctx)
     echo(ctx, f"next: {view['hint']}")
     if view["next_command"]:
@@ -168,8 +249,10 @@ def _parse_verdict(raw: str | None) -> Verdict:
     if value == "not-executed":
         return Verdict.NOT_EXECUTED
     raise click.ClickException(
-        f"--verified must be 'completed' or 'not-executed', not {raw!r}" if raw
-        else "--verified completed|not-executed is required")
+        f"--verified must be 'completed' or 'not-executed', not {raw!r}"
+        if raw
+        else "--verified completed|not-executed is required"
+    )
 
 
 def _parse_result(text: str | None, verdict: Verdict, limit: int) -> str | None:
@@ -178,8 +261,9 @@ def _parse_result(text: str | None, verdict: Verdict, limit: int) -> str | None:
             raise click.ClickException("--result-json goes with --verified completed only")
         return None
     if text is None:
-        raise click.ClickException("--verified completed needs --result-json (the task's "
-                                   "result; 'null' for none)")
+        raise click.ClickException(
+            "--verified completed needs --result-json (the task's result; 'null' for none)"
+        )
 
     def no_constants(name: str) -> Any:
         raise ValueError(f"{name} is not JSON")
@@ -197,22 +281,35 @@ def _authorize(tokens: frozenset[str], by: str) -> None:
         return
     # compare_digest on every token: the time taken does not say how close a guess came.
     if not any(hmac.compare_digest(by.encode(), t.encode()) for t in tokens):
-        raise click.ClickException("--by does not match any operator token "
-                                   "(CELERY_LEDGER_OPERATOR_TOKENS); nothing was released")
+        raise click.ClickException(
+            "--by does not match any operator token "
+            "(CELERY_LEDGER_OPERATOR_TOKENS); nothing was released"
+        )
 
 
 @click.command("release")
 @click.argument("ref")
-@click.option("--verified", "verified_raw", metavar="completed|not-executed",
-              help="Your verdict on the ambiguous step.  [required]")
+@click.option(
+    "--verified",
+    "verified_raw",
+    metavar="completed|not-executed",
+    help="Your verdict on the ambiguous step.  [required]",
+)
 @click.option("--by", help="Who releases (an operator token when tokens are set).  [required]")
 @click.option("--reason", help="Why; kept on the entry and in the events.  [required]")
 @click.option("--result-json", help="With --verified completed: the task's result, as JSON.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (see docs/operations.md).")
 @click.pass_context
 @guarded
-def release_cmd(ctx: click.Context, ref: str, verified_raw: str | None, by: str | None,
-                reason: str | None, result_json: str | None, as_json: bool) -> None:
+def release_cmd(
+    ctx: click.Context,
+    ref: str,
+    verified_raw: str | None,
+    by: str | None,
+    reason: str | None,
+    result_json: str | None,
+    as_json: bool,
+) -> None:
     """Resolve a stuck entry once: it ran (completed) or it did not (not-executed)."""
     verdict = _parse_verdict(verified_raw)
     if not by or not by.strip():
@@ -231,25 +328,44 @@ def release_cmd(ctx: click.Context, ref: str, verified_raw: str | None, by: str 
         outcome = "no-snapshot"
         if rel.snapshot is not None:
             outcome = resume_entry(
-                store, load_app(ctx), Interrupted(key, rel.task_name, rel.task_id, rel.fence),
-                lease_seconds=settings.lease_seconds, max_resumes=settings.max_resumes,
-                actor=by)
-    data = {"key": key, "verified": verdict.value, "by": by, "reason": reason,
-            "from_status": rel.from_status.value, "to_status": rel.to_status.value,
-            "fence": rel.fence, "steps_released": list(rel.steps_released),
-            "task": rel.task_name, "task_id": rel.task_id, "resume": outcome}
+                store,
+                load_app(ctx),
+                Interrupted(key, rel.task_name, rel.task_id, rel.fence),
+                lease_seconds=settings.lease_seconds,
+                max_resumes=settings.max_resumes,
+                actor=by,
+            )
+    data = {
+        "key": key,
+        "verified": verdict.value,
+        "by": by,
+        "reason": reason,
+        "from_status": rel.from_status.value,
+        "to_status": rel.to_status.value,
+        "fence": rel.fence,
+        "steps_released": list(rel.steps_released),
+        "task": rel.task_name,
+        "task_id": rel.task_id,
+        "resume": outcome,
+    }
     if as_json:
         emit_json(data)
         return
-    echo(ctx, f"released {key} ({rel.task_name}): {rel.from_status.value} -> "
-               f"{rel.to_status.value}, fence {rel.fence}, verified {verdict.value} by {by}")
+    echo(
+        ctx,
+        f"released {key} ({rel.task_name}): {rel.from_status.value} -> "
+        f"{rel.to_status.value}, fence {rel.fence}, verified {verdict.value} by {by}",
+    )
     if rel.steps_released:
         echo(ctx, f"authorized one more run of: {', '.join(rel.steps_released)}")
     if outcome == "resumed":
         echo(ctx, f"re-enqueued as task id {rel.task_id}")
     elif outcome == "no-snapshot":
-        echo(ctx, f"no argument snapshot: re-send task id {rel.task_id} by hand; it stays "
-                   "interrupted until then")
+        echo(
+            ctx,
+            f"no argument snapshot: re-send task id {rel.task_id} by hand; it stays "
+            "interrupted until then",
+        )
     elif outcome is not None:
         echo(ctx, f"not re-enqueued ({outcome}); the sweep will pick it up")
 
@@ -266,29 +382,39 @@ def resume_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
     entry = store.get_entry(key)
     if entry.status is not EntryStatus.INTERRUPTED:
         hint = next_action(entry, store.now(), command_prefix(ctx))
-        raise click.ClickException(f"{key} is {entry.status.value}, not interrupted; "
-                                   f"next: {hint.hint}")
+        raise click.ClickException(
+            f"{key} is {entry.status.value}, not interrupted; next: {hint.hint}"
+        )
     if entry.snapshot is None:
-        raise click.ClickException(f"{key} has no argument snapshot; re-send task id "
-                                   f"{entry.task_id} by hand")
+        raise click.ClickException(
+            f"{key} has no argument snapshot; re-send task id {entry.task_id} by hand"
+        )
     settings = load_settings(ctx)
     outcome = resume_entry(
-        store, load_app(ctx),
+        store,
+        load_app(ctx),
         Interrupted(key, entry.task_name, entry.task_id, entry.fence, entry.interruptions),
-        lease_seconds=settings.lease_seconds, max_resumes=settings.max_resumes,
-        actor=operator_actor())
+        lease_seconds=settings.lease_seconds,
+        max_resumes=settings.max_resumes,
+        actor=operator_actor(),
+    )
     if as_json:
-        emit_json({"key": key, "task": entry.task_name, "task_id": entry.task_id,
-                    "outcome": outcome})
+        emit_json(
+            {"key": key, "task": entry.task_name, "task_id": entry.task_id, "outcome": outcome}
+        )
     elif outcome == "resumed":
         echo(ctx, f"re-enqueued {key} ({entry.task_name}) as task id {entry.task_id}")
     if outcome == "blocked":
-        raise click.ClickException(f"{key} was interrupted {entry.interruptions} times "
-                                   f"(ledger_max_resumes={settings.max_resumes}): blocked as a "
-                                   "crash loop; inspect it and release it")
+        raise click.ClickException(
+            f"{key} was interrupted {entry.interruptions} times "
+            f"(ledger_max_resumes={settings.max_resumes}): blocked as a "
+            "crash loop; inspect it and release it"
+        )
     if outcome == "lost-race":
-        raise click.ClickException(f"{key} was not re-enqueued: another resumer moved it first, "
-                                   "or the broker refused the message")
+        raise click.ClickException(
+            f"{key} was not re-enqueued: another resumer moved it first, "
+            "or the broker refused the message"
+        )
 
 
 @click.command("sweep")
@@ -300,9 +426,15 @@ def sweep_cmd(ctx: click.Context, as_json: bool) -> None:
     store = open_store(ctx)
     settings = load_settings(ctx)
     # run_sweep with *this* store, not the app's: `--url` may name another ledger than the app.
-    report = run_sweep(store, load_app(ctx), lease_seconds=settings.lease_seconds,
-                       max_resumes=settings.max_resumes, retention_days=settings.retention_days,
-                       batch=settings.sweep_batch, actor=operator_actor())
+    report = run_sweep(
+        store,
+        load_app(ctx),
+        lease_seconds=settings.lease_seconds,
+        max_resumes=settings.max_resumes,
+        retention_days=settings.retention_days,
+        batch=settings.sweep_batch,
+        actor=operator_actor(),
+    )
     if as_json:
         emit_json(report.as_dict())
         return
@@ -323,31 +455,41 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
     """Entries by status, blocked, oldest running, duplicate-execution rate (target 0.0)."""
     stats = open_store(ctx).stats()
     data = {
-        "by_status": stats.by_status, "blocked": stats.by_status.get("blocked", 0),
+        "by_status": stats.by_status,
+        "blocked": stats.by_status.get("blocked", 0),
         "expired_running": stats.expired_running,
         "oldest_running_age_seconds": round(stats.oldest_running_age, 3),
-        "interruptions": stats.interruptions, "entries": stats.entries,
+        "interruptions": stats.interruptions,
+        "entries": stats.entries,
         "duplicate_executions": stats.duplicate_executions,
         "duplicate_execution_rate": stats.duplicate_execution_rate,
-        "by_task": [{"task": t, "status": s, "count": n}
-                    for (t, s), n in sorted(stats.by_task_status.items())],
+        "by_task": [
+            {"task": t, "status": s, "count": n}
+            for (t, s), n in sorted(stats.by_task_status.items())
+        ],
     }
     if as_json:
         emit_json(data)
         return
-    print_table(ctx, ["STATUS", "ENTRIES"], [[s, str(n)] for s, n in stats.by_status.items()],
-           status_colour(0))
+    print_table(
+        ctx,
+        ["STATUS", "ENTRIES"],
+        [[s, str(n)] for s, n in stats.by_status.items()],
+        status_colour(0),
+    )
     echo(ctx)
     formatter = click.HelpFormatter()
-    formatter.write_dl([
-        ("blocked", str(data["blocked"])),
-        ("expired leases", str(stats.expired_running)),
-        ("oldest running", duration(stats.oldest_running_age)),
-        ("interruptions", str(stats.interruptions)),
-        ("entries", str(stats.entries)),
-        ("duplicates", str(stats.duplicate_executions)),
-        ("duplicate rate", f"{stats.duplicate_execution_rate:.4f} (target 0.0)"),
-    ])
+    formatter.write_dl(
+        [
+            ("blocked", str(data["blocked"])),
+            ("expired leases", str(stats.expired_running)),
+            ("oldest running", duration(stats.oldest_running_age)),
+            ("interruptions", str(stats.interruptions)),
+            ("entries", str(stats.entries)),
+            ("duplicates", str(stats.duplicate_executions)),
+            ("duplicate rate", f"{stats.duplicate_execution_rate:.4f} (target 0.0)"),
+        ]
+    )
     echo(ctx, formatter.getvalue().rstrip())
 
 

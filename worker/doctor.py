@@ -38,7 +38,6 @@ _VISIBILITY_BROKERS = ("redis", "rediss", "sentinel", "sqs")
 _VISIBILITY_DEFAULT = 3600.0  # kombu's default for Redis and SQS
 
 
-
 # -- doctor -----------------------------------------------------------------------------------
 
 
@@ -53,8 +52,9 @@ def _check_schema(url: str) -> Check:
     if is_sqlite(url):
         path = make_url(normalize_url(url)).database
         if path and path != ":memory:" and not os.path.exists(path):
-            return Check("schema", "FAIL", f"no ledger database at {path}: run "
-                                           "`celery-ledger migrate`")
+            return Check(
+                "schema", "FAIL", f"no ledger database at {path}: run `celery-ledger migrate`"
+            )
     try:
         engine = make_engine(url)
     except (ValueError, sa_exc.ArgumentError) as exc:
@@ -66,14 +66,19 @@ def _check_schema(url: str) -> Check:
     except SchemaTooNew as exc:
         return Check("schema", "FAIL", one_line(exc))
     except sa_exc.SQLAlchemyError as exc:
-        return Check("schema", "FAIL",
-                     f"ledger unreachable: {one_line(getattr(exc, 'orig', None) or exc)}")
+        return Check(
+            "schema", "FAIL", f"ledger unreachable: {one_line(getattr(exc, 'orig', None) or exc)}"
+        )
     finally:
         engine.dispose()
     if pending:
-        return Check("schema", "FAIL", f"schema at {current!r}, {len(pending)} revision(s) "
-                                       f"pending ({', '.join(pending)}): run `celery-ledger "
-                                       "migrate`")
+        return Check(
+            "schema",
+            "FAIL",
+            f"schema at {current!r}, {len(pending)} revision(s) "
+            f"pending ({', '.join(pending)}): run `celery-ledger "
+            "migrate`",
+        )
     return Check("schema", "PASS", f"schema current ({head_revision()})")
 
 
@@ -85,15 +90,26 @@ def _check_backend(url: str, app: Any, store: LedgerStore | None) -> Check:
         return Check("backend", "FAIL", "in-memory SQLite: the ledger dies with the process")
     broker = str(app.conf.broker_url or "")
     if not broker.startswith(("filesystem", "memory")):
-        return Check("backend", "WARN", f"SQLite ledger with broker {broker.split(':')[0]}://: "
-                                        "workers on other hosts cannot share one SQLite file; "
-                                        "use PostgreSQL for several nodes")
+        return Check(
+            "backend",
+            "WARN",
+            f"SQLite ledger with broker {broker.split(':')[0]}://: "
+            "workers on other hosts cannot share one SQLite file; "
+            "use PostgreSQL for several nodes",
+        )
     if store is not None:
-        hosts = {e.owner.rsplit("@", 1)[-1] for e in store.list_entries(limit=500)
-                 if e.owner and e.owner != RESUME_OWNER}
+        hosts = {
+            e.owner.rsplit("@", 1)[-1]
+            for e in store.list_entries(limit=500)
+            if e.owner and e.owner != RESUME_OWNER
+        }
         if len(hosts) > 1:
-            return Check("backend", "WARN", f"SQLite ledger written from {len(hosts)} hosts "
-                                            f"({', '.join(sorted(hosts))}): use PostgreSQL")
+            return Check(
+                "backend",
+                "WARN",
+                f"SQLite ledger written from {len(hosts)} hosts "
+                f"({', '.join(sorted(hosts))}): use PostgreSQL",
+            )
     return Check("backend", "PASS", f"SQLite (WAL) at {path}: durable on this one machine")
 
 
@@ -106,24 +122,38 @@ def _ledger_tasks(app: Any) -> list[Any]:
 def _check_visibility(app: Any, settings: Any, tasks: list[Any]) -> Check:
     broker = str(app.conf.broker_url or "")
     scheme = broker.split(":", 1)[0].split("+")[0]
-    lease = max([settings.lease_seconds] + [float(t.lease_seconds) for t in tasks
-                                             if t.lease_seconds])
+    lease = max(
+        [settings.lease_seconds] + [float(t.lease_seconds) for t in tasks if t.lease_seconds]
+    )
     if scheme not in _VISIBILITY_BROKERS:
         if scheme in ("amqp", "amqps", "pyamqp"):
-            return Check("visibility", "PASS", "RabbitMQ redelivers only when the consumer dies "
-                                               "(mind consumer_timeout for tasks over 30 min)")
-        return Check("visibility", "PASS", f"{scheme or 'default'} broker has no visibility "
-                                           "timeout")
+            return Check(
+                "visibility",
+                "PASS",
+                "RabbitMQ redelivers only when the consumer dies "
+                "(mind consumer_timeout for tasks over 30 min)",
+            )
+        return Check(
+            "visibility", "PASS", f"{scheme or 'default'} broker has no visibility timeout"
+        )
     options = app.conf.broker_transport_options or {}
     vt = float(options.get("visibility_timeout", _VISIBILITY_DEFAULT))
     if lease > vt:
-        return Check("visibility", "WARN", f"lease {lease:.0f}s > visibility_timeout {vt:.0f}s: "
-                                           f"{scheme} redelivers a task still holding its lease; "
-                                           "the copy meets the WAIT gate and re-queues itself "
-                                           "until the lease ends (no duplicate, extra traffic)")
-    return Check("visibility", "PASS", f"visibility_timeout {vt:.0f}s >= lease {lease:.0f}s; a "
-                                       "task running longer is redelivered and waits on its "
-                                       "lease, never runs beside it")
+        return Check(
+            "visibility",
+            "WARN",
+            f"lease {lease:.0f}s > visibility_timeout {vt:.0f}s: "
+            f"{scheme} redelivers a task still holding its lease; "
+            "the copy meets the WAIT gate and re-queues itself "
+            "until the lease ends (no duplicate, extra traffic)",
+        )
+    return Check(
+        "visibility",
+        "PASS",
+        f"visibility_timeout {vt:.0f}s >= lease {lease:.0f}s; a "
+        "task running longer is redelivered and waits on its "
+        "lease, never runs beside it",
+    )
 
 
 def _check_acks(app: Any, tasks: list[Any]) -> Check:
@@ -132,35 +162,52 @@ def _check_acks(app: Any, tasks: list[Any]) -> Check:
     prefetch = int(app.conf.worker_prefetch_multiplier or 0)
     problems = []
     if early:
-        problems.append(f"acks_late off for {', '.join(early)} (a crash loses the message; only "
-                        "the sweep finds it)")
+        problems.append(
+            f"acks_late off for {', '.join(early)} (a crash loses the message; only "
+            "the sweep finds it)"
+        )
     if lost:
-        problems.append(f"reject_on_worker_lost off for {', '.join(lost)} (a killed pool process"
-                        " waits for the sweep)")
+        problems.append(
+            f"reject_on_worker_lost off for {', '.join(lost)} (a killed pool process"
+            " waits for the sweep)"
+        )
     if prefetch != 1:
-        problems.append(f"worker_prefetch_multiplier={prefetch} (prefetched messages wait where a"
-                        " crash strands them; 1 recommended)")
+        problems.append(
+            f"worker_prefetch_multiplier={prefetch} (prefetched messages wait where a"
+            " crash strands them; 1 recommended)"
+        )
     if problems:
         return Check("acks", "WARN", "; ".join(problems))
-    return Check("acks", "PASS", f"{len(tasks)} ledger task(s) ack late, requeue on worker loss,"
-                                 " prefetch 1")
+    return Check(
+        "acks", "PASS", f"{len(tasks)} ledger task(s) ack late, requeue on worker loss, prefetch 1"
+    )
 
 
 def _check_beat(app: Any, settings: Any, store: LedgerStore | None) -> Check:
     from worker.app import BEAT_ENTRY
 
     if BEAT_ENTRY not in (app.conf.beat_schedule or {}):
-        return Check("beat", "FAIL", f"no {BEAT_ENTRY!r} in beat_schedule: nothing finds work "
-                                     "whose worker died (call worker.install(app))")
+        return Check(
+            "beat",
+            "FAIL",
+            f"no {BEAT_ENTRY!r} in beat_schedule: nothing finds work "
+            "whose worker died (call worker.install(app))",
+        )
     if store is not None:
         now = store.now()
-        late = [e for e in store.list_entries(statuses=["running"], stuck=True, limit=100)
-                if e.lease_until is not None
-                and e.lease_until < now - 2 * settings.sweep_interval]
+        late = [
+            e
+            for e in store.list_entries(statuses=["running"], stuck=True, limit=100)
+            if e.lease_until is not None and e.lease_until < now - 2 * settings.sweep_interval
+        ]
         if late:
-            return Check("beat", "WARN", f"{BEAT_ENTRY} scheduled, but {len(late)} lease(s) "
-                                         f"expired over {2 * settings.sweep_interval:.0f}s ago "
-                                         "are unswept: is `celery beat` running?")
+            return Check(
+                "beat",
+                "WARN",
+                f"{BEAT_ENTRY} scheduled, but {len(late)} lease(s) "
+                f"expired over {2 * settings.sweep_interval:.0f}s ago "
+                "are unswept: is `celery beat` running?",
+            )
     return Check("beat", "PASS", f"{BEAT_ENTRY} every {settings.sweep_interval:.0f}s")
 
 
@@ -168,9 +215,13 @@ def _check_reconcilers(tasks: list[Any]) -> Check:
     risky = (SideEffect.NON_IDEMPOTENT.value, SideEffect.IRREVERSIBLE.value)
     bare = [t.name for t in tasks if t.side_effect in risky and t.reconciler is None]
     if bare:
-        return Check("reconcilers", "WARN", f"{len(bare)} non-idempotent task(s) without a "
-                                            f"reconciler block on every ambiguous step: "
-                                            f"{', '.join(bare)}")
+        return Check(
+            "reconcilers",
+            "WARN",
+            f"{len(bare)} non-idempotent task(s) without a "
+            f"reconciler block on every ambiguous step: "
+            f"{', '.join(bare)}",
+        )
     return Check("reconcilers", "PASS", "every non-idempotent ledger task has a reconciler")
 
 
@@ -193,16 +244,24 @@ def doctor_cmd(ctx: click.Context, as_json: bool) -> None:
     if schema.status == "PASS":
         store = LedgerStore(url, migrate=False)
         ctx.call_on_close(store.dispose)
-    checks = [schema, _check_backend(url, app, store), _check_visibility(app, settings, tasks),
-              _check_acks(app, tasks), _check_beat(app, settings, store),
-              _check_reconcilers(tasks)]
+    checks = [
+        schema,
+        _check_backend(url, app, store),
+        _check_visibility(app, settings, tasks),
+        _check_acks(app, tasks),
+        _check_beat(app, settings, store),
+        _check_reconcilers(tasks),
+    ]
     failed = any(c.status == "FAIL" for c in checks)
     if as_json:
-        emit_json({"app": app.main, "ok": not failed,
-                    "checks": [asdict(c) for c in checks]})
+        emit_json({"app": app.main, "ok": not failed, "checks": [asdict(c) for c in checks]})
     else:
-        print_table(ctx, ["CHECK", "RESULT", "WHY"], [[c.name, c.status, c.reason] for c in checks],
-               lambda i, v: CHECK_COLOURS.get(v) if i == 1 else None)
+        print_table(
+            ctx,
+            ["CHECK", "RESULT", "WHY"],
+            [[c.name, c.status, c.reason] for c in checks],
+            lambda i, v: CHECK_COLOURS.get(v) if i == 1 else None,
+        )
     if failed:
         ctx.exit(1)
 
@@ -227,20 +286,33 @@ def migrate_cmd(ctx: click.Context, plan: bool, as_json: bool) -> None:
             pending = pending_revisions(conn)
         applied = [] if plan else ensure_schema(engine)
     except sa_exc.OperationalError as exc:
-        raise click.ClickException(f"ledger database unavailable: {one_line(exc.orig or exc)}"
-                                   ) from exc
+        raise click.ClickException(
+            f"ledger database unavailable: {one_line(exc.orig or exc)}"
+        ) from exc
     finally:
         engine.dispose()
-    data = {"current": current, "head": head_revision(), "pending": pending,
-            "applied": applied, "plan": plan}
+    data = {
+        "current": current,
+        "head": head_revision(),
+        "pending": pending,
+        "applied": applied,
+        "plan": plan,
+    }
     if as_json:
         emit_json(data)
     elif plan:
-        echo(ctx, f"schema at {current!r}, head {head_revision()!r}: " + (
-            f"{len(pending)} pending: {', '.join(pending)}" if pending else "nothing to do"))
+        echo(
+            ctx,
+            f"schema at {current!r}, head {head_revision()!r}: "
+            + (f"{len(pending)} pending: {', '.join(pending)}" if pending else "nothing to do"),
+        )
     else:
-        echo(ctx, f"applied {', '.join(applied)}; schema at {head_revision()!r}" if applied
-              else f"schema already at {head_revision()!r}")
+        echo(
+            ctx,
+            f"applied {', '.join(applied)}; schema at {head_revision()!r}"
+            if applied
+            else f"schema already at {head_revision()!r}",
+        )
 
 
 def _require_existing_or_empty_plan(url: str) -> None:
@@ -248,8 +320,10 @@ def _require_existing_or_empty_plan(url: str) -> None:
     if is_sqlite(url):
         path = make_url(normalize_url(url)).database
         if path and path != ":memory:" and not os.path.exists(path):
-            raise click.ClickException(f"no ledger database at {path}; `migrate` without --plan "
-                                       f"creates it at revision {head_revision()!r}")
+            raise click.ClickException(
+                f"no ledger database at {path}; `migrate` without --plan "
+                f"creates it at revision {head_revision()!r}"
+            )
 
 
 COMMANDS = [doctor_cmd, migrate_cmd]
