@@ -6,6 +6,12 @@ One task name, ``bench_app.noop``, built two ways from the environment:
   even SQLAlchemy), so the memory comparison is against a project that does not use the ledger;
 - ``BENCH_MODE=ledger``: the same body on ``LedgerTask`` with a PostgreSQL (or SQLite) ledger.
 
+``BENCH_FREEZE=1`` gives the plain mode the same ``gc.freeze()`` before each fork that a ledger
+app does by default (``ledger_freeze_gc_before_fork``), written out here so that the plain app
+still imports nothing of celery-ledger: the memory benchmark reports the ledger against plain
+Celery as shipped and against plain Celery with that idiom, to separate what the ledger's modules
+cost from what the freeze saves.
+
 Both get the same broker, result backend, serializer, ``acks_late``, prefetch and
 ``result_extended`` settings, so a ratio of the two isolates what the ledger costs.
 """
@@ -60,6 +66,25 @@ def make_app(mode: str, *, broker: str, queue: str, ledger_url: str | None = Non
 
     return app
 
+
+def freeze_before_fork() -> None:
+    """The plain-mode copy of ``worker.app._on_before_fork`` (collect, freeze, fork, unfreeze)."""
+    import gc
+
+    from celery import signals
+    from kombu.asynchronous import get_event_loop
+
+    @signals.worker_before_create_process.connect(weak=False)
+    def _freeze(**_: Any) -> None:
+        hub = get_event_loop()
+        if hub is not None:
+            gc.collect()
+            gc.freeze()
+            hub.call_soon(gc.unfreeze)
+
+
+if os.environ.get("BENCH_MODE", "plain") == "plain" and os.environ.get("BENCH_FREEZE") == "1":
+    freeze_before_fork()
 
 app = make_app(
     os.environ.get("BENCH_MODE", "plain"),

@@ -1,14 +1,27 @@
 """Memory per worker pool process: plain Celery vs ``LedgerTask``, side by side.
 
-    python benchmarks/memory.py                 # 2,000 tasks per mode
+    python benchmarks/memory.py                 # 2,000 tasks per variant
     python benchmarks/memory.py --tasks 200
 
 Runs the ``bench_app`` worker (``-P prefork -c 2``, Redis broker and results, PostgreSQL ledger
 for the ledgered mode) through ``--tasks`` tasks, then reads ``/proc/<pid>/smaps_rollup`` of
-each pool process while the worker is still up: RSS (what ``ps`` shows) and PSS (RSS with
-pages shared after fork divided among their sharers, the fairer per-process figure). The plain
-mode imports nothing of celery-ledger, so the difference includes SQLAlchemy, psycopg and the
-ledger's modules, its engine and connection pool.
+each pool process while the worker is still up:
+
+- RSS: every page the process maps, shared or not (what ``ps`` shows);
+- PSS: RSS with each shared page divided among the processes that share it;
+- USS: the pages only this process has, i.e. what one more pool process costs.
+
+Four variants, because a ledger app by default freezes the garbage collector before each fork
+(``ledger_freeze_gc_before_fork``), which also saves memory of Celery's own:
+
+- ``plain``: plain Celery as shipped. It imports nothing of celery-ledger (``worker.plugin``
+  keeps the ``celery ledger`` sub-command from loading the ledger into every ``celery`` command);
+- ``plain+freeze``: the same, with the same ``gc.freeze()`` idiom (``bench_app``);
+- ``ledger``: ``LedgerTask`` with its defaults;
+- ``ledger-nofreeze``: ``LedgerTask`` with ``ledger_freeze_gc_before_fork`` off.
+
+``ledger / plain`` is what a Celery user sees when adopting the ledger; ``ledger /
+plain+freeze`` is what the ledger's own modules (SQLAlchemy, psycopg, the ledger) cost.
 """
 
 from __future__ import annotations
@@ -23,19 +36,26 @@ from throughput import drain
 
 BENCH = "memory"
 
+#: variant -> (bench_app mode, extra worker environment)
+VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+    "plain": ("plain", {}),
+    "plain+freeze": ("plain", {"BENCH_FREEZE": "1"}),
+    "ledger": ("ledger", {}),
+    "ledger-nofreeze": ("ledger", {"CELERY_LEDGER_FREEZE_GC_BEFORE_FORK": "0"}),
+}
+KINDS = ("rss", "pss", "uss")
+
 
 def _children_memory(worker: Worker) -> dict[str, Any]:
     children = worker.children()
     if not children:
         raise RuntimeError(f"worker {worker.pid} has no pool processes")
     per_child = [memory_of(pid) for pid in children]
-    return {
-        "children": len(children),
-        "rss": sum(m["rss"] for m in per_child) / len(per_child),
-        "pss": sum(m["pss"] for m in per_child) / len(per_child),
-        "uss": sum(m["uss"] for m in per_child) / len(per_child),
-        "parent_rss": memory_of(worker.pid)["rss"],
-    }
+    out: dict[str, Any] = {kind: sum(m[kind] for m in per_child) / len(per_child)
+                           for kind in KINDS}
+    out["children"] = len(children)
+    out["parent_rss"] = memory_of(worker.pid)["rss"]
+    return out
 
 
 def run(tasks: int = 2000, broker: str = REDIS_URL) -> Report:
@@ -47,23 +67,26 @@ def run(tasks: int = 2000, broker: str = REDIS_URL) -> Report:
         store = LedgerStore(ledger_url)
         store.ensure_ready()
         store.dispose()
-        for mode in ("plain", "ledger"):
-            out = drain(mode, tasks, broker=broker, tmp=Path(tmp),
+        for variant, (mode, env) in VARIANTS.items():
+            out = drain(mode, tasks, broker=broker, tmp=Path(tmp), extra_env=env,
                         ledger_url=ledger_url if mode == "ledger" else None,
                         on_drained=_children_memory)
-            measured[mode] = out["extra"]
-    plain, ledger = measured["plain"], measured["ledger"]
-    note = f"mean of {plain['children']} pool processes after {tasks} tasks"
-    for kind in ("rss", "pss", "uss"):
+            measured[variant] = out["extra"]
+    note = f"mean of {measured['plain']['children']} pool processes after {tasks} tasks"
+    for kind in KINDS:
         label = kind.upper()
-        report.add(BENCH, f"{label} per pool process, plain", plain[kind] / 1024, "MiB",
-                   note=note)
-        report.add(BENCH, f"{label} per pool process, ledger", ledger[kind] / 1024, "MiB",
-                   note=note)
-        report.add(BENCH, f"{label} ratio ledger/plain", ledger[kind] / plain[kind], "x",
-                   target="<= 1.10")
-    report.add(BENCH, "RSS worker parent, plain", plain["parent_rss"] / 1024, "MiB")
-    report.add(BENCH, "RSS worker parent, ledger", ledger["parent_rss"] / 1024, "MiB")
+        for variant in VARIANTS:
+            report.add(BENCH, f"{label} per pool process, {variant}",
+                       measured[variant][kind] / 1024, "MiB", note=note)
+        ledger = measured["ledger"][kind]
+        report.add(BENCH, f"{label} ratio ledger/plain", ledger / measured["plain"][kind], "x",
+                   target="<= 1.10", note="ledger defaults vs plain Celery as shipped")
+        report.add(BENCH, f"{label} ratio ledger/plain+freeze",
+                   ledger / measured["plain+freeze"][kind], "x",
+                   note="what the ledger's own modules cost")
+    for variant in ("plain", "ledger"):
+        report.add(BENCH, f"RSS worker parent, {variant}", measured[variant]["parent_rss"] / 1024,
+                   "MiB")
     return report
 
 

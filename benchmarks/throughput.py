@@ -73,7 +73,8 @@ def _meta_keys(ids: list[str]) -> list[str]:
 
 
 def drain(mode: str, n: int, *, broker: str, ledger_url: str | None, tmp: Path,
-          on_drained: Callable[[Worker], Any] | None = None) -> dict[str, Any]:
+          on_drained: Callable[[Worker], Any] | None = None,
+          extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     """Pre-fill a queue with ``n`` tasks, start a worker, wait until every result is stored.
 
     Returns tasks/s and, through ``on_drained``, whatever the caller measures on the live
@@ -86,6 +87,7 @@ def drain(mode: str, n: int, *, broker: str, ledger_url: str | None, tmp: Path,
     env = {"BENCH_MODE": mode, "BENCH_BROKER_URL": broker, "BENCH_QUEUE": queue}
     if ledger_url:
         env["BENCH_LEDGER_URL"] = ledger_url
+    env.update(extra_env or {})
     before = pg_stat(ledger_url) if ledger_url and ledger_url.startswith("postgres") else None
     extra: Any = None
     try:

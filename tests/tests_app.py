@@ -148,3 +148,11 @@ def steps_then_wait(self: LedgerTask, tag: str, seconds: float) -> list[str]:
     out = [self.step("a", effect, tag, "a"), self.step("b", effect, tag, "b")]
     time.sleep(seconds)
     return out
+
+
+@app.task(name="tests_app.gc_frozen")
+def gc_frozen() -> int:
+    """How many objects this pool process inherited frozen (``ledger_freeze_gc_before_fork``)."""
+    import gc
+
+    return gc.get_freeze_count()

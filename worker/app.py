@@ -12,6 +12,7 @@ never at import time.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from pathlib import Path
@@ -106,6 +107,7 @@ def _connect_signals() -> None:
         return
     _connected = True
     signals.worker_init.connect(_on_worker_init, weak=False)
+    signals.worker_before_create_process.connect(_on_before_fork, weak=False)
     signals.worker_ready.connect(_on_worker_ready, weak=False)
     signals.beat_init.connect(_on_beat_init, weak=False)
 
@@ -116,8 +118,10 @@ def _installed(app: Any) -> bool:
 
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     # Before the pool forks: the parent and every pool process share this boot id.
+    global _freeze_before_fork
     if sender is not None and _installed(sender.app):
         runtime.new_boot()
+        _freeze_before_fork = runtime.settings_for(sender.app).freeze_gc_before_fork
         if getattr(sender, "task_events", False):
             # `celery worker -E` sets the worker's attribute, not the app setting that the
             # pool processes read to decide whether to send task-ledger-* events.
@@ -130,6 +134,33 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         except LedgerError as exc:
             log.error("ledger not reachable at worker start (%s); tasks are redelivered until "
                       "it is", exc)
+
+
+#: Set by ``_on_worker_init`` when this process is a worker of a ledger app whose settings ask
+#: for ``freeze_gc_before_fork``; read by ``_on_before_fork`` (its sender is the pool).
+_freeze_before_fork = False
+
+
+def _on_before_fork(**_: Any) -> None:
+    """In the worker parent, just before a pool process is forked: the CPython idiom for
+    copy-on-write friendly forking (``gc`` docs). Collect first (what is garbage now would
+    otherwise be frozen with the rest), freeze, fork; the parent unfreezes on its event loop's
+    next turn, after the fork, so its own collections are unchanged, while the child keeps
+    its copy of the frozen generation, which its collections skip.
+
+    Celery sends this signal from the event-loop pool only (Redis, RabbitMQ); a broker without
+    an event loop (``filesystem://``) forks through billiard's blocking pool, unfrozen.
+    """
+    if not _freeze_before_fork:
+        return
+    from kombu.asynchronous import get_event_loop
+
+    hub = get_event_loop()
+    if hub is None:  # nothing would run after the fork to unfreeze the parent
+        return
+    gc.collect()
+    gc.freeze()
+    hub.call_soon(gc.unfreeze)
 
 
 def _on_worker_ready(sender: Any = None, **_: Any) -> None:

@@ -2,7 +2,8 @@
 
 - console script ``celery-ledger`` (ledger URL from ``--url``, ``CELERY_LEDGER_URL`` or ``-A app``)
 - Celery sub-command ``celery -A proj ledger ...`` (entry point group ``celery.commands``, the
-  way Flower registers ``celery flower``)
+  way Flower registers ``celery flower``): ``worker.plugin``, which imports this module only
+  when ``celery ledger`` is used
 
 Each command family lives in a module of its own and is added here:
 ``worker.cli_ops`` (list/show/release/resume/sweep/stats),
@@ -65,7 +66,9 @@ class LedgerContext:
         return self._store
 
 
-def _add_commands(group: click.Group) -> click.Group:
+def add_commands(group: click.Group) -> click.Group:
+    """Add every family in ``COMMANDS`` to ``group`` (the console script, or ``celery ledger``
+    on first use: ``worker.plugin``)."""
     for module_name, attr in COMMANDS:
         try:
             module = importlib.import_module(module_name)
@@ -87,18 +90,7 @@ def main(ctx: click.Context, url: str | None, app_name: str | None) -> None:
     ctx.obj = LedgerContext(url, app_name)
 
 
-@click.group(name="ledger")
-@click.option("--url", envvar="CELERY_LEDGER_URL", help="Ledger database URL.")
-@click.pass_context
-def celery_ledger_command(ctx: click.Context, url: str | None) -> None:
-    """Operate the celery-ledger ledger of this app."""
-    celery_ctx = ctx.find_root().obj  # celery's CLIContext carries the -A app
-    app = getattr(celery_ctx, "app", None)
-    ctx.obj = LedgerContext(url, None, app)
-
-
-_add_commands(main)
-_add_commands(celery_ledger_command)
+add_commands(main)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -61,6 +61,12 @@ class LedgerSettings:
     #: How long a published task may wait in the queue before the sweep re-sends it. A longer
     #: backlog only costs a duplicate message (the claim deduplicates), never a duplicate run.
     publish_intent_seconds: float = 300.0
+    #: Freeze the worker's objects out of the garbage collector before each pool process is
+    #: forked (``gc.freeze``; the parent unfreezes them again right after). A pool process's
+    #: collections then never write to the pages it shares with the parent, so the modules the
+    #: ledger adds (SQLAlchemy, psycopg) stay shared instead of being copied into every pool
+    #: process; Airflow and Sentry do the same for their Celery workers. Prefork only.
+    freeze_gc_before_fork: bool = True
     #: Operator tokens: when set, ``release --by`` must name one of them.
     operator_tokens: frozenset[str] = frozenset()
 
@@ -127,7 +133,7 @@ def _parse(name: str, raw: Any) -> Any:
         if name in _SETS:
             items = raw.split(",") if isinstance(raw, str) else raw
             return frozenset(i.strip() for i in items if str(i).strip())
-        if name in ("send_events", "publish_intent"):
+        if name in ("send_events", "publish_intent", "freeze_gc_before_fork"):
             if isinstance(raw, bool) or raw is None:
                 return raw
             return str(raw).strip().lower() in ("1", "true", "yes", "on")
