@@ -324,3 +324,64 @@ def memory_of(pid: int) -> dict[str, int]:
             out[name.lower()] = int(rest.split()[0])
     out["uss"] = out.get("private_clean", 0) + out.get("private_dirty", 0)
     return out
+
+
+# -- CPU per task, by process group ----------------------------------------------------------
+
+_HZ = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> tuple[str, int, int, float] | None:
+    """(command name, parent pid, session id, user + system CPU seconds) of one process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    name = stat[stat.index("(") + 1:stat.rindex(")")]
+    rest = stat[stat.rindex(")") + 2:].split()
+    return name, int(rest[1]), int(rest[3]), (int(rest[11]) + int(rest[12])) / _HZ
+
+
+class CpuTally:
+    """CPU seconds spent between ``start()`` and ``stop()`` by the worker's session, the
+    PostgreSQL server processes and Redis, read from ``/proc/<pid>/stat``.
+
+    A process that starts after ``start()`` counts from zero; one that exits before ``stop()``
+    is not counted (the worker, its pool and its database connections all live through the
+    drain, which is what this measures).
+    """
+
+    GROUPS = ("worker", "postgres", "redis")
+
+    def __init__(self, worker_session: int) -> None:
+        self.session = worker_session
+        self._start: dict[int, float] = {}
+
+    def _group(self, name: str, session: int) -> str | None:
+        if session == self.session:
+            return "worker"
+        if name == "postgres":
+            return "postgres"
+        if name.startswith("redis-server"):
+            return "redis"
+        return None
+
+    def _snapshot(self) -> dict[int, tuple[str, float]]:
+        out = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                found = _cpu_seconds(int(entry))
+                if found is not None:
+                    group = self._group(found[0], found[2])
+                    if group is not None:
+                        out[int(entry)] = (group, found[3])
+        return out
+
+    def start(self) -> None:
+        self._start = {pid: cpu for pid, (_, cpu) in self._snapshot().items()}
+
+    def stop(self) -> dict[str, float]:
+        totals = dict.fromkeys(self.GROUPS, 0.0)
+        for pid, (group, cpu) in self._snapshot().items():
+            totals[group] += cpu - self._start.get(pid, 0.0)
+        return totals

@@ -34,6 +34,7 @@ from typing import Any
 
 from common import (
     REDIS_URL,
+    CpuTally,
     Report,
     StatementCounter,
     Worker,
@@ -74,7 +75,7 @@ def _meta_keys(ids: list[str]) -> list[str]:
 
 def drain(mode: str, n: int, *, broker: str, ledger_url: str | None, tmp: Path,
           on_drained: Callable[[Worker], Any] | None = None,
-          extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+          extra_env: dict[str, str] | None = None, concurrency: int = 2) -> dict[str, Any]:
     """Pre-fill a queue with ``n`` tasks, start a worker, wait until every result is stored.
 
     Returns tasks/s and, through ``on_drained``, whatever the caller measures on the live
@@ -91,16 +92,27 @@ def drain(mode: str, n: int, *, broker: str, ledger_url: str | None, tmp: Path,
     before = pg_stat(ledger_url) if ledger_url and ledger_url.startswith("postgres") else None
     extra: Any = None
     try:
-        with Worker(env, tmp / f"worker-{queue}.log") as worker:
+        with Worker(env, tmp / f"worker-{queue}.log", concurrency=concurrency) as worker:
+            def stored() -> int:
+                return sum(client.exists(*keys[i:i + 1000]) for i in range(0, n, 1000))
+
             def done() -> bool:
-                return sum(client.exists(*keys[i:i + 1000]) for i in range(0, n, 1000)) >= n
+                return stored() >= n
 
             def check() -> None:
                 if not worker.alive():
                     raise RuntimeError(f"{mode} worker exited:\n{worker.log_tail()}")
 
+            # CPU is counted from the first stored result (worker start-up excluded) to the
+            # last, for the tasks in between.
+            wait_for(lambda: stored() > 0, timeout=60, interval=0.05,
+                     what=f"the first {mode} result", check=check)
+            tally = CpuTally(worker.pid)
+            tally.start()
+            counted_from = stored()
             wait_for(done, timeout=60 + n / 20, interval=0.25, what=f"{n} {mode} results",
                      check=check)
+            cpu = tally.stop()
             if on_drained is not None:
                 extra = on_drained(worker)
         metas = [json.loads(v) for i in range(0, n, 1000) for v in client.mget(keys[i:i + 1000])]
@@ -114,8 +126,10 @@ def drain(mode: str, n: int, *, broker: str, ledger_url: str | None, tmp: Path,
         raise RuntimeError(f"{len(failed)} {mode} tasks did not succeed, e.g. {failed[0]}")
     stamps = sorted(datetime.fromisoformat(m["date_done"]).timestamp() for m in metas)
     span = stamps[-1] - stamps[0]
+    counted = max(1, n - counted_from)
     out: dict[str, Any] = {"rate": (n - 1) / span if span > 0 else float("nan"), "span": span,
-                           "extra": extra}
+                           "extra": extra,
+                           "cpu_ms": {k: v / counted * 1000 for k, v in cpu.items()}}
     if before is not None:
         assert ledger_url is not None
         time.sleep(1.0)  # backends flush their statistics when they exit
@@ -177,9 +191,10 @@ def time_apply(task: Any, n: int) -> float:
 
 
 def run(tasks: int = 5000, rounds: int = 3, broker: str = REDIS_URL,
-        profile: bool = False) -> Report:
+        profile: bool = False, concurrency: int = 2) -> Report:
     report = Report()
     rates: dict[str, list[float]] = {"plain": [], "ledger": []}
+    cpu: dict[str, list[dict[str, float]]] = {"plain": [], "ledger": []}
     pg_per_task: list[dict[str, float]] = []
     with pg_database() as ledger_url, tempfile.TemporaryDirectory(prefix="cl_tp_") as tmp:
         from ledger import LedgerStore
@@ -190,9 +205,10 @@ def run(tasks: int = 5000, rounds: int = 3, broker: str = REDIS_URL,
         for r in range(rounds):
             order = ("plain", "ledger") if r % 2 == 0 else ("ledger", "plain")
             for mode in order:
-                out = drain(mode, tasks, broker=broker, tmp=Path(tmp),
+                out = drain(mode, tasks, broker=broker, tmp=Path(tmp), concurrency=concurrency,
                             ledger_url=ledger_url if mode == "ledger" else None)
                 rates[mode].append(out["rate"])
+                cpu[mode].append(out["cpu_ms"])
                 if "pg" in out:
                     pg_per_task.append(out["pg"])
                 print(f"  round {r + 1} {mode}: {out['rate']:.0f} tasks/s "
@@ -201,10 +217,17 @@ def run(tasks: int = 5000, rounds: int = 3, broker: str = REDIS_URL,
         if profile:
             report.text["throughput profile"] = profile_hot_path(ledger_url, broker)
     plain, ledger = median(rates["plain"]), median(rates["ledger"])
-    note = f"median of {rounds}, {tasks} tasks, -c 2"
+    note = f"median of {rounds}, {tasks} tasks, -c {concurrency}"
     report.add(BENCH, "plain celery (acks_late)", plain, "tasks/s", note=note)
     report.add(BENCH, "LedgerTask (PostgreSQL)", ledger, "tasks/s", note=note)
     report.add(BENCH, "ratio ledger/plain", ledger / plain, "x", target=">= 0.80")
+    for mode in ("plain", "ledger"):
+        for group in CpuTally.GROUPS:
+            if mode == "plain" and group == "postgres":
+                continue
+            report.add(BENCH, f"CPU per task, {mode}: {group}",
+                       median([c[group] for c in cpu[mode]]), "ms",
+                       note="/proc/<pid>/stat over the drain, median of rounds")
     report.add(BENCH, "statements per task", hot["statements"], "stmts",
                note="claim + settle, counted in one process")
     report.add(BENCH, "writes per task", hot["writes"], "stmts")
@@ -225,10 +248,12 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--broker", default=REDIS_URL)
+    parser.add_argument("--concurrency", type=int, default=2,
+                        help="pool processes of both workers (default 2: Celery's default here)")
     parser.add_argument("--profile", action="store_true",
                         help="also cProfile the ledgered task in this process")
     args = parser.parse_args()
-    report = run(args.tasks, args.rounds, args.broker, args.profile)
+    report = run(args.tasks, args.rounds, args.broker, args.profile, args.concurrency)
     print(format_rows(report.rows))
     for title, text in report.text.items():
         print(f"\n{title}:\n{text}")

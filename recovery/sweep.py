@@ -74,11 +74,13 @@ def resume_entry(store: LedgerStore, app: Any, entry: Interrupted, *, lease_seco
     full = store.get_entry(entry.key)
     snapshot = loads(full.snapshot) if full.snapshot else {}
     replay = sum(1 for s in store.load_steps(entry.key) if s.status is StepStatus.COMPLETED)
-    options: dict[str, Any] = {"task_id": full.task_id}
+    # ledger_redelivery: the entry exists, so the publisher records no publish intent.
+    headers: dict[str, Any] = {"ledger_redelivery": True}
+    if snapshot.get("ledger_key") is not None:
+        headers["ledger_key"] = snapshot["ledger_key"]
+    options: dict[str, Any] = {"task_id": full.task_id, "headers": headers}
     if snapshot.get("queue"):
         options["queue"] = snapshot["queue"]
-    if snapshot.get("ledger_key") is not None:
-        options["headers"] = {"ledger_key": snapshot["ledger_key"]}
     try:
         app.send_task(full.task_name, args=snapshot.get("args", []),
                       kwargs=snapshot.get("kwargs", {}), **options)

@@ -214,11 +214,13 @@ def test_crash_loop_is_blocked_and_the_queue_keeps_flowing(tmp_path, redis, pg_u
     assert "interrupted 3 times" in (entry.reason or "")
 
 
-def test_message_lost_before_any_claim_is_resent_from_its_publish_intent(tmp_path):
+@pytest.mark.parametrize("publish", ["apply_async", "send_task"])
+def test_message_lost_before_any_claim_is_resent_from_its_publish_intent(tmp_path, publish):
     """filesystem:// deletes a message when a worker fetches it, so a worker killed between
     fetch and claim takes the message with it. With publish intents (on by default for that
-    broker) the ledger knows the task from the moment it was sent: the intent's lease expires,
-    the sweep re-sends it, and it runs once."""
+    broker) the ledger knows the task from the moment it was sent, through ``apply_async`` or
+    by name through ``send_task``: the intent's lease expires, the sweep re-sends it, and it
+    runs once."""
     from pathlib import Path
 
     from worker import LedgerTask, create_app
@@ -234,7 +236,10 @@ def test_message_lost_before_any_claim_is_resent_from_its_publish_intent(tmp_pat
     def order(self: Any, order_id: str, amount: int, pause: float = 0.0) -> None:
         raise AssertionError("the producer never runs the body")
 
-    result = order.apply_async(("lost-1", 7))
+    if publish == "apply_async":
+        result = order.apply_async(("lost-1", 7))
+    else:
+        result = producer.send_task("tests_app.order", args=("lost-1", 7))
     queued = list((Path(env["CELERY_LEDGER_DATA_DIR"]) / "broker").glob("*.msg"))
     assert len(queued) == 1
     queued[0].unlink()  # the broker lost it: no worker will ever see this message
@@ -250,3 +255,32 @@ def test_message_lost_before_any_claim_is_resent_from_its_publish_intent(tmp_pat
     events = event_names(store, key)
     assert events[:2] == ["queued", "interrupted"] and "resuming" in events
     assert events.count("claimed") == 1 and store.get_entry(key).executions == 1
+
+
+def test_send_task_records_an_intent_only_for_a_ledger_task_it_knows(tmp_path):
+    """By name, the publisher records an intent when a ledger app of its process registers
+    the name as a LedgerTask; an unknown name, or a plain task, gets none; one publish writes
+    one ``queued`` event, whichever way in."""
+    from worker import LedgerTask, create_app
+
+    ledger = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    producer = create_app("producer", data_dir=tmp_path / "data", ledger_url=ledger)
+
+    @producer.task(base=LedgerTask, name="intent.ledgered", key_from=("order_id",), shared=False)
+    def ledgered(order_id: str) -> None:
+        raise AssertionError("never runs here")
+
+    @producer.task(name="intent.plain", shared=False)
+    def plain(order_id: str) -> None:
+        raise AssertionError("never runs here")
+
+    store = LedgerStore(ledger)
+    producer.send_task("intent.ledgered", args=("by-name",))
+    ledgered.apply_async(("by-call",))
+    producer.send_task("intent.plain", args=("plain",))
+    producer.send_task("intent.unknown", args=("unknown",))
+    for order_id in ("by-name", "by-call"):
+        key = business_key("intent.ledgered", order_id=order_id)
+        assert store.get_entry(key).executions == 0
+        assert event_names(store, key) == ["queued"]
+    assert [e.task_name for e in store.list_entries(limit=10)] == ["intent.ledgered"] * 2

@@ -22,7 +22,7 @@ from celery import Celery, signals
 
 from ledger import LedgerError
 from recovery import SweepReport, boot_sweep, run_sweep
-from worker import runtime
+from worker import intents, runtime
 from worker.settings import DEFAULT_DATA_DIR
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ def install(app: Celery) -> Celery:
     if getattr(app, "_ledger_installed", False):
         return app
     app._ledger_installed = True
+    intents.ledger_apps.add(app)
     _connect_signals()
 
     @app.task(name=SWEEP_TASK, ignore_result=True, shared=False)
@@ -108,6 +109,7 @@ def _connect_signals() -> None:
     _connected = True
     signals.worker_init.connect(_on_worker_init, weak=False)
     signals.worker_before_create_process.connect(_on_before_fork, weak=False)
+    signals.before_task_publish.connect(intents.on_before_task_publish, weak=False)
     signals.worker_ready.connect(_on_worker_ready, weak=False)
     signals.beat_init.connect(_on_beat_init, weak=False)
 

@@ -41,7 +41,7 @@ from ledger import (
     entry_key,
 )
 from recovery.reconcile import AmbiguousStep, Reconciler, ask
-from worker import runtime
+from worker import intents, runtime
 from worker.attempt import Attempt, current_attempt
 from worker.codec import canonical_arguments, decode, encode
 from worker.crashpoints import crash_point
@@ -177,37 +177,20 @@ class LedgerTask(Task):
     def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
                     producer: Any = None, link: Any = None, link_error: Any = None,
                     shadow: Any = None, **options: Any) -> Any:
-        """Send the task; with publish intents on, record it in the ledger first.
-
-        The intent (``LedgerStore.record_intent``) lets the sweep re-send a message the broker
-        loses before any worker claims it. It never stops a publish: if the ledger cannot be
-        reached, the task is sent anyway (and claimed, or redelivered, as usual).
-        """
-        redelivery = (options.get("headers") or {}).get("ledger_redelivery")
-        if (not redelivery and not self.app.conf.task_always_eager
-                and runtime.publish_intent_enabled(self.app)):
-            task_id = task_id or uuid()
-            self._record_intent(tuple(args or ()), dict(kwargs or {}), task_id, options)
-        return super().apply_async(args, kwargs, task_id=task_id, producer=producer, link=link,
-                                   link_error=link_error, shadow=shadow, **options)
-
-    def _record_intent(self, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str,
-                       options: dict[str, Any]) -> None:
+        """Send the task; with publish intents on, record it in the ledger first
+        (``worker.intents``). An unreachable ledger never stops the publish."""
         headers = options.get("headers") or {}
-        try:
-            key, args_hash = self.ledger_key(args, kwargs, task_id, headers.get("ledger_key"))
-            snapshot = encode({"args": list(args), "kwargs": kwargs,
-                               "queue": options.get("queue") or getattr(self, "queue", None),
-                               "ledger_key": headers.get("ledger_key")},
-                              limit=16 * 1024 * 1024, what="argument snapshot")
-            settings = runtime.settings_for(self.app)
-            runtime.store_for(self.app).record_intent(ClaimRequest(
-                key=key, task_name=self.name, task_id=task_id, args_hash=args_hash,
-                snapshot=snapshot, side_effect=self.side_effect,
-                owner=runtime.owner_for(None), lease_seconds=settings.publish_intent_seconds,
-                max_interruptions=settings.max_resumes))
-        except Exception as exc:  # noqa: BLE001 - an intent must never stop a publish
-            log.warning("no publish intent for %s[%s]: %s", self.name, task_id, exc)
+        if not intents.wanted(self, headers):
+            return super().apply_async(args, kwargs, task_id=task_id, producer=producer,
+                                       link=link, link_error=link_error, shadow=shadow,
+                                       **options)
+        task_id = task_id or uuid()
+        intents.record(self, tuple(args or ()), dict(kwargs or {}), task_id,
+                       ledger_key=headers.get("ledger_key"), queue=options.get("queue"))
+        with intents.recorded_by_apply_async(task_id):
+            return super().apply_async(args, kwargs, task_id=task_id, producer=producer,
+                                       link=link, link_error=link_error, shadow=shadow,
+                                       **options)
 
     # -- delivery -------------------------------------------------------------------------
 
