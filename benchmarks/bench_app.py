@@ -47,8 +47,9 @@ def make_app(mode: str, *, broker: str, queue: str, ledger_url: str | None = Non
 
         if not ledger_url:
             raise ValueError("BENCH_MODE=ledger needs BENCH_LEDGER_URL")
-        app = create_app("bench_app", broker_url=broker, result_backend=broker,
-                         ledger_url=ledger_url, **conf)
+        app = create_app(
+            "bench_app", broker_url=broker, result_backend=broker, ledger_url=ledger_url, **conf
+        )
         base = LedgerTask
     elif mode == "plain":
         app = Celery("bench_app", broker=broker, backend=broker)
@@ -59,8 +60,9 @@ def make_app(mode: str, *, broker: str, queue: str, ledger_url: str | None = Non
 
     # shared=False: a second app built in the same process (the benchmark's one-process
     # measurement) must not inherit this app's task under the same name.
-    @app.task(base=base, name="bench_app.noop", shared=False, acks_late=True,
-              reject_on_worker_lost=True)
+    @app.task(
+        base=base, name="bench_app.noop", shared=False, acks_late=True, reject_on_worker_lost=True
+    )
     def noop(i: int) -> int:
         return i
 

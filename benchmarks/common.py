@@ -142,7 +142,9 @@ def pg_stat(url: str, admin_url: str = PG_ADMIN) -> dict[str, int]:
     with psycopg.connect(admin_url.replace("+psycopg", ""), autocommit=True) as conn:
         row = conn.execute(
             "SELECT xact_commit, xact_rollback, tup_inserted, tup_updated, tup_deleted "
-            "FROM pg_stat_database WHERE datname = %s", (name,)).fetchone()
+            "FROM pg_stat_database WHERE datname = %s",
+            (name,),
+        ).fetchone()
     assert row is not None
     return dict(zip(["commit", "rollback", "inserted", "updated", "deleted"], row, strict=True))
 
@@ -238,20 +240,47 @@ class Worker:
     """
 
     def __init__(self, env: dict[str, str], log_path: Path, *, concurrency: int = 2) -> None:
-        self.args = [sys.executable, "-m", "celery", "-A", "bench_app", "worker",
-                     "-P", "prefork", "-c", str(concurrency), "-Q", env["BENCH_QUEUE"],
-                     "-n", f"bench-{uuid.uuid4().hex[:6]}@%h", "-l", "warning",
-                     "--without-mingle", "--without-gossip", "--without-heartbeat"]
-        self.env = {**os.environ, **env,
-                    "PYTHONPATH": os.pathsep.join([str(BENCH), str(REPO),
-                                                   os.environ.get("PYTHONPATH", "")])}
+        self.args = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "bench_app",
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            str(concurrency),
+            "-Q",
+            env["BENCH_QUEUE"],
+            "-n",
+            f"bench-{uuid.uuid4().hex[:6]}@%h",
+            "-l",
+            "warning",
+            "--without-mingle",
+            "--without-gossip",
+            "--without-heartbeat",
+        ]
+        self.env = {
+            **os.environ,
+            **env,
+            "PYTHONPATH": os.pathsep.join(
+                [str(BENCH), str(REPO), os.environ.get("PYTHONPATH", "")]
+            ),
+        }
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Worker:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in __exit__
-        self.proc = subprocess.Popen(self.args, cwd=BENCH, env=self.env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.args,
+            cwd=BENCH,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -296,8 +325,14 @@ class Worker:
         self.proc = None
 
 
-def wait_for(predicate: Callable[[], Any], *, timeout: float, interval: float = 0.2,
-             what: str = "condition", check: Callable[[], None] | None = None) -> Any:
+def wait_for(
+    predicate: Callable[[], Any],
+    *,
+    timeout: float,
+    interval: float = 0.2,
+    what: str = "condition",
+    check: Callable[[], None] | None = None,
+) -> Any:
     """Poll ``predicate`` until truthy; raise TimeoutError after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
@@ -337,8 +372,8 @@ def _cpu_seconds(pid: int) -> tuple[str, int, int, float] | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    name = stat[stat.index("(") + 1:stat.rindex(")")]
-    rest = stat[stat.rindex(")") + 2:].split()
+    name = stat[stat.index("(") + 1 : stat.rindex(")")]
+    rest = stat[stat.rindex(")") + 2 :].split()
     return name, int(rest[1]), int(rest[3]), (int(rest[11]) + int(rest[12])) / _HZ
 
 

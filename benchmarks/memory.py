@@ -51,8 +51,7 @@ def _children_memory(worker: Worker) -> dict[str, Any]:
     if not children:
         raise RuntimeError(f"worker {worker.pid} has no pool processes")
     per_child = [memory_of(pid) for pid in children]
-    out: dict[str, Any] = {kind: sum(m[kind] for m in per_child) / len(per_child)
-                           for kind in KINDS}
+    out: dict[str, Any] = {kind: sum(m[kind] for m in per_child) / len(per_child) for kind in KINDS}
     out["children"] = len(children)
     out["parent_rss"] = memory_of(worker.pid)["rss"]
     return out
@@ -68,25 +67,47 @@ def run(tasks: int = 2000, broker: str = REDIS_URL) -> Report:
         store.ensure_ready()
         store.dispose()
         for variant, (mode, env) in VARIANTS.items():
-            out = drain(mode, tasks, broker=broker, tmp=Path(tmp), extra_env=env,
-                        ledger_url=ledger_url if mode == "ledger" else None,
-                        on_drained=_children_memory)
+            out = drain(
+                mode,
+                tasks,
+                broker=broker,
+                tmp=Path(tmp),
+                extra_env=env,
+                ledger_url=ledger_url if mode == "ledger" else None,
+                on_drained=_children_memory,
+            )
             measured[variant] = out["extra"]
     note = f"mean of {measured['plain']['children']} pool processes after {tasks} tasks"
     for kind in KINDS:
         label = kind.upper()
         for variant in VARIANTS:
-            report.add(BENCH, f"{label} per pool process, {variant}",
-                       measured[variant][kind] / 1024, "MiB", note=note)
+            report.add(
+                BENCH,
+                f"{label} per pool process, {variant}",
+                measured[variant][kind] / 1024,
+                "MiB",
+                note=note,
+            )
         ledger = measured["ledger"][kind]
-        report.add(BENCH, f"{label} ratio ledger/plain", ledger / measured["plain"][kind], "x",
-                   target="<= 1.10", note="ledger defaults vs plain Celery as shipped")
-        report.add(BENCH, f"{label} ratio ledger/plain+freeze",
-                   ledger / measured["plain+freeze"][kind], "x",
-                   note="what the ledger's own modules cost")
+        report.add(
+            BENCH,
+            f"{label} ratio ledger/plain",
+            ledger / measured["plain"][kind],
+            "x",
+            target="<= 1.10",
+            note="ledger defaults vs plain Celery as shipped",
+        )
+        report.add(
+            BENCH,
+            f"{label} ratio ledger/plain+freeze",
+            ledger / measured["plain+freeze"][kind],
+            "x",
+            note="what the ledger's own modules cost",
+        )
     for variant in ("plain", "ledger"):
-        report.add(BENCH, f"RSS worker parent, {variant}", measured[variant]["parent_rss"] / 1024,
-                   "MiB")
+        report.add(
+            BENCH, f"RSS worker parent, {variant}", measured[variant]["parent_rss"] / 1024, "MiB"
+        )
     return report
 
 

@@ -54,8 +54,16 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
 
 def run_scrape(entries: int, repeat: int) -> Report:
     """benchmarks/scrape.py (PostgreSQL) in a subprocess, its printed figures parsed."""
-    cmd = [sys.executable, str(BENCH / "scrape.py"), "--entries", str(entries),
-           "--repeat", str(repeat), "--pg-admin", PG_ADMIN]
+    cmd = [
+        sys.executable,
+        str(BENCH / "scrape.py"),
+        "--entries",
+        str(entries),
+        "--repeat",
+        str(repeat),
+        "--pg-admin",
+        PG_ADMIN,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"scrape.py exited {proc.returncode}:\n{proc.stderr[-2000:]}")
@@ -70,12 +78,21 @@ def run_scrape(entries: int, repeat: int) -> Report:
     if missing:
         raise RuntimeError(f"scrape.py printed no {missing}:\n{out}")
     note = f"{entries:,} entries (PostgreSQL)"
-    report.add("scrape", "stats() uncached", float(found["stats() uncached"][1]), "ms",
-               note=note)
-    report.add("scrape", "scrape that recomputes", float(found["scrape that recomputes"][1]),
-               "ms", note=note)
-    report.add("scrape", "scrape from the cache", float(found["scrape from the cache"][1]) / 1000,
-               "ms", note=note)
+    report.add("scrape", "stats() uncached", float(found["stats() uncached"][1]), "ms", note=note)
+    report.add(
+        "scrape",
+        "scrape that recomputes",
+        float(found["scrape that recomputes"][1]),
+        "ms",
+        note=note,
+    )
+    report.add(
+        "scrape",
+        "scrape from the cache",
+        float(found["scrape from the cache"][1]) / 1000,
+        "ms",
+        note=note,
+    )
     return report
 
 
@@ -83,8 +100,9 @@ def run_one(name: str, sizes: dict[str, Any], broker: str) -> Report:
     if name == "throughput":
         import throughput
 
-        return throughput.run(sizes["tasks"], sizes["rounds"], broker,
-                              profile=sizes.get("profile", False))
+        return throughput.run(
+            sizes["tasks"], sizes["rounds"], broker, profile=sizes.get("profile", False)
+        )
     if name == "steps":
         import steps
 
@@ -92,8 +110,7 @@ def run_one(name: str, sizes: dict[str, Any], broker: str) -> Report:
     if name == "sweep":
         import sweep
 
-        return sweep.run(("postgres", "sqlite"), sizes["rows"], sizes["repeat"],
-                         sizes["running"])
+        return sweep.run(("postgres", "sqlite"), sizes["rows"], sizes["repeat"], sizes["running"])
     if name == "memory":
         import memory
 
@@ -110,8 +127,11 @@ def machine() -> str:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-        mem = next(int(x.split()[1]) for x in Path("/proc/meminfo").read_text().splitlines()
-                   if x.startswith("MemTotal"))
+        mem = next(
+            int(x.split()[1])
+            for x in Path("/proc/meminfo").read_text().splitlines()
+            if x.startswith("MemTotal")
+        )
         ram = f"{mem / 1024 / 1024:.1f} GiB RAM"
     except (OSError, StopIteration):
         ram = "unknown RAM"
@@ -125,9 +145,13 @@ def versions() -> str:
     import redis
     import sqlalchemy
 
-    parts = [f"Python {platform.python_version()}", f"Celery {celery.__version__}",
-             f"kombu {kombu.__version__}", f"SQLAlchemy {sqlalchemy.__version__}",
-             f"psycopg {psycopg.__version__}"]
+    parts = [
+        f"Python {platform.python_version()}",
+        f"Celery {celery.__version__}",
+        f"kombu {kombu.__version__}",
+        f"SQLAlchemy {sqlalchemy.__version__}",
+        f"psycopg {psycopg.__version__}",
+    ]
     try:
         with psycopg.connect(PG_ADMIN.replace("+psycopg", ""), connect_timeout=3) as conn:
             row = conn.execute("SHOW server_version").fetchone()
@@ -157,8 +181,9 @@ def markdown(report: Report, mode: str, command: str, took: float, failed: list[
         "|---|---|---:|---|---|---|",
     ]
     for r in report.rows:
-        lines.append(f"| {r.bench} | {r.metric} | {fmt(r.value)} | {r.unit} | {r.target} "
-                     f"| {r.note} |")
+        lines.append(
+            f"| {r.bench} | {r.metric} | {fmt(r.value)} | {r.unit} | {r.target} | {r.note} |"
+        )
     for title, text in report.text.items():
         lines += ["", f"#### {title}", "", "```", text.rstrip(), "```"]
     lines += ["", END]
@@ -179,12 +204,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     parser.add_argument("--no-write", action="store_true", help="do not touch docs/")
-    parser.add_argument("--only", default=",".join(ALL),
-                        help=f"comma-separated subset of {','.join(ALL)}")
+    parser.add_argument(
+        "--only", default=",".join(ALL), help=f"comma-separated subset of {','.join(ALL)}"
+    )
     parser.add_argument("--json", help="also write the rows as JSON to this path")
     parser.add_argument("--broker", default=REDIS_URL, help="Redis URL (broker and results)")
-    parser.add_argument("--profile", action="store_true",
-                        help="add a cProfile of the ledgered task to the throughput section")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="add a cProfile of the ledgered task to the throughput section",
+    )
     args = parser.parse_args()
     mode = "quick" if args.quick else "full"
     names = [n.strip() for n in args.only.split(",") if n.strip()]
@@ -212,13 +241,24 @@ def main() -> int:
     for title, text in report.text.items():
         print(f"\n{title}:\n{text}")
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"mode": mode, "failed": failed, "seconds": took,
-             "rows": [r.as_dict() for r in report.rows]}, indent=2,
-            default=lambda x: None if isinstance(x, float) and math.isnan(x) else x))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "mode": mode,
+                    "failed": failed,
+                    "seconds": took,
+                    "rows": [r.as_dict() for r in report.rows],
+                },
+                indent=2,
+                default=lambda x: None if isinstance(x, float) and math.isnan(x) else x,
+            )
+        )
     if not args.no_write and len(failed) < len(names):
-        command = "python benchmarks/run.py" + (" --quick" if args.quick else "") + \
-            (" --profile" if args.profile else "")
+        command = (
+            "python benchmarks/run.py"
+            + (" --quick" if args.quick else "")
+            + (" --profile" if args.profile else "")
+        )
         write_doc(markdown(report, mode, command, took, failed))
         print(f"\nwrote {DOC.relative_to(REPO)}", file=sys.stderr)
     if failed:

@@ -60,26 +60,46 @@ def fill(store: LedgerStore, n: int, steps_per_entry: int) -> None:
                 status = status_of(i)
                 key = f"{i:064x}"
                 running = status == "running"
-                rows.append({
-                    "key": key, "task_name": TASKS[i % len(TASKS)], "task_id": str(i),
-                    "status": status, "fence": 1, "side_effect": "non_idempotent",
-                    "args_hash": "task-id", "snapshot": None,
-                    "owner": "celery@bench" if running else None, "owner_boot": "b",
-                    "owner_pid": 1,
-                    # every other running entry has an expired lease
-                    "lease_until": (now + (60 if i % 2 else -60)) if running else None,
-                    "result": "1" if status == "completed" else None,
-                    "executions": 1, "interruptions": 1 if status == "interrupted" else 0,
-                    "created_at": now - i, "updated_at": now - i,
-                    "settled_at": now - i if status in ("completed", "failed") else None,
-                })
+                rows.append(
+                    {
+                        "key": key,
+                        "task_name": TASKS[i % len(TASKS)],
+                        "task_id": str(i),
+                        "status": status,
+                        "fence": 1,
+                        "side_effect": "non_idempotent",
+                        "args_hash": "task-id",
+                        "snapshot": None,
+                        "owner": "celery@bench" if running else None,
+                        "owner_boot": "b",
+                        "owner_pid": 1,
+                        # every other running entry has an expired lease
+                        "lease_until": (now + (60 if i % 2 else -60)) if running else None,
+                        "result": "1" if status == "completed" else None,
+                        "executions": 1,
+                        "interruptions": 1 if status == "interrupted" else 0,
+                        "created_at": now - i,
+                        "updated_at": now - i,
+                        "settled_at": now - i if status in ("completed", "failed") else None,
+                    }
+                )
                 for s in range(steps_per_entry):
-                    step_rows.append({
-                        "key": key, "name": f"step{s}", "input_hash": "h", "occurrence": 0,
-                        "seq": s, "status": "completed", "output": "1", "fence": 1,
-                        "attempts": 1, "authorized": 0, "started_at": now - i,
-                        "completed_at": now - i,
-                    })
+                    step_rows.append(
+                        {
+                            "key": key,
+                            "name": f"step{s}",
+                            "input_hash": "h",
+                            "occurrence": 0,
+                            "seq": s,
+                            "status": "completed",
+                            "output": "1",
+                            "fence": 1,
+                            "attempts": 1,
+                            "authorized": 0,
+                            "started_at": now - i,
+                            "completed_at": now - i,
+                        }
+                    )
             conn.execute(insert(entries), rows)
             if step_rows:
                 conn.execute(insert(steps), step_rows)
@@ -98,14 +118,14 @@ def explain(store: LedgerStore) -> None:
     # The statements stats() issues, as SQL, with EXPLAIN ANALYZE.
     queries = {
         "by task and status": "SELECT task_name, status, count(*) FROM ledger_entries "
-                              "GROUP BY task_name, status",
+        "GROUP BY task_name, status",
         "running, expired": "SELECT count(CASE WHEN lease_until < 0 THEN 1 END), "
-                            "max(updated_at) FROM ledger_entries WHERE status = 'running'",
+        "max(updated_at) FROM ledger_entries WHERE status = 'running'",
         "interruptions": "SELECT coalesce(sum(interruptions), 0) FROM ledger_entries "
-                         "WHERE status IN ('interrupted', 'blocked', 'running')",
+        "WHERE status IN ('interrupted', 'blocked', 'running')",
         "effect steps": "SELECT count(*), coalesce(sum(CASE WHEN attempts - 1 - authorized > 0 "
-                        "THEN attempts - 1 - authorized ELSE 0 END), 0) FROM ledger_steps "
-                        "WHERE status != 'not_executed'",
+        "THEN attempts - 1 - authorized ELSE 0 END), 0) FROM ledger_steps "
+        "WHERE status != 'not_executed'",
     }
     with store.engine.connect() as conn:
         for what, sql in queries.items():
@@ -127,8 +147,10 @@ def run(url: str, args: argparse.Namespace) -> None:
     else:
         with store.engine.connect() as conn:
             conn.exec_driver_sql("ANALYZE")
-    print(f"filled {args.entries:,} entries and {args.entries * args.steps_per_entry:,} "
-          f"replay rows in {time.perf_counter() - started:.1f}s ({store.engine.dialect.name})")
+    print(
+        f"filled {args.entries:,} entries and {args.entries * args.steps_per_entry:,} "
+        f"replay rows in {time.perf_counter() - started:.1f}s ({store.engine.dialect.name})"
+    )
 
     store.stats()  # warm the connection and the cache of the database
     cold = timed(store.stats, args.repeat)
@@ -138,13 +160,19 @@ def run(url: str, args: argparse.Namespace) -> None:
     first = timed(lambda: generate_latest(registry), 1)[0]
     cached = timed(lambda: generate_latest(registry), 1000)
     stats = store.stats()
-    print(f"aggregates: {dict(sorted(stats.by_status.items()))}, "
-          f"expired {stats.expired_running}, entries {stats.entries:,}")
-    print(f"stats() uncached: median {statistics.median(cold) * 1000:.1f} ms, "
-          f"max {max(cold) * 1000:.1f} ms over {args.repeat} runs")
-    print(f"scrape that recomputes: {first * 1000:.1f} ms; "
-          f"scrape from the cache: median {statistics.median(cached) * 1e6:.0f} us "
-          f"(collector computed {collector.computations} time(s) for 1,001 scrapes)")
+    print(
+        f"aggregates: {dict(sorted(stats.by_status.items()))}, "
+        f"expired {stats.expired_running}, entries {stats.entries:,}"
+    )
+    print(
+        f"stats() uncached: median {statistics.median(cold) * 1000:.1f} ms, "
+        f"max {max(cold) * 1000:.1f} ms over {args.repeat} runs"
+    )
+    print(
+        f"scrape that recomputes: {first * 1000:.1f} ms; "
+        f"scrape from the cache: median {statistics.median(cached) * 1e6:.0f} us "
+        f"(collector computed {collector.computations} time(s) for 1,001 scrapes)"
+    )
     if args.explain and not store.is_sqlite:
         explain(store)
     store.dispose()
@@ -153,8 +181,11 @@ def run(url: str, args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["postgres", "sqlite"], default="postgres")
-    parser.add_argument("--pg-admin", default=PG_ADMIN,
-                        help="PostgreSQL URL used to create and drop the scratch database")
+    parser.add_argument(
+        "--pg-admin",
+        default=PG_ADMIN,
+        help="PostgreSQL URL used to create and drop the scratch database",
+    )
     parser.add_argument("--entries", type=int, default=100_000)
     parser.add_argument("--steps-per-entry", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=5)

@@ -48,20 +48,38 @@ def _trivial(x: int) -> int:
 
 
 def _claim(store: LedgerStore, key: str, owner: Owner) -> Any:
-    return store.claim(ClaimRequest(
-        key=key, task_name="bench.steps", task_id=key, args_hash="task-id",
-        snapshot='{"args": [], "kwargs": {}}', side_effect="non_idempotent", owner=owner,
-        lease_seconds=60.0))
+    return store.claim(
+        ClaimRequest(
+            key=key,
+            task_name="bench.steps",
+            task_id=key,
+            args_hash="task-id",
+            snapshot='{"args": [], "kwargs": {}}',
+            side_effect="non_idempotent",
+            owner=owner,
+            lease_seconds=60.0,
+        )
+    )
 
 
-def _attempt(store: LedgerStore, settings: LedgerSettings, side_effect: str, claim: Any,
-             key: str) -> Attempt:
-    return Attempt(_Task(side_effect), store, settings, key=key, fence=claim.fence,  # type: ignore[arg-type]
-                   task_id=key, lease_seconds=60.0, replay=claim.steps)
+def _attempt(
+    store: LedgerStore, settings: LedgerSettings, side_effect: str, claim: Any, key: str
+) -> Attempt:
+    return Attempt(
+        _Task(side_effect),
+        store,
+        settings,
+        key=key,
+        fence=claim.fence,  # type: ignore[arg-type]
+        task_id=key,
+        lease_seconds=60.0,
+        replay=claim.steps,
+    )
 
 
-def step_overhead(store: LedgerStore, settings: LedgerSettings, side_effect: str,
-                  tasks: int) -> tuple[float, float, float]:
+def step_overhead(
+    store: LedgerStore, settings: LedgerSettings, side_effect: str, tasks: int
+) -> tuple[float, float, float]:
     """Return (median overhead per step in ms, writes per step, statements per step)."""
     owner = Owner("bench@steps", "boot", 1)
     overheads, writes, statements = [], [], []
@@ -98,28 +116,43 @@ def resume(store: LedgerStore, settings: LedgerSettings, repeat: int) -> tuple[f
         for i in range(RESUME_STEPS):
             attempt.step(f"s{i}", _trivial, (i,), {})
         # The pool process died: the worker's parent marks the entry interrupted.
-        store.interrupt_owner(key, node=dead.node, boot=dead.boot, pid=dead.pid,
-                              actor="bench", why="pool process lost")
+        store.interrupt_owner(
+            key,
+            node=dead.node,
+            boot=dead.boot,
+            pid=dead.pid,
+            actor="bench",
+            why="pool process lost",
+        )
         with StatementCounter(store.engine, store.fast) as counter:
             started = time.perf_counter()
             again = _claim(store, key, Owner("bench@new", "boot-2", 222))
             resumed = _attempt(store, settings, "non_idempotent", again, key)
             outputs = [resumed.step(f"s{i}", _trivial, (i,), {}) for i in range(RESUME_STEPS)]
             times.append((time.perf_counter() - started) * 1000)
-        if again.gate is not Gate.TAKEOVER or resumed.replayed != RESUME_STEPS or \
-                outputs != list(range(RESUME_STEPS)):
-            raise RuntimeError(f"resume did not replay: gate={again.gate} "
-                               f"replayed={resumed.replayed}")
-        step_queries.append(sum(1 for s in counter.statements
-                                if s.lstrip().upper().startswith("SELECT")
-                                and "ledger_steps" in s))
+        if (
+            again.gate is not Gate.TAKEOVER
+            or resumed.replayed != RESUME_STEPS
+            or outputs != list(range(RESUME_STEPS))
+        ):
+            raise RuntimeError(
+                f"resume did not replay: gate={again.gate} replayed={resumed.replayed}"
+            )
+        step_queries.append(
+            sum(
+                1
+                for s in counter.statements
+                if s.lstrip().upper().startswith("SELECT") and "ledger_steps" in s
+            )
+        )
         statements.append(counter.count)
         store.settle(key, again.fence, EntryStatus.COMPLETED, result="null")
     return median(times), max(step_queries), max(statements)
 
 
-def run(backends: tuple[str, ...] = ("postgres", "sqlite"), tasks: int = 50,
-        resumes: int = 5) -> Report:
+def run(
+    backends: tuple[str, ...] = ("postgres", "sqlite"), tasks: int = 50, resumes: int = 5
+) -> Report:
     report = Report()
     with databases(list(backends)) as urls:
         for backend, url in urls.items():
@@ -128,21 +161,32 @@ def run(backends: tuple[str, ...] = ("postgres", "sqlite"), tasks: int = 50,
             settings = LedgerSettings(url=url)
             step_overhead(store, settings, "idempotent", 2)  # warm caches and the pool
             name = "PostgreSQL" if backend == "postgres" else "SQLite"
-            for side_effect, label in (("idempotent", "idempotent step"),
-                                       ("non_idempotent", "effect step")):
+            for side_effect, label in (
+                ("idempotent", "idempotent step"),
+                ("non_idempotent", "effect step"),
+            ):
                 ms, writes, stmts = step_overhead(store, settings, side_effect, tasks)
                 target = "1" if side_effect == "idempotent" else "2"
-                report.add(BENCH, f"{label} overhead ({name})", ms, "ms",
-                           note=f"median of {tasks} tasks of {STEPS} steps")
-                report.add(BENCH, f"{label} writes ({name})", writes, "writes/step",
-                           target=target)
-                report.add(BENCH, f"{label} statements ({name})", stmts, "stmts/step",
-                           target=target)
+                report.add(
+                    BENCH,
+                    f"{label} overhead ({name})",
+                    ms,
+                    "ms",
+                    note=f"median of {tasks} tasks of {STEPS} steps",
+                )
+                report.add(BENCH, f"{label} writes ({name})", writes, "writes/step", target=target)
+                report.add(
+                    BENCH, f"{label} statements ({name})", stmts, "stmts/step", target=target
+                )
             ms, queries, stmts = resume(store, settings, resumes)
-            report.add(BENCH, f"resume 100 steps ({name})", ms, "ms",
-                       note=f"claim (TAKEOVER) + replay, median of {resumes}")
-            report.add(BENCH, f"resume replay-row queries ({name})", queries, "queries",
-                       target="1")
+            report.add(
+                BENCH,
+                f"resume 100 steps ({name})",
+                ms,
+                "ms",
+                note=f"claim (TAKEOVER) + replay, median of {resumes}",
+            )
+            report.add(BENCH, f"resume replay-row queries ({name})", queries, "queries", target="1")
             report.add(BENCH, f"resume statements ({name})", stmts, "stmts")
             store.dispose()
     return report

@@ -57,46 +57,61 @@ def load_settled(store: LedgerStore, start: int, stop: int) -> None:
     """Insert settled entries ``start``..``stop`` (inclusive) in one statement."""
     if start > stop:
         return
-    cols = ("key, task_name, task_id, status, fence, side_effect, args_hash, owner, owner_boot, "
-            "owner_pid, result, executions, interruptions, created_at, updated_at, settled_at")
+    cols = (
+        "key, task_name, task_id, status, fence, side_effect, args_hash, owner, owner_boot, "
+        "owner_pid, result, executions, interruptions, created_at, updated_at, settled_at"
+    )
     if store.is_sqlite:
-        sql = (f"WITH RECURSIVE g(x) AS (SELECT :start UNION ALL SELECT x + 1 FROM g "
-               f"WHERE x < :stop) INSERT INTO ledger_entries ({cols}) "
-               "SELECT printf('s%063d', x), 'bench.settled', 's' || x, 'completed', 1, "
-               "'non_idempotent', 'task-id', 'celery@bench', 'b', 1, 'null', 1, 0, "
-               ":now - (x % 3600), :now - (x % 3600), :now - (x % 3600) FROM g")
+        sql = (
+            f"WITH RECURSIVE g(x) AS (SELECT :start UNION ALL SELECT x + 1 FROM g "
+            f"WHERE x < :stop) INSERT INTO ledger_entries ({cols}) "
+            "SELECT printf('s%063d', x), 'bench.settled', 's' || x, 'completed', 1, "
+            "'non_idempotent', 'task-id', 'celery@bench', 'b', 1, 'null', 1, 0, "
+            ":now - (x % 3600), :now - (x % 3600), :now - (x % 3600) FROM g"
+        )
     else:
-        sql = (f"INSERT INTO ledger_entries ({cols}) "
-               "SELECT 's' || lpad(g::text, 63, '0'), 'bench.settled', 's' || g, 'completed', "
-               "1, 'non_idempotent', 'task-id', 'celery@bench', 'b', 1, 'null', 1, 0, "
-               ":now - (g % 3600), :now - (g % 3600), :now - (g % 3600) "
-               "FROM generate_series(CAST(:start AS bigint), CAST(:stop AS bigint)) g")
+        sql = (
+            f"INSERT INTO ledger_entries ({cols}) "
+            "SELECT 's' || lpad(g::text, 63, '0'), 'bench.settled', 's' || g, 'completed', "
+            "1, 'non_idempotent', 'task-id', 'celery@bench', 'b', 1, 'null', 1, 0, "
+            ":now - (g % 3600), :now - (g % 3600), :now - (g % 3600) "
+            "FROM generate_series(CAST(:start AS bigint), CAST(:stop AS bigint)) g"
+        )
     with store.engine.begin() as conn:
         conn.execute(text(sql), {"start": start, "stop": stop, "now": _now()})
 
 
 def load_running(store: LedgerStore, running: int) -> None:
-    rows = [{"key": f"r{i:063d}", "task_id": f"r{i:06d}", "now": _now(), "snap": SNAPSHOT}
-            for i in range(1, running + 1)]
+    rows = [
+        {"key": f"r{i:063d}", "task_id": f"r{i:06d}", "now": _now(), "snap": SNAPSHOT}
+        for i in range(1, running + 1)
+    ]
     with store.engine.begin() as conn:
-        conn.execute(text(
-            "INSERT INTO ledger_entries (key, task_name, task_id, status, fence, side_effect, "
-            "args_hash, snapshot, owner, owner_boot, owner_pid, lease_until, executions, "
-            "interruptions, created_at, updated_at) VALUES (:key, 'bench.running', :task_id, "
-            "'running', 1, 'non_idempotent', 'task-id', :snap, 'celery@bench', 'b', 1, "
-            ":now + 3600, 1, 0, :now, :now)"), rows)
+        conn.execute(
+            text(
+                "INSERT INTO ledger_entries (key, task_name, task_id, status, fence, side_effect, "
+                "args_hash, snapshot, owner, owner_boot, owner_pid, lease_until, executions, "
+                "interruptions, created_at, updated_at) VALUES (:key, 'bench.running', :task_id, "
+                "'running', 1, 'non_idempotent', 'task-id', :snap, 'celery@bench', 'b', 1, "
+                ":now + 3600, 1, 0, :now, :now)"
+            ),
+            rows,
+        )
 
 
 def expire(store: LedgerStore, n: int) -> None:
     """Make the first ``n`` running entries expired and the rest live again."""
     now = _now()
     with store.engine.begin() as conn:
-        conn.execute(text(
-            "UPDATE ledger_entries SET status = 'running', owner = 'celery@bench', "
-            "owner_boot = 'b', owner_pid = 1, interruptions = 0, reason = NULL, "
-            "lease_until = CASE WHEN task_id <= :cut THEN :past ELSE :live END "
-            "WHERE task_name = 'bench.running'"),
-            {"cut": f"r{n:06d}", "past": now - 60, "live": now + 3600})
+        conn.execute(
+            text(
+                "UPDATE ledger_entries SET status = 'running', owner = 'celery@bench', "
+                "owner_boot = 'b', owner_pid = 1, interruptions = 0, reason = NULL, "
+                "lease_until = CASE WHEN task_id <= :cut THEN :past ELSE :live END "
+                "WHERE task_name = 'bench.running'"
+            ),
+            {"cut": f"r{n:06d}", "past": now - 60, "live": now + 3600},
+        )
 
 
 def analyze(store: LedgerStore) -> None:
@@ -111,8 +126,7 @@ def analyze(store: LedgerStore) -> None:
 def sweep_once(store: LedgerStore, batch: int) -> tuple[float, Any]:
     app = StubApp()
     started = time.perf_counter()
-    report = run_sweep(store, app, lease_seconds=60, max_resumes=5, retention_days=7,
-                       batch=batch)
+    report = run_sweep(store, app, lease_seconds=60, max_resumes=5, retention_days=7, batch=batch)
     return (time.perf_counter() - started) * 1000, report
 
 
@@ -152,15 +166,23 @@ def explain_stale(store: LedgerStore, expired: int) -> str:
     expire(store, expired)
     statement, params = captured[0]
     with store.engine.connect() as conn:
-        plan = [r[0] for r in conn.exec_driver_sql(
-            "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + statement, params)]
+        plan = [
+            r[0]
+            for r in conn.exec_driver_sql(
+                "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) " + statement, params
+            )
+        ]
         conn.rollback()
     expire(store, 0)
     return "\n".join(plan)
 
 
-def run(backends: tuple[str, ...] = ("postgres", "sqlite"), rows: int = 1_000_000,
-        repeat: int = 5, running: int = 1000) -> Report:
+def run(
+    backends: tuple[str, ...] = ("postgres", "sqlite"),
+    rows: int = 1_000_000,
+    repeat: int = 5,
+    running: int = 1000,
+) -> Report:
     report = Report()
     small = min(SMALL, rows)
     with databases(list(backends)) as urls:
@@ -177,8 +199,11 @@ def run(backends: tuple[str, ...] = ("postgres", "sqlite"), rows: int = 1_000_00
                     started = time.perf_counter()
                     load_settled(store, small + 1, rows)
                     analyze(store)
-                    print(f"  {name}: loaded {rows:,} settled rows in "
-                          f"{time.perf_counter() - started:.1f}s", file=sys.stderr)
+                    print(
+                        f"  {name}: loaded {rows:,} settled rows in "
+                        f"{time.perf_counter() - started:.1f}s",
+                        file=sys.stderr,
+                    )
                 elif settled == rows and settled != small:
                     continue
                 size = f"{settled:,} settled"
@@ -188,23 +213,39 @@ def run(backends: tuple[str, ...] = ("postgres", "sqlite"), rows: int = 1_000_00
                     if rep.interrupted or rep.found or rep.pruned:
                         raise RuntimeError(f"the no-op sweep did work: {rep.as_dict()}")
                     noop.append(ms)
-                report.add(BENCH, f"no-op sweep, {size} ({name})", median(noop), "ms",
-                           target="< 50" if backend == "postgres" else "",
-                           note=f"median of {repeat}")
+                report.add(
+                    BENCH,
+                    f"no-op sweep, {size} ({name})",
+                    median(noop),
+                    "ms",
+                    target="< 50" if backend == "postgres" else "",
+                    note=f"median of {repeat}",
+                )
                 counts = (running // 10, running) if settled == rows else (running,)
                 for expired in counts:
                     got = measure(store, expired, repeat)
-                    report.add(BENCH, f"sweep {expired:,} expired, {size} ({name})",
-                               got["full"], "ms", note="interrupt + list + re-enqueue each")
-                    report.add(BENCH, f"stale queries {expired:,} expired, {size} ({name})",
-                               got["queries"], "ms",
-                               note="interrupt_expired + list_interrupted")
+                    report.add(
+                        BENCH,
+                        f"sweep {expired:,} expired, {size} ({name})",
+                        got["full"],
+                        "ms",
+                        note="interrupt + list + re-enqueue each",
+                    )
+                    report.add(
+                        BENCH,
+                        f"stale queries {expired:,} expired, {size} ({name})",
+                        got["queries"],
+                        "ms",
+                        note="interrupt_expired + list_interrupted",
+                    )
                 if backend == "postgres" and settled == rows:
-                    report.text[f"EXPLAIN stale-lease statement, {size}, nothing expired"] = \
+                    report.text[f"EXPLAIN stale-lease statement, {size}, nothing expired"] = (
                         explain_stale(store, 0)
-                    report.text[f"EXPLAIN stale-lease statement, {size}, "
-                                f"{running // 2:,} of {running:,} running expired"] = \
-                        explain_stale(store, running // 2)
+                    )
+                    report.text[
+                        f"EXPLAIN stale-lease statement, {size}, "
+                        f"{running // 2:,} of {running:,} running expired"
+                    ] = explain_stale(store, running // 2)
             store.dispose()
     return report
 
@@ -213,8 +254,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["postgres", "sqlite", "both"], default="both")
     parser.add_argument("--rows", type=int, default=1_000_000, help="settled entries")
-    parser.add_argument("--running", type=int, default=1000,
-                        help="running entries; a tenth and all of them expire in turn")
+    parser.add_argument(
+        "--running",
+        type=int,
+        default=1000,
+        help="running entries; a tenth and all of them expire in turn",
+    )
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     backends = ("postgres", "sqlite") if args.backend == "both" else (args.backend,)

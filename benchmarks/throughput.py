@@ -73,9 +73,17 @@ def _meta_keys(ids: list[str]) -> list[str]:
     return [f"celery-task-meta-{i}" for i in ids]
 
 
-def drain(mode: str, n: int, *, broker: str, ledger_url: str | None, tmp: Path,
-          on_drained: Callable[[Worker], Any] | None = None,
-          extra_env: dict[str, str] | None = None, concurrency: int = 2) -> dict[str, Any]:
+def drain(
+    mode: str,
+    n: int,
+    *,
+    broker: str,
+    ledger_url: str | None,
+    tmp: Path,
+    on_drained: Callable[[Worker], Any] | None = None,
+    extra_env: dict[str, str] | None = None,
+    concurrency: int = 2,
+) -> dict[str, Any]:
     """Pre-fill a queue with ``n`` tasks, start a worker, wait until every result is stored.
 
     Returns tasks/s and, through ``on_drained``, whatever the caller measures on the live
@@ -93,8 +101,9 @@ def drain(mode: str, n: int, *, broker: str, ledger_url: str | None, tmp: Path,
     extra: Any = None
     try:
         with Worker(env, tmp / f"worker-{queue}.log", concurrency=concurrency) as worker:
+
             def stored() -> int:
-                return sum(client.exists(*keys[i:i + 1000]) for i in range(0, n, 1000))
+                return sum(client.exists(*keys[i : i + 1000]) for i in range(0, n, 1000))
 
             def done() -> bool:
                 return stored() >= n
@@ -105,21 +114,27 @@ def drain(mode: str, n: int, *, broker: str, ledger_url: str | None, tmp: Path,
 
             # CPU is counted from the first stored result (worker start-up excluded) to the
             # last, for the tasks in between.
-            wait_for(lambda: stored() > 0, timeout=60, interval=0.05,
-                     what=f"the first {mode} result", check=check)
+            wait_for(
+                lambda: stored() > 0,
+                timeout=60,
+                interval=0.05,
+                what=f"the first {mode} result",
+                check=check,
+            )
             tally = CpuTally(worker.pid)
             tally.start()
             counted_from = stored()
-            wait_for(done, timeout=60 + n / 20, interval=0.25, what=f"{n} {mode} results",
-                     check=check)
+            wait_for(
+                done, timeout=60 + n / 20, interval=0.25, what=f"{n} {mode} results", check=check
+            )
             cpu = tally.stop()
             if on_drained is not None:
                 extra = on_drained(worker)
-        metas = [json.loads(v) for i in range(0, n, 1000) for v in client.mget(keys[i:i + 1000])]
+        metas = [json.loads(v) for i in range(0, n, 1000) for v in client.mget(keys[i : i + 1000])]
     finally:
         client.delete(queue, f"_kombu.binding.{queue}")
         for i in range(0, n, 1000):
-            client.delete(*keys[i:i + 1000])
+            client.delete(*keys[i : i + 1000])
         client.close()
     failed = [m for m in metas if m["status"] != "SUCCESS"]
     if failed:
@@ -127,9 +142,12 @@ def drain(mode: str, n: int, *, broker: str, ledger_url: str | None, tmp: Path,
     stamps = sorted(datetime.fromisoformat(m["date_done"]).timestamp() for m in metas)
     span = stamps[-1] - stamps[0]
     counted = max(1, n - counted_from)
-    out: dict[str, Any] = {"rate": (n - 1) / span if span > 0 else float("nan"), "span": span,
-                           "extra": extra,
-                           "cpu_ms": {k: v / counted * 1000 for k, v in cpu.items()}}
+    out: dict[str, Any] = {
+        "rate": (n - 1) / span if span > 0 else float("nan"),
+        "span": span,
+        "extra": extra,
+        "cpu_ms": {k: v / counted * 1000 for k, v in cpu.items()},
+    }
     if before is not None:
         assert ledger_url is not None
         time.sleep(1.0)  # backends flush their statistics when they exit
@@ -153,8 +171,11 @@ def count_hot_path(ledger_url: str, broker: str, n: int = 200) -> dict[str, floa
         for i in range(n):
             task.apply(args=(i,))
     store.dispose()
-    return {"statements": counter.count / n, "writes": counter.writes() / n,
-            "round_trips": (counter.count + counter.begins + counter.commits) / n}
+    return {
+        "statements": counter.count / n,
+        "writes": counter.writes() / n,
+        "round_trips": (counter.count + counter.begins + counter.commits) / n,
+    }
 
 
 def profile_hot_path(ledger_url: str, broker: str, n: int = 500) -> str:
@@ -179,8 +200,10 @@ def profile_hot_path(ledger_url: str, broker: str, n: int = 500) -> str:
     store.dispose()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
-    return (f"{n} eager applies: ledgered {took / n * 1000:.2f} ms/task (under cProfile), "
-            f"plain {plain_took / n * 1000:.3f} ms/task\n" + buf.getvalue())
+    return (
+        f"{n} eager applies: ledgered {took / n * 1000:.2f} ms/task (under cProfile), "
+        f"plain {plain_took / n * 1000:.3f} ms/task\n" + buf.getvalue()
+    )
 
 
 def time_apply(task: Any, n: int) -> float:
@@ -190,8 +213,13 @@ def time_apply(task: Any, n: int) -> float:
     return time.perf_counter() - started
 
 
-def run(tasks: int = 5000, rounds: int = 3, broker: str = REDIS_URL,
-        profile: bool = False, concurrency: int = 2) -> Report:
+def run(
+    tasks: int = 5000,
+    rounds: int = 3,
+    broker: str = REDIS_URL,
+    profile: bool = False,
+    concurrency: int = 2,
+) -> Report:
     report = Report()
     rates: dict[str, list[float]] = {"plain": [], "ledger": []}
     cpu: dict[str, list[dict[str, float]]] = {"plain": [], "ledger": []}
@@ -205,14 +233,23 @@ def run(tasks: int = 5000, rounds: int = 3, broker: str = REDIS_URL,
         for r in range(rounds):
             order = ("plain", "ledger") if r % 2 == 0 else ("ledger", "plain")
             for mode in order:
-                out = drain(mode, tasks, broker=broker, tmp=Path(tmp), concurrency=concurrency,
-                            ledger_url=ledger_url if mode == "ledger" else None)
+                out = drain(
+                    mode,
+                    tasks,
+                    broker=broker,
+                    tmp=Path(tmp),
+                    concurrency=concurrency,
+                    ledger_url=ledger_url if mode == "ledger" else None,
+                )
                 rates[mode].append(out["rate"])
                 cpu[mode].append(out["cpu_ms"])
                 if "pg" in out:
                     pg_per_task.append(out["pg"])
-                print(f"  round {r + 1} {mode}: {out['rate']:.0f} tasks/s "
-                      f"({tasks} in {out['span']:.2f}s)", file=sys.stderr)
+                print(
+                    f"  round {r + 1} {mode}: {out['rate']:.0f} tasks/s "
+                    f"({tasks} in {out['span']:.2f}s)",
+                    file=sys.stderr,
+                )
         hot = count_hot_path(ledger_url, broker)
         if profile:
             report.text["throughput profile"] = profile_hot_path(ledger_url, broker)
@@ -225,21 +262,45 @@ def run(tasks: int = 5000, rounds: int = 3, broker: str = REDIS_URL,
         for group in CpuTally.GROUPS:
             if mode == "plain" and group == "postgres":
                 continue
-            report.add(BENCH, f"CPU per task, {mode}: {group}",
-                       median([c[group] for c in cpu[mode]]), "ms",
-                       note="/proc/<pid>/stat over the drain, median of rounds")
-    report.add(BENCH, "statements per task", hot["statements"], "stmts",
-               note="claim + settle, counted in one process")
+            report.add(
+                BENCH,
+                f"CPU per task, {mode}: {group}",
+                median([c[group] for c in cpu[mode]]),
+                "ms",
+                note="/proc/<pid>/stat over the drain, median of rounds",
+            )
+    report.add(
+        BENCH,
+        "statements per task",
+        hot["statements"],
+        "stmts",
+        note="claim + settle, counted in one process",
+    )
     report.add(BENCH, "writes per task", hot["writes"], "stmts")
-    report.add(BENCH, "round trips per task", hot["round_trips"], "trips",
-               note="statements + BEGIN/COMMIT of explicit transactions")
+    report.add(
+        BENCH,
+        "round trips per task",
+        hot["round_trips"],
+        "trips",
+        note="statements + BEGIN/COMMIT of explicit transactions",
+    )
     if pg_per_task:
-        report.add(BENCH, "pg transactions per task", median([p["commit"] for p in pg_per_task]),
-                   "xacts", note="pg_stat_database during the worker run")
-        report.add(BENCH, "pg rows written per task",
-                   median([p["inserted"] + p["updated"] for p in pg_per_task]), "rows")
+        report.add(
+            BENCH,
+            "pg transactions per task",
+            median([p["commit"] for p in pg_per_task]),
+            "xacts",
+            note="pg_stat_database during the worker run",
+        )
+        report.add(
+            BENCH,
+            "pg rows written per task",
+            median([p["inserted"] + p["updated"] for p in pg_per_task]),
+            "rows",
+        )
     report.text["throughput rounds"] = "\n".join(
-        f"{mode}: " + ", ".join(f"{x:.0f}" for x in xs) + " tasks/s" for mode, xs in rates.items())
+        f"{mode}: " + ", ".join(f"{x:.0f}" for x in xs) + " tasks/s" for mode, xs in rates.items()
+    )
     return report
 
 
@@ -248,10 +309,15 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--broker", default=REDIS_URL)
-    parser.add_argument("--concurrency", type=int, default=2,
-                        help="pool processes of both workers (default 2: Celery's default here)")
-    parser.add_argument("--profile", action="store_true",
-                        help="also cProfile the ledgered task in this process")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=2,
+        help="pool processes of both workers (default 2: Celery's default here)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="also cProfile the ledgered task in this process"
+    )
     args = parser.parse_args()
     report = run(args.tasks, args.rounds, args.broker, args.profile, args.concurrency)
     print(format_rows(report.rows))

@@ -30,9 +30,9 @@ READ_ONLY = "ledger_read_only"
 def normalize_url(url: str) -> str:
     """Map ``postgresql://`` and ``postgres://`` onto the psycopg 3 driver."""
     if url.startswith("postgres://"):
-        url = "postgresql://" + url[len("postgres://"):]
+        url = "postgresql://" + url[len("postgres://") :]
     if url.startswith("postgresql://"):
-        url = "postgresql+psycopg://" + url[len("postgresql://"):]
+        url = "postgresql+psycopg://" + url[len("postgresql://") :]
     return url
 
 

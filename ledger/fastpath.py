@@ -34,7 +34,8 @@ class Compiled:
         self.sql: str = compiled.string
         self._compiled = compiled
         self._order: tuple[str, ...] | None = (
-            tuple(compiled.positiontup or ()) if compiled.positional else None)
+            tuple(compiled.positiontup or ()) if compiled.positional else None
+        )
 
     def params(self, values: dict[str, Any]) -> Any:
         """The DBAPI parameters for ``values`` (constants baked into the statement included)."""
@@ -58,7 +59,9 @@ class FastPath:
         assert dbapi is not None
         #: DBAPI errors that mean "the database is not reachable (or not now)".
         self._unavailable: tuple[type[BaseException], ...] = (
-            dbapi.OperationalError, dbapi.InterfaceError)
+            dbapi.OperationalError,
+            dbapi.InterfaceError,
+        )
 
     def compiled(self, key: Any, build: Callable[[], Any]) -> Compiled:
         found = self._compiled.get(key)

@@ -44,8 +44,9 @@ def canonical_json(value: Any) -> str:
         IdentityError: when ``value`` holds anything that is not plain JSON.
     """
     _check(value, "$")
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False,
-                      ensure_ascii=False)
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False
+    )
 
 
 def _sha256(text: str) -> str:

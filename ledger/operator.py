@@ -16,8 +16,13 @@ from ledger.values import Entry, EventRecord
 
 #: Statuses an operator may release. Never completed (it has a result), never failed with a
 #: live attempt; a running entry only once its lease expired.
-RELEASABLE = (EntryStatus.BLOCKED, EntryStatus.INTERRUPTED, EntryStatus.RUNNING,
-              EntryStatus.FAILED, EntryStatus.RETRYING)
+RELEASABLE = (
+    EntryStatus.BLOCKED,
+    EntryStatus.INTERRUPTED,
+    EntryStatus.RUNNING,
+    EntryStatus.FAILED,
+    EntryStatus.RETRYING,
+)
 
 #: Name of the implicit step that stands for the whole body of a task that recorded no steps.
 BODY_STEP = "__body__"
@@ -75,16 +80,29 @@ class OperatorQueries(SweepQueries):
     def find_keys(self, prefix_or_task_id: str, *, limit: int = 5) -> list[str]:
         """Keys that start with ``prefix_or_task_id`` or whose task id equals it."""
         with self._read() as conn:
-            return [k for (k,) in conn.execute(
-                select(entries.c.key).where(or_(
-                    entries.c.key.startswith(prefix_or_task_id, autoescape=True),
-                    entries.c.task_id == prefix_or_task_id,
-                )).limit(limit)
-            )]
+            return [
+                k
+                for (k,) in conn.execute(
+                    select(entries.c.key)
+                    .where(
+                        or_(
+                            entries.c.key.startswith(prefix_or_task_id, autoescape=True),
+                            entries.c.task_id == prefix_or_task_id,
+                        )
+                    )
+                    .limit(limit)
+                )
+            ]
 
-    def list_entries(self, *, statuses: list[str] | None = None, task: str | None = None,
-                     stuck: bool = False, since_seconds: float | None = None,
-                     limit: int = 50) -> list[Entry]:
+    def list_entries(
+        self,
+        *,
+        statuses: list[str] | None = None,
+        task: str | None = None,
+        stuck: bool = False,
+        since_seconds: float | None = None,
+        limit: int = 50,
+    ) -> list[Entry]:
         """Entries, newest first. ``stuck``: interrupted, blocked, or running past the lease."""
         q = select(entries).order_by(entries.c.updated_at.desc()).limit(limit)
         if statuses:
@@ -92,11 +110,15 @@ class OperatorQueries(SweepQueries):
         if task:
             q = q.where(entries.c.task_name == task)
         if stuck:
-            q = q.where(or_(
-                entries.c.status.in_([EntryStatus.INTERRUPTED.value, EntryStatus.BLOCKED.value]),
-                (entries.c.status == EntryStatus.RUNNING.value)
-                & (entries.c.lease_until < db_now_stable()),
-            ))
+            q = q.where(
+                or_(
+                    entries.c.status.in_(
+                        [EntryStatus.INTERRUPTED.value, EntryStatus.BLOCKED.value]
+                    ),
+                    (entries.c.status == EntryStatus.RUNNING.value)
+                    & (entries.c.lease_until < db_now_stable()),
+                )
+            )
         if since_seconds is not None:
             q = q.where(entries.c.updated_at >= db_now_stable() - since_seconds)
         with self._read() as conn:
@@ -114,8 +136,9 @@ class OperatorQueries(SweepQueries):
         with self._read() as conn:
             return float(conn.execute(select(db_now())).scalar_one())
 
-    def release(self, key: str, verified: Verdict, *, by: str, reason: str,
-                result: str | None = None) -> Release:
+    def release(
+        self, key: str, verified: Verdict, *, by: str, reason: str, result: str | None = None
+    ) -> Release:
         """Apply an operator's verdict to a stuck entry, once, in one transaction.
 
         ``completed``: the entry becomes completed with ``result``; every later delivery returns
@@ -134,7 +157,8 @@ class OperatorQueries(SweepQueries):
         with self._txn() as conn:
             row = conn.execute(
                 select(entries, (entries.c.lease_until - db_now()).label("remaining"))
-                .where(entries.c.key == key).with_for_update()
+                .where(entries.c.key == key)
+                .with_for_update()
             ).one_or_none()
             if row is None:
                 raise EntryNotFound(f"no ledger entry with key {key}")
@@ -144,7 +168,8 @@ class OperatorQueries(SweepQueries):
             if found is EntryStatus.RUNNING and row.remaining is not None and row.remaining > 0:
                 raise ReleaseRefused(
                     f"{key} is running with a live lease ({row.remaining:.0f}s left, owner "
-                    f"{row.owner}); wait for it to expire or for the sweep to interrupt it")
+                    f"{row.owner}); wait for it to expire or for the sweep to interrupt it"
+                )
             if found not in RELEASABLE:  # pragma: no cover - every other status is listed
                 raise ReleaseRefused(f"{key} is {found.value}")
             if row.released_at is not None and self._released_at_fence(conn, key, row.fence):
@@ -153,71 +178,134 @@ class OperatorQueries(SweepQueries):
                 # authorize a second re-run or overwrite the first operator's stamp.
                 raise ReleaseRefused(
                     f"{key} was released already by {row.released_by} "
-                    f"({row.released_reason!r}) and has not run since; release is one-shot")
+                    f"({row.released_reason!r}) and has not run since; release is one-shot"
+                )
             fence = row.fence + 1
             now = db_now()
             released: tuple[str, ...] = ()
             if verified is Verdict.COMPLETED:
                 to_status = EntryStatus.COMPLETED
-                conn.execute(update(steps).where(
-                    steps.c.key == key, steps.c.status == StepStatus.STARTED.value,
-                ).values(status=StepStatus.COMPLETED.value, completed_at=now, fence=fence))
+                conn.execute(
+                    update(steps)
+                    .where(
+                        steps.c.key == key,
+                        steps.c.status == StepStatus.STARTED.value,
+                    )
+                    .values(status=StepStatus.COMPLETED.value, completed_at=now, fence=fence)
+                )
             else:
                 to_status = EntryStatus.INTERRUPTED
                 released = self._release_ambiguous_steps(conn, key, fence)
-            conn.execute(update(entries).where(entries.c.key == key).values(
-                status=to_status.value, fence=fence, lease_until=None, updated_at=now,
-                result=result if to_status is EntryStatus.COMPLETED else row.result,
-                error=None, reason=None,
-                settled_at=now if to_status is EntryStatus.COMPLETED else None,
-                interruptions=0, released_by=by, released_reason=reason, released_at=now,
-                released_from=found.value,
-            ))
-            self._append_event(
-                conn, key, "released", task_id=row.task_id, fence=fence,
-                status=to_status.value, actor=by,
-                detail=f"verified {verified.value} from {found.value}: {reason}"
-                       + (f" (steps: {', '.join(released)})" if released else ""),
+            conn.execute(
+                update(entries)
+                .where(entries.c.key == key)
+                .values(
+                    status=to_status.value,
+                    fence=fence,
+                    lease_until=None,
+                    updated_at=now,
+                    result=result if to_status is EntryStatus.COMPLETED else row.result,
+                    error=None,
+                    reason=None,
+                    settled_at=now if to_status is EntryStatus.COMPLETED else None,
+                    interruptions=0,
+                    released_by=by,
+                    released_reason=reason,
+                    released_at=now,
+                    released_from=found.value,
+                )
             )
-        return Release(key, verified, found, to_status, fence, released, row.task_name,
-                       row.task_id, row.snapshot)
+            self._append_event(
+                conn,
+                key,
+                "released",
+                task_id=row.task_id,
+                fence=fence,
+                status=to_status.value,
+                actor=by,
+                detail=f"verified {verified.value} from {found.value}: {reason}"
+                + (f" (steps: {', '.join(released)})" if released else ""),
+            )
+        return Release(
+            key,
+            verified,
+            found,
+            to_status,
+            fence,
+            released,
+            row.task_name,
+            row.task_id,
+            row.snapshot,
+        )
 
     @staticmethod
     def _released_at_fence(conn: Any, key: str, fence: int) -> bool:
         """Whether ``fence`` was written by a release (every later transition bumps it)."""
-        return conn.execute(
-            select(events.c.id).where(events.c.key == key, events.c.event == "released",
-                                      events.c.fence == fence).limit(1)
-        ).first() is not None
+        return (
+            conn.execute(
+                select(events.c.id)
+                .where(events.c.key == key, events.c.event == "released", events.c.fence == fence)
+                .limit(1)
+            ).first()
+            is not None
+        )
 
     def _release_ambiguous_steps(self, conn: Any, key: str, fence: int) -> tuple[str, ...]:
-        ambiguous = conn.execute(select(steps.c.name).where(
-            steps.c.key == key, steps.c.status == StepStatus.STARTED.value)).scalars().all()
+        ambiguous = (
+            conn.execute(
+                select(steps.c.name).where(
+                    steps.c.key == key, steps.c.status == StepStatus.STARTED.value
+                )
+            )
+            .scalars()
+            .all()
+        )
         if ambiguous:
-            conn.execute(update(steps).where(
-                steps.c.key == key, steps.c.status == StepStatus.STARTED.value,
-            ).values(status=StepStatus.NOT_EXECUTED.value, fence=fence,
-                     authorized=steps.c.authorized + 1))
+            conn.execute(
+                update(steps)
+                .where(
+                    steps.c.key == key,
+                    steps.c.status == StepStatus.STARTED.value,
+                )
+                .values(
+                    status=StepStatus.NOT_EXECUTED.value,
+                    fence=fence,
+                    authorized=steps.c.authorized + 1,
+                )
+            )
             return tuple(ambiguous)
-        has_rows = conn.execute(select(func.count()).select_from(steps)
-                                .where(steps.c.key == key)).scalar_one()
+        has_rows = conn.execute(
+            select(func.count()).select_from(steps).where(steps.c.key == key)
+        ).scalar_one()
         if has_rows:
             return ()
         # No replay rows at all: the body itself was the ambiguous effect.
-        conn.execute(steps.insert().values(
-            key=key, name=BODY_STEP, input_hash="", occurrence=0, seq=0,
-            status=StepStatus.NOT_EXECUTED.value, fence=fence, attempts=1, authorized=1,
-            started_at=db_now(),
-        ))
+        conn.execute(
+            steps.insert().values(
+                key=key,
+                name=BODY_STEP,
+                input_hash="",
+                occurrence=0,
+                seq=0,
+                status=StepStatus.NOT_EXECUTED.value,
+                fence=fence,
+                attempts=1,
+                authorized=1,
+                started_at=db_now(),
+            )
+        )
         return (BODY_STEP,)
 
     def stats(self) -> LedgerStats:
         """Aggregates over the ledger, each from an indexed query."""
         with self._read() as conn:
             by_task_status = {
-                (t, s): int(n) for t, s, n in conn.execute(
-                    select(entries.c.task_name, entries.c.status, func.count())
-                    .group_by(entries.c.task_name, entries.c.status))
+                (t, s): int(n)
+                for t, s, n in conn.execute(
+                    select(entries.c.task_name, entries.c.status, func.count()).group_by(
+                        entries.c.task_name, entries.c.status
+                    )
+                )
             }
             running = conn.execute(
                 select(
@@ -226,25 +314,39 @@ class OperatorQueries(SweepQueries):
                 ).where(entries.c.status == EntryStatus.RUNNING.value)
             ).one()
             interruptions = conn.execute(
-                select(func.coalesce(func.sum(entries.c.interruptions), 0))
-                .where(entries.c.status.in_([EntryStatus.INTERRUPTED.value,
-                                             EntryStatus.BLOCKED.value,
-                                             EntryStatus.RUNNING.value]))
+                select(func.coalesce(func.sum(entries.c.interruptions), 0)).where(
+                    entries.c.status.in_(
+                        [
+                            EntryStatus.INTERRUPTED.value,
+                            EntryStatus.BLOCKED.value,
+                            EntryStatus.RUNNING.value,
+                        ]
+                    )
+                )
             ).scalar_one()
             # Only rows with an unauthorized extra attempt, through their partial index: the
             # cost follows the duplicates (zero, normally), not the size of the steps table.
             # read/idempotent/keyed steps may legitimately run again (keyed ones with the same
             # provider key, which the provider deduplicates): only the other classes count.
             duplicates = conn.execute(
-                select(func.coalesce(func.sum(
-                    steps.c.attempts - 1 - steps.c.authorized), 0))
+                select(func.coalesce(func.sum(steps.c.attempts - 1 - steps.c.authorized), 0))
                 .select_from(steps.join(entries, entries.c.key == steps.c.key))
-                .where(steps.c.attempts > steps.c.authorized + 1,
-                       entries.c.side_effect.in_([SideEffect.NON_IDEMPOTENT.value,
-                                                  SideEffect.IRREVERSIBLE.value]))
+                .where(
+                    steps.c.attempts > steps.c.authorized + 1,
+                    entries.c.side_effect.in_(
+                        [SideEffect.NON_IDEMPOTENT.value, SideEffect.IRREVERSIBLE.value]
+                    ),
+                )
             ).scalar_one()
         by_status: dict[str, int] = {s.value: 0 for s in EntryStatus}
         for (_, s), n in by_task_status.items():
             by_status[s] = by_status.get(s, 0) + n
-        return LedgerStats(by_status, by_task_status, int(running[0]), float(running[1]),
-                           int(interruptions), sum(by_status.values()), int(duplicates))
+        return LedgerStats(
+            by_status,
+            by_task_status,
+            int(running[0]),
+            float(running[1]),
+            int(interruptions),
+            sum(by_status.values()),
+            int(duplicates),
+        )

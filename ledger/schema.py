@@ -112,8 +112,9 @@ events = Table(
     "ledger_events",
     metadata,
     # Integer on SQLite so the column is the rowid alias and autoincrements.
-    Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
-           autoincrement=True),
+    Column(
+        "id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    ),
     Column("key", KEY, nullable=False),
     Column("task_id", String(255)),
     Column("fence", BigInteger),

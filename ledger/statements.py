@@ -43,10 +43,23 @@ def with_event(dialect: str, dml: Any) -> Any:
     if dialect == "sqlite":
         return dml
     written = dml.cte("written")
-    logged = insert(events).from_select(_EVENT_COLS, select(
-        written.c.key, written.c.task_id, written.c.fence, B("ev_event", String),
-        written.c.status, B("ev_actor", String), B("ev_detail", Text), db_now(),
-    )).cte("logged")
+    logged = (
+        insert(events)
+        .from_select(
+            _EVENT_COLS,
+            select(
+                written.c.key,
+                written.c.task_id,
+                written.c.fence,
+                B("ev_event", String),
+                written.c.status,
+                B("ev_actor", String),
+                B("ev_detail", Text),
+                db_now(),
+            ),
+        )
+        .cte("logged")
+    )
     return select(written).add_cte(logged)
 
 
@@ -54,9 +67,15 @@ def with_event(dialect: str, dml: Any) -> Any:
 def event_insert() -> Any:
     """One audit event; ``at`` on the database clock."""
     return insert(events).values(
-        key=B("key", String), task_id=B("task_id", String), fence=B("fence", Integer),
-        event=B("event", String), status=B("status", String), actor=B("actor", String),
-        detail=B("detail", Text), at=db_now())
+        key=B("key", String),
+        task_id=B("task_id", String),
+        fence=B("fence", Integer),
+        event=B("event", String),
+        status=B("status", String),
+        actor=B("actor", String),
+        detail=B("detail", Text),
+        at=db_now(),
+    )
 
 
 @cache
@@ -70,11 +89,21 @@ def claim_insert(dialect: str) -> Any:
     ins = (
         _insert(dialect)(entries)
         .values(
-            key=B("key"), task_name=B("task_name"), task_id=B("task_id"),
-            status=_RUNNING, fence=1, side_effect=B("side_effect"), args_hash=B("args_hash"),
-            snapshot=B("snapshot", Text), owner=B("owner"), owner_boot=B("owner_boot"),
-            owner_pid=B("owner_pid", Integer), lease_until=now + B("lease", Float),
-            executions=B("executions", Integer), interruptions=0, created_at=now,
+            key=B("key"),
+            task_name=B("task_name"),
+            task_id=B("task_id"),
+            status=_RUNNING,
+            fence=1,
+            side_effect=B("side_effect"),
+            args_hash=B("args_hash"),
+            snapshot=B("snapshot", Text),
+            owner=B("owner"),
+            owner_boot=B("owner_boot"),
+            owner_pid=B("owner_pid", Integer),
+            lease_until=now + B("lease", Float),
+            executions=B("executions", Integer),
+            interruptions=0,
+            created_at=now,
             updated_at=now,
         )
         .on_conflict_do_nothing(index_elements=[entries.c.key])
@@ -92,12 +121,16 @@ def settle_update(dialect: str, settled: bool) -> Any:
     now = db_now()
     upd = (
         update(entries)
-        .where(entries.c.key == B("k"), entries.c.fence == B("f"),
-               entries.c.status == _RUNNING)
-        .values(status=B("to_status"), result=B("new_result", Text),
-                error=B("new_error", Text), reason=B("new_reason", Text),
-                lease_until=None, updated_at=now,
-                settled_at=now if settled else None)
+        .where(entries.c.key == B("k"), entries.c.fence == B("f"), entries.c.status == _RUNNING)
+        .values(
+            status=B("to_status"),
+            result=B("new_result", Text),
+            error=B("new_error", Text),
+            reason=B("new_reason", Text),
+            lease_until=None,
+            updated_at=now,
+            settled_at=now if settled else None,
+        )
         .returning(*RETURNED)
     )
     return with_event(dialect, upd)
@@ -107,8 +140,7 @@ def settle_update(dialect: str, settled: bool) -> Any:
 def renew_update() -> Any:
     return (
         update(entries)
-        .where(entries.c.key == B("k"), entries.c.fence == B("f"),
-               entries.c.status == _RUNNING)
+        .where(entries.c.key == B("k"), entries.c.fence == B("f"), entries.c.status == _RUNNING)
         .values(lease_until=db_now() + B("lease", Float))
     )
 
@@ -132,11 +164,18 @@ def step_upsert(dialect: str, started: bool) -> Any:
     """Upsert one replay row, fenced on the entry (see ``HotPath.write_step``)."""
     now = db_now()
     values: dict[str, Any] = {
-        "key": B("key", String), "name": B("name", String),
-        "input_hash": B("input_hash", String), "occurrence": B("occurrence", Integer),
-        "seq": B("seq", Integer), "status": B("status", String), "output": B("output", Text),
-        "error": B("error", Text), "fence": B("fence", Integer), "attempts": literal(1),
-        "authorized": B("authorized", Integer), "started_at": now,
+        "key": B("key", String),
+        "name": B("name", String),
+        "input_hash": B("input_hash", String),
+        "occurrence": B("occurrence", Integer),
+        "seq": B("seq", Integer),
+        "status": B("status", String),
+        "output": B("output", Text),
+        "error": B("error", Text),
+        "fence": B("fence", Integer),
+        "attempts": literal(1),
+        "authorized": B("authorized", Integer),
+        "started_at": now,
         "completed_at": None if started else now,
     }
     source = live_entry(B("key"), B("fence")).with_only_columns(*values.values())
@@ -150,9 +189,11 @@ def step_upsert(dialect: str, started: bool) -> Any:
     return ins.on_conflict_do_update(
         index_elements=[steps.c.key, steps.c.name, steps.c.input_hash, steps.c.occurrence],
         set_={
-            "status": ex.status, "output": ex.output, "error": ex.error, "fence": ex.fence,
-            "attempts": (steps.c.attempts + rerun.cast(Integer) if started
-                         else steps.c.attempts),
+            "status": ex.status,
+            "output": ex.output,
+            "error": ex.error,
+            "fence": ex.fence,
+            "attempts": (steps.c.attempts + rerun.cast(Integer) if started else steps.c.attempts),
             "authorized": steps.c.authorized + ex.authorized,
             "started_at": ex.started_at if started else steps.c.started_at,
             "completed_at": ex.completed_at,

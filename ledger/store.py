@@ -50,8 +50,9 @@ _RETURNED = sql.RETURNED
 class StoreCore:
     """Engine handling, transactions and the shared write helpers."""
 
-    def __init__(self, url: str, *, migrate: bool = True,
-                 engine_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, url: str, *, migrate: bool = True, engine_options: dict[str, Any] | None = None
+    ) -> None:
         self.url = normalize_url(url)
         self.is_sqlite = is_sqlite(url)
         self.dialect = "sqlite" if self.is_sqlite else "postgresql"
@@ -102,8 +103,11 @@ class StoreCore:
         # The hot path's raw connections come from an engine of their own on PostgreSQL,
         # always in autocommit, so they can never leak autocommit into a pooled connection
         # that a SQLAlchemy transaction later checks out.
-        fast_engine = engine if self.is_sqlite else make_engine(
-            self.url, **{**self._engine_options, "isolation_level": "AUTOCOMMIT"})
+        fast_engine = (
+            engine
+            if self.is_sqlite
+            else make_engine(self.url, **{**self._engine_options, "isolation_level": "AUTOCOMMIT"})
+        )
         self._fast = FastPath(fast_engine, sqlite=self.is_sqlite)
         self._pid = os.getpid()
 
@@ -183,8 +187,15 @@ class StoreCore:
         assert self._fast is not None
         return self._fast
 
-    def _fast_with_event(self, key: Any, build: Any, params: dict[str, Any], event: str,
-                         actor: str | None, detail: str | None = None) -> list[Any]:
+    def _fast_with_event(
+        self,
+        key: Any,
+        build: Any,
+        params: dict[str, Any],
+        event: str,
+        actor: str | None,
+        detail: str | None = None,
+    ) -> list[Any]:
         """Run a ``sql.with_event`` statement on the hot path; return its (key, task_id,
         fence, status, ...) rows as tuples. One statement on PostgreSQL; on SQLite the event
         rows follow in the same transaction."""
@@ -196,12 +207,28 @@ class StoreCore:
                 rows = cur.fetchall()
                 if rows:
                     ev = fast.compiled("event", sql.event_insert)
-                    cur.executemany(ev.sql, [ev.params({
-                        "key": r[0], "task_id": r[1], "fence": r[2], "event": event,
-                        "status": r[3], "actor": actor, "detail": detail}) for r in rows])
+                    cur.executemany(
+                        ev.sql,
+                        [
+                            ev.params(
+                                {
+                                    "key": r[0],
+                                    "task_id": r[1],
+                                    "fence": r[2],
+                                    "event": event,
+                                    "status": r[3],
+                                    "actor": actor,
+                                    "detail": detail,
+                                }
+                            )
+                            for r in rows
+                        ],
+                    )
                 return list(rows)
-            cur.execute(stmt.sql, stmt.params(
-                {**params, "ev_event": event, "ev_actor": actor, "ev_detail": detail}))
+            cur.execute(
+                stmt.sql,
+                stmt.params({**params, "ev_event": event, "ev_actor": actor, "ev_detail": detail}),
+            )
             return list(cur.fetchall())
 
     # -- shared write helpers -------------------------------------------------------------
@@ -223,31 +250,69 @@ class StoreCore:
         in autocommit. SQLite: two statements inside the caller's transaction.
         Returns the rows the DML returned (at least key, task_id, fence, status).
         """
-        return self._run_with_event(conn, sql.with_event(self.dialect, dml), {}, event, actor,
-                                    detail)
+        return self._run_with_event(
+            conn, sql.with_event(self.dialect, dml), {}, event, actor, detail
+        )
 
-    def _run_with_event(self, conn: Connection, stmt: Any, params: dict[str, Any],
-                        event: str, actor: str | None, detail: str | None = None) -> list[Any]:
+    def _run_with_event(
+        self,
+        conn: Connection,
+        stmt: Any,
+        params: dict[str, Any],
+        event: str,
+        actor: str | None,
+        detail: str | None = None,
+    ) -> list[Any]:
         """Execute a statement built by ``sql.with_event`` with ``params``."""
         if self.is_sqlite:
             rows = list(conn.execute(stmt, params).all())
             if rows:
-                conn.execute(sql.event_insert(), [
-                    {"key": r.key, "task_id": r.task_id, "fence": r.fence, "event": event,
-                     "status": r.status, "actor": actor, "detail": detail}
-                    for r in rows
-                ])
+                conn.execute(
+                    sql.event_insert(),
+                    [
+                        {
+                            "key": r.key,
+                            "task_id": r.task_id,
+                            "fence": r.fence,
+                            "event": event,
+                            "status": r.status,
+                            "actor": actor,
+                            "detail": detail,
+                        }
+                        for r in rows
+                    ],
+                )
             return rows
-        return list(conn.execute(stmt, {**params, "ev_event": event, "ev_actor": actor,
-                                        "ev_detail": detail}).all())
+        return list(
+            conn.execute(
+                stmt, {**params, "ev_event": event, "ev_actor": actor, "ev_detail": detail}
+            ).all()
+        )
 
-    def _append_event(self, conn: Connection, key: str, event: str, *, task_id: str | None,
-                      fence: int | None, status: str | None, actor: str | None,
-                      detail: str | None = None) -> None:
-        conn.execute(insert(events).values(
-            key=key, task_id=task_id, fence=fence, event=event, status=status, actor=actor,
-            detail=detail, at=db_now(),
-        ))
+    def _append_event(
+        self,
+        conn: Connection,
+        key: str,
+        event: str,
+        *,
+        task_id: str | None,
+        fence: int | None,
+        status: str | None,
+        actor: str | None,
+        detail: str | None = None,
+    ) -> None:
+        conn.execute(
+            insert(events).values(
+                key=key,
+                task_id=task_id,
+                fence=fence,
+                event=event,
+                status=status,
+                actor=actor,
+                detail=detail,
+                at=db_now(),
+            )
+        )
 
     def _load_steps(self, conn: Connection, key: str) -> tuple[StepRecord, ...]:
         rows = conn.execute(
@@ -255,10 +320,19 @@ class StoreCore:
         ).all()
         return tuple(
             StepRecord(
-                name=r.name, input_hash=r.input_hash, occurrence=r.occurrence, seq=r.seq,
-                status=StepStatus(r.status), fence=r.fence, output=r.output,
-                external_ref=r.external_ref, error=r.error, attempts=r.attempts,
-                authorized=r.authorized, started_at=r.started_at, completed_at=r.completed_at,
+                name=r.name,
+                input_hash=r.input_hash,
+                occurrence=r.occurrence,
+                seq=r.seq,
+                status=StepStatus(r.status),
+                fence=r.fence,
+                output=r.output,
+                external_ref=r.external_ref,
+                error=r.error,
+                attempts=r.attempts,
+                authorized=r.authorized,
+                started_at=r.started_at,
+                completed_at=r.completed_at,
             )
             for r in rows
         )
@@ -289,13 +363,24 @@ class HotPath(StoreCore):
 
     def _insert_new(self, req: ClaimRequest) -> int | None:
         rows = self._fast_with_event(
-            "claim", lambda: sql.claim_insert(self.dialect), {
-                "key": req.key, "task_name": req.task_name, "task_id": req.task_id,
-                "side_effect": req.side_effect, "args_hash": req.args_hash,
-                "snapshot": req.snapshot, "owner": req.owner.node,
-                "owner_boot": req.owner.boot, "owner_pid": req.owner.pid,
-                "lease": req.lease_seconds, "executions": 1,
-            }, "claimed", req.owner.node)
+            "claim",
+            lambda: sql.claim_insert(self.dialect),
+            {
+                "key": req.key,
+                "task_name": req.task_name,
+                "task_id": req.task_id,
+                "side_effect": req.side_effect,
+                "args_hash": req.args_hash,
+                "snapshot": req.snapshot,
+                "owner": req.owner.node,
+                "owner_boot": req.owner.boot,
+                "owner_pid": req.owner.pid,
+                "lease": req.lease_seconds,
+                "executions": 1,
+            },
+            "claimed",
+            req.owner.node,
+        )
         return int(rows[0][2]) if rows else None
 
     def record_intent(self, req: ClaimRequest) -> bool:
@@ -308,12 +393,24 @@ class HotPath(StoreCore):
         interrupted entry. Returns False if the key already has an entry (nothing written).
         """
         rows = self._fast_with_event(
-            "claim", lambda: sql.claim_insert(self.dialect), {
-                "key": req.key, "task_name": req.task_name, "task_id": req.task_id,
-                "side_effect": req.side_effect, "args_hash": req.args_hash,
-                "snapshot": req.snapshot, "owner": RESUME_OWNER, "owner_boot": None,
-                "owner_pid": None, "lease": req.lease_seconds, "executions": 0,
-            }, "queued", req.owner.node)
+            "claim",
+            lambda: sql.claim_insert(self.dialect),
+            {
+                "key": req.key,
+                "task_name": req.task_name,
+                "task_id": req.task_id,
+                "side_effect": req.side_effect,
+                "args_hash": req.args_hash,
+                "snapshot": req.snapshot,
+                "owner": RESUME_OWNER,
+                "owner_boot": None,
+                "owner_pid": None,
+                "lease": req.lease_seconds,
+                "executions": 0,
+            },
+            "queued",
+            req.owner.node,
+        )
         return bool(rows)
 
     def _claim_existing_txn(self, conn: Connection, req: ClaimRequest) -> Claim | None:
@@ -327,16 +424,25 @@ class HotPath(StoreCore):
         found = EntryStatus(row.status)
 
         def note(event: str, detail: str | None = None) -> None:
-            self._append_event(conn, req.key, event, task_id=req.task_id, fence=row.fence,
-                               status=row.status, actor=req.owner.node, detail=detail)
+            self._append_event(
+                conn,
+                req.key,
+                event,
+                task_id=req.task_id,
+                fence=row.fence,
+                status=row.status,
+                actor=req.owner.node,
+                detail=detail,
+            )
 
         if row.args_hash != req.args_hash:
             note("conflict", f"args_hash {req.args_hash} != {row.args_hash}")
             return Claim(Gate.CONFLICT, req.key, row.fence, found=found)
         if found.settled:
             note("returned")
-            return Claim(Gate.RETURN, req.key, row.fence, found=found, result=row.result,
-                         error=row.error)
+            return Claim(
+                Gate.RETURN, req.key, row.fence, found=found, result=row.result, error=row.error
+            )
         if found is EntryStatus.BLOCKED:
             note("block-gate")
             return Claim(Gate.BLOCK, req.key, row.fence, found=found, reason=row.reason)
@@ -351,8 +457,13 @@ class HotPath(StoreCore):
             if row.owner != RESUME_OWNER:
                 if lease_live and not previous_boot:
                     note("waited")
-                    return Claim(Gate.WAIT, req.key, row.fence, found=found,
-                                 lease_remaining=float(row.remaining))
+                    return Claim(
+                        Gate.WAIT,
+                        req.key,
+                        row.fence,
+                        found=found,
+                        lease_remaining=float(row.remaining),
+                    )
                 interruptions += 1  # the attempt that held it is gone: count the loss here
 
         if gate is Gate.TAKEOVER and row.executions == 0:
@@ -360,40 +471,82 @@ class HotPath(StoreCore):
             # nothing that could be ambiguous and no crash to count.
             gate = Gate.RUN
         if gate is Gate.TAKEOVER and interruptions > req.max_interruptions:
-            reason = (f"crash loop: interrupted {interruptions} times "
-                      f"(ledger_max_resumes={req.max_interruptions})")
-            conn.execute(update(entries).where(entries.c.key == req.key).values(
-                status=EntryStatus.BLOCKED.value, fence=row.fence + 1, reason=reason,
-                interruptions=interruptions, lease_until=None, updated_at=db_now(),
-            ))
-            self._append_event(conn, req.key, "blocked", task_id=req.task_id,
-                               fence=row.fence + 1, status=EntryStatus.BLOCKED.value,
-                               actor=req.owner.node, detail=reason)
+            reason = (
+                f"crash loop: interrupted {interruptions} times "
+                f"(ledger_max_resumes={req.max_interruptions})"
+            )
+            conn.execute(
+                update(entries)
+                .where(entries.c.key == req.key)
+                .values(
+                    status=EntryStatus.BLOCKED.value,
+                    fence=row.fence + 1,
+                    reason=reason,
+                    interruptions=interruptions,
+                    lease_until=None,
+                    updated_at=db_now(),
+                )
+            )
+            self._append_event(
+                conn,
+                req.key,
+                "blocked",
+                task_id=req.task_id,
+                fence=row.fence + 1,
+                status=EntryStatus.BLOCKED.value,
+                actor=req.owner.node,
+                detail=reason,
+            )
             return Claim(Gate.BLOCK, req.key, row.fence + 1, found=found, reason=reason)
 
         fence = row.fence + 1
         now = db_now()
-        conn.execute(update(entries).where(entries.c.key == req.key).values(
-            status=EntryStatus.RUNNING.value, fence=fence, task_id=req.task_id,
-            snapshot=req.snapshot if req.snapshot is not None else row.snapshot,
-            owner=req.owner.node, owner_boot=req.owner.boot, owner_pid=req.owner.pid,
-            lease_until=now + req.lease_seconds, executions=entries.c.executions + 1,
-            interruptions=interruptions, updated_at=now,
-        ))
-        event = ("claimed" if row.executions == 0
-                 else "takeover" if gate is Gate.TAKEOVER else "rerun")
-        self._append_event(conn, req.key, event,
-                           task_id=req.task_id, fence=fence, status=EntryStatus.RUNNING.value,
-                           actor=req.owner.node, detail=f"from {found.value}")
-        return Claim(gate, req.key, fence, found=found, steps=self._load_steps(conn, req.key),
-                     executions=row.executions)
+        conn.execute(
+            update(entries)
+            .where(entries.c.key == req.key)
+            .values(
+                status=EntryStatus.RUNNING.value,
+                fence=fence,
+                task_id=req.task_id,
+                snapshot=req.snapshot if req.snapshot is not None else row.snapshot,
+                owner=req.owner.node,
+                owner_boot=req.owner.boot,
+                owner_pid=req.owner.pid,
+                lease_until=now + req.lease_seconds,
+                executions=entries.c.executions + 1,
+                interruptions=interruptions,
+                updated_at=now,
+            )
+        )
+        event = (
+            "claimed" if row.executions == 0 else "takeover" if gate is Gate.TAKEOVER else "rerun"
+        )
+        self._append_event(
+            conn,
+            req.key,
+            event,
+            task_id=req.task_id,
+            fence=fence,
+            status=EntryStatus.RUNNING.value,
+            actor=req.owner.node,
+            detail=f"from {found.value}",
+        )
+        return Claim(
+            gate,
+            req.key,
+            fence,
+            found=found,
+            steps=self._load_steps(conn, req.key),
+            executions=row.executions,
+        )
 
     def peek_status(self, key: str) -> tuple[EntryStatus, float | None] | None:
         """Read the entry's status and seconds left on its lease (no lock, no write)."""
         with self._read() as conn:
             row = conn.execute(
-                select(entries.c.status, (entries.c.lease_until - db_now()).label("left"))
-                .where(entries.c.key == key)
+                select(entries.c.status, (entries.c.lease_until - db_now()).label("left")).where(
+                    entries.c.key == key
+                )
             ).one_or_none()
         return None if row is None else (EntryStatus(row.status), row.left)
 
@@ -411,9 +564,17 @@ class HotPath(StoreCore):
 
     # -- replay rows ----------------------------------------------------------------------
 
-    def write_step(self, key: str, fence: int, ident: tuple[str, str, int], *, seq: int,
-                   status: StepStatus, output: str | None = None,
-                   error: str | None = None) -> bool:
+    def write_step(
+        self,
+        key: str,
+        fence: int,
+        ident: tuple[str, str, int],
+        *,
+        seq: int,
+        status: StepStatus,
+        output: str | None = None,
+        error: str | None = None,
+    ) -> bool:
         """Upsert one replay row, fenced on the entry, in one statement.
 
         ``started`` records intent before an effect; ``completed`` records the output (after
@@ -426,27 +587,38 @@ class HotPath(StoreCore):
         """
         name, ihash, occurrence = ident
         params = {
-            "key": key, "name": name, "input_hash": ihash, "occurrence": occurrence,
-            "seq": seq, "status": status.value, "output": output, "error": error,
-            "fence": fence, "authorized": 1 if status is StepStatus.NOT_EXECUTED else 0,
+            "key": key,
+            "name": name,
+            "input_hash": ihash,
+            "occurrence": occurrence,
+            "seq": seq,
+            "status": status.value,
+            "output": output,
+            "error": error,
+            "fence": fence,
+            "authorized": 1 if status is StepStatus.NOT_EXECUTED else 0,
         }
         started = status is StepStatus.STARTED
-        stmt = self.fast.compiled(("step", started),
-                                  lambda: sql.step_upsert(self.dialect, started))
+        stmt = self.fast.compiled(("step", started), lambda: sql.step_upsert(self.dialect, started))
         with self.fast.cursor() as cur:
             cur.execute(stmt.sql, stmt.params(params))
             return cur.fetchone() is not None
 
-    def record_external_ref(self, key: str, fence: int, ident: tuple[str, str, int],
-                            ref: str) -> bool:
+    def record_external_ref(
+        self, key: str, fence: int, ident: tuple[str, str, int], ref: str
+    ) -> bool:
         """Store a provider handle on a started step, fenced. Returns False if superseded."""
         name, ihash, occurrence = ident
         with self._one_statement() as conn:
             res = conn.execute(
                 update(steps)
-                .where(steps.c.key == key, steps.c.name == name, steps.c.input_hash == ihash,
-                       steps.c.occurrence == occurrence,
-                       steps.c.key.in_(sql.live_entry(key, fence)))
+                .where(
+                    steps.c.key == key,
+                    steps.c.name == name,
+                    steps.c.input_hash == ihash,
+                    steps.c.occurrence == occurrence,
+                    steps.c.key.in_(sql.live_entry(key, fence)),
+                )
                 .values(external_ref=ref)
             )
         return res.rowcount == 1
@@ -458,24 +630,43 @@ class HotPath(StoreCore):
 
     # -- settle ---------------------------------------------------------------------------
 
-    def settle(self, key: str, fence: int, status: EntryStatus, *, result: str | None = None,
-               error: str | None = None, reason: str | None = None,
-               actor: str | None = None) -> bool:
+    def settle(
+        self,
+        key: str,
+        fence: int,
+        status: EntryStatus,
+        *,
+        result: str | None = None,
+        error: str | None = None,
+        reason: str | None = None,
+        actor: str | None = None,
+    ) -> bool:
         """Move a running entry to ``status`` (completed, failed, retrying or blocked), fenced.
 
         Returns False when this attempt was superseded; nothing is written then.
         """
         if status in (EntryStatus.RUNNING, EntryStatus.INTERRUPTED):
             raise ValueError(f"settle cannot move an entry to {status.value}")
-        params = {"k": key, "f": fence, "to_status": status.value, "new_result": result,
-                  "new_error": error, "new_reason": reason}
+        params = {
+            "k": key,
+            "f": fence,
+            "to_status": status.value,
+            "new_result": result,
+            "new_error": error,
+            "new_reason": reason,
+        }
         settled = status.settled
-        rows = self._fast_with_event(("settle", settled),
-                                     lambda: sql.settle_update(self.dialect, settled),
-                                     params, "settled", actor, reason or error)
+        rows = self._fast_with_event(
+            ("settle", settled),
+            lambda: sql.settle_update(self.dialect, settled),
+            params,
+            "settled",
+            actor,
+            reason or error,
+        )
         return bool(rows)
 
 
 def chunked(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
     for i in range(0, len(items), size):
-        yield items[i:i + size]
+        yield items[i : i + size]

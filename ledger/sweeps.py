@@ -33,29 +33,42 @@ class SweepQueries(HotPath):
         Returns the entries this call marked (not those another sweeper marked first).
         """
         with self._txn() as conn:
-            keys = select(entries.c.key).where(
-                entries.c.status == _RUNNING, entries.c.lease_until < db_now_stable(),
-            ).order_by(entries.c.lease_until).limit(limit)
+            keys = (
+                select(entries.c.key)
+                .where(
+                    entries.c.status == _RUNNING,
+                    entries.c.lease_until < db_now_stable(),
+                )
+                .order_by(entries.c.lease_until)
+                .limit(limit)
+            )
             if not self.is_sqlite:
                 keys = keys.with_for_update(skip_locked=True)
             return self._interrupt(conn, keys, actor, "lease expired")
 
-    def interrupt_previous_boot(self, node: str, boot: str, *, limit: int = 1000,
-                                actor: str | None = None) -> list[Interrupted]:
+    def interrupt_previous_boot(
+        self, node: str, boot: str, *, limit: int = 1000, actor: str | None = None
+    ) -> list[Interrupted]:
         """Mark entries still running under ``node`` from a boot other than ``boot`` interrupted.
 
         A worker calls this when it is ready: it knows its previous process is gone, so it
         need not wait for those leases to expire.
         """
         with self._txn() as conn:
-            keys = select(entries.c.key).where(
-                entries.c.status == _RUNNING, entries.c.owner == node,
-                entries.c.owner_boot != boot,
-            ).limit(limit)
+            keys = (
+                select(entries.c.key)
+                .where(
+                    entries.c.status == _RUNNING,
+                    entries.c.owner == node,
+                    entries.c.owner_boot != boot,
+                )
+                .limit(limit)
+            )
             return self._interrupt(conn, keys, actor or node, f"previous boot of {node}")
 
-    def interrupt_owner(self, key: str, *, node: str, boot: str, pid: int | None,
-                        actor: str, why: str) -> Interrupted | None:
+    def interrupt_owner(
+        self, key: str, *, node: str, boot: str, pid: int | None, actor: str, why: str
+    ) -> Interrupted | None:
         """Mark ``key`` interrupted if it is still run by that exact owner (the fast path).
 
         Fenced on the owner, not the fence: the worker's parent process knows which pool
@@ -63,15 +76,20 @@ class SweepQueries(HotPath):
         Returns None when the entry moved on (settled, taken over) in the meantime.
         """
         with self._txn() as conn:
-            cond = [entries.c.key == key, entries.c.status == _RUNNING,
-                    entries.c.owner == node, entries.c.owner_boot == boot]
+            cond = [
+                entries.c.key == key,
+                entries.c.status == _RUNNING,
+                entries.c.owner == node,
+                entries.c.owner_boot == boot,
+            ]
             if pid is not None:
                 cond.append(entries.c.owner_pid == pid)
             found = self._interrupt(conn, select(entries.c.key).where(*cond), actor, why)
         return found[0] if found else None
 
-    def _interrupt(self, conn: Connection, keys: Select[Any], actor: str,
-                   why: str) -> list[Interrupted]:
+    def _interrupt(
+        self, conn: Connection, keys: Select[Any], actor: str, why: str
+    ) -> list[Interrupted]:
         # Pick the keys exactly once. PostgreSQL may plan `key IN (SELECT ... LIMIT n FOR
         # UPDATE SKIP LOCKED)` as a nested loop that rescans the subquery per outer row; each
         # rescan skips the rows this very statement already updated and picks the next n,
@@ -81,31 +99,55 @@ class SweepQueries(HotPath):
         upd = (
             update(entries)
             .where(entries.c.key.in_(select(picked.c.key)), entries.c.status == _RUNNING)
-            .values(status=_INTERRUPTED, fence=entries.c.fence + 1,
-                    interruptions=entries.c.interruptions + 1, lease_until=None,
-                    updated_at=db_now(), reason=why)
-            .returning(*_RETURNED, entries.c.task_name, entries.c.interruptions,
-                       entries.c.snapshot.is_not(None).label("has_snapshot"))
+            .values(
+                status=_INTERRUPTED,
+                fence=entries.c.fence + 1,
+                interruptions=entries.c.interruptions + 1,
+                lease_until=None,
+                updated_at=db_now(),
+                reason=why,
+            )
+            .returning(
+                *_RETURNED,
+                entries.c.task_name,
+                entries.c.interruptions,
+                entries.c.snapshot.is_not(None).label("has_snapshot"),
+            )
         )
         rows = self._write_with_event(conn, upd, "interrupted", actor, why)
-        return [Interrupted(r.key, r.task_name, r.task_id, r.fence, r.interruptions,
-                            bool(r.has_snapshot)) for r in rows]
+        return [
+            Interrupted(
+                r.key, r.task_name, r.task_id, r.fence, r.interruptions, bool(r.has_snapshot)
+            )
+            for r in rows
+        ]
 
     def list_interrupted(self, *, limit: int = 500) -> list[Interrupted]:
         """Interrupted entries, oldest first (read-only)."""
         with self._read() as conn:
             rows = conn.execute(
-                select(entries.c.key, entries.c.task_name, entries.c.task_id, entries.c.fence,
-                       entries.c.interruptions,
-                       entries.c.snapshot.is_not(None).label("has_snapshot"))
+                select(
+                    entries.c.key,
+                    entries.c.task_name,
+                    entries.c.task_id,
+                    entries.c.fence,
+                    entries.c.interruptions,
+                    entries.c.snapshot.is_not(None).label("has_snapshot"),
+                )
                 .where(entries.c.status == _INTERRUPTED)
-                .order_by(entries.c.updated_at).limit(limit)
+                .order_by(entries.c.updated_at)
+                .limit(limit)
             ).all()
-        return [Interrupted(r.key, r.task_name, r.task_id, r.fence, r.interruptions,
-                            bool(r.has_snapshot)) for r in rows]
+        return [
+            Interrupted(
+                r.key, r.task_name, r.task_id, r.fence, r.interruptions, bool(r.has_snapshot)
+            )
+            for r in rows
+        ]
 
-    def begin_resume(self, key: str, fence: int, *, lease_seconds: float,
-                     actor: str = "sweep") -> int | None:
+    def begin_resume(
+        self, key: str, fence: int, *, lease_seconds: float, actor: str = "sweep"
+    ) -> int | None:
         """CAS ``interrupted -> running`` owned by the resume marker; return the new fence.
 
         Exactly one of any number of concurrent resumers gets a fence; the others get None.
@@ -115,25 +157,46 @@ class SweepQueries(HotPath):
         """
         upd = (
             update(entries)
-            .where(entries.c.key == key, entries.c.fence == fence,
-                   entries.c.status == _INTERRUPTED)
-            .values(status=_RUNNING, fence=fence + 1, owner=RESUME_OWNER, owner_boot=None,
-                    owner_pid=None, lease_until=db_now() + lease_seconds, updated_at=db_now())
+            .where(entries.c.key == key, entries.c.fence == fence, entries.c.status == _INTERRUPTED)
+            .values(
+                status=_RUNNING,
+                fence=fence + 1,
+                owner=RESUME_OWNER,
+                owner_boot=None,
+                owner_pid=None,
+                lease_until=db_now() + lease_seconds,
+                updated_at=db_now(),
+            )
             .returning(*_RETURNED)
         )
         with self._one_statement() as conn:
             rows = self._write_with_event(conn, upd, "resuming", actor)
         return rows[0].fence if rows else None
 
-    def block(self, key: str, fence: int, reason: str, *, actor: str,
-              from_status: EntryStatus = EntryStatus.INTERRUPTED) -> bool:
+    def block(
+        self,
+        key: str,
+        fence: int,
+        reason: str,
+        *,
+        actor: str,
+        from_status: EntryStatus = EntryStatus.INTERRUPTED,
+    ) -> bool:
         """Park an entry for an operator, fenced on (fence, ``from_status``)."""
         upd = (
             update(entries)
-            .where(entries.c.key == key, entries.c.fence == fence,
-                   entries.c.status == from_status.value)
-            .values(status=EntryStatus.BLOCKED.value, fence=fence + 1, reason=reason,
-                    lease_until=None, updated_at=db_now())
+            .where(
+                entries.c.key == key,
+                entries.c.fence == fence,
+                entries.c.status == from_status.value,
+            )
+            .values(
+                status=EntryStatus.BLOCKED.value,
+                fence=fence + 1,
+                reason=reason,
+                lease_until=None,
+                updated_at=db_now(),
+            )
             .returning(*_RETURNED)
         )
         with self._one_statement() as conn:
@@ -147,9 +210,12 @@ class SweepQueries(HotPath):
         """
         picked = (
             select(entries.c.key)
-            .where(entries.c.settled_at.is_not(None),
-                   entries.c.settled_at < db_now_stable() - older_than_seconds)
-            .order_by(entries.c.settled_at).limit(limit)
+            .where(
+                entries.c.settled_at.is_not(None),
+                entries.c.settled_at < db_now_stable() - older_than_seconds,
+            )
+            .order_by(entries.c.settled_at)
+            .limit(limit)
         )
         if not self.is_sqlite:
             # Lock what we delete. A release un-settles a failed entry so it can run again;
@@ -163,14 +229,18 @@ class SweepQueries(HotPath):
                 return 0
             conn.execute(delete(steps).where(steps.c.key.in_(keys)))
             conn.execute(delete(events).where(events.c.key.in_(keys)))
-            conn.execute(delete(entries).where(entries.c.key.in_(keys),
-                                               entries.c.settled_at.is_not(None)))
+            conn.execute(
+                delete(entries).where(entries.c.key.in_(keys), entries.c.settled_at.is_not(None))
+            )
             return len(keys)
 
     def count_expired(self) -> int:
         """How many running entries have an expired lease right now (index-only)."""
         with self._read() as conn:
-            return int(conn.execute(
-                select(func.count()).select_from(entries)
-                .where(entries.c.status == _RUNNING, entries.c.lease_until < db_now_stable())
-            ).scalar_one())
+            return int(
+                conn.execute(
+                    select(func.count())
+                    .select_from(entries)
+                    .where(entries.c.status == _RUNNING, entries.c.lease_until < db_now_stable())
+                ).scalar_one()
+            )

@@ -82,8 +82,9 @@ def ask(reconciler: Reconciler | None, step: AmbiguousStep, *, timeout: float) -
     t.start()
     t.join(timeout)
     if t.is_alive():
-        log.warning("reconciler for key=%s step=%s timed out after %ss", step.key, step.step,
-                    timeout)
+        log.warning(
+            "reconciler for key=%s step=%s timed out after %ss", step.key, step.step, timeout
+        )
         return Reconciled.unknown(f"reconciler timed out after {timeout}s")
     if failure:
         log.warning("reconciler for key=%s step=%s raised %r", step.key, step.step, failure[0])

@@ -49,24 +49,43 @@ class SweepReport:
         return data
 
 
-def resume_entry(store: LedgerStore, app: Any, entry: Interrupted, *, lease_seconds: float,
-                 max_resumes: int, actor: str = "sweep") -> str:
+def resume_entry(
+    store: LedgerStore,
+    app: Any,
+    entry: Interrupted,
+    *,
+    lease_seconds: float,
+    max_resumes: int,
+    actor: str = "sweep",
+) -> str:
     """Re-enqueue one interrupted entry, or block it as a crash loop.
 
     Returns one of ``resumed``, ``blocked``, ``no-snapshot``, ``lost-race``.
     """
     if entry.interruptions > max_resumes:
-        reason = (f"crash loop: interrupted {entry.interruptions} times "
-                  f"(ledger_max_resumes={max_resumes})")
+        reason = (
+            f"crash loop: interrupted {entry.interruptions} times "
+            f"(ledger_max_resumes={max_resumes})"
+        )
         if store.block(entry.key, entry.fence, reason, actor=actor):
-            log.warning("blocked key=%s task_id=%s fence=%s: %s", entry.key, entry.task_id,
-                        entry.fence + 1, reason)
+            log.warning(
+                "blocked key=%s task_id=%s fence=%s: %s",
+                entry.key,
+                entry.task_id,
+                entry.fence + 1,
+                reason,
+            )
             return "blocked"
         return "lost-race"
     if not entry.has_snapshot:
-        log.warning("interrupted key=%s task_id=%s fence=%s has no argument snapshot; resume "
-                    "it by hand or release it: celery-ledger show %s", entry.key,
-                    entry.task_id, entry.fence, entry.key)
+        log.warning(
+            "interrupted key=%s task_id=%s fence=%s has no argument snapshot; resume "
+            "it by hand or release it: celery-ledger show %s",
+            entry.key,
+            entry.task_id,
+            entry.fence,
+            entry.key,
+        )
         return "no-snapshot"
     fence = store.begin_resume(entry.key, entry.fence, lease_seconds=lease_seconds, actor=actor)
     if fence is None:
@@ -82,20 +101,46 @@ def resume_entry(store: LedgerStore, app: Any, entry: Interrupted, *, lease_seco
     if snapshot.get("queue"):
         options["queue"] = snapshot["queue"]
     try:
-        app.send_task(full.task_name, args=snapshot.get("args", []),
-                      kwargs=snapshot.get("kwargs", {}), **options)
+        app.send_task(
+            full.task_name,
+            args=snapshot.get("args", []),
+            kwargs=snapshot.get("kwargs", {}),
+            **options,
+        )
     except Exception as exc:  # noqa: BLE001 - the lease brings it back to the next sweep
-        log.error("resume of key=%s task_id=%s fence=%s could not be sent (%r); the next sweep "
-                  "after %ss retries it", entry.key, full.task_id, fence, exc, lease_seconds)
+        log.error(
+            "resume of key=%s task_id=%s fence=%s could not be sent (%r); the next sweep "
+            "after %ss retries it",
+            entry.key,
+            full.task_id,
+            fence,
+            exc,
+            lease_seconds,
+        )
         return "lost-race"
-    log.info("resumed key=%s task_id=%s fence=%s task=%s: %d completed step(s) will replay; "
-             "by hand: celery-ledger resume %s", entry.key, full.task_id, fence, full.task_name,
-             replay, entry.key)
+    log.info(
+        "resumed key=%s task_id=%s fence=%s task=%s: %d completed step(s) will replay; "
+        "by hand: celery-ledger resume %s",
+        entry.key,
+        full.task_id,
+        fence,
+        full.task_name,
+        replay,
+        entry.key,
+    )
     return "resumed"
 
 
-def run_sweep(store: LedgerStore, app: Any, *, lease_seconds: float, max_resumes: int,
-              retention_days: float, batch: int = 500, actor: str = "sweep") -> SweepReport:
+def run_sweep(
+    store: LedgerStore,
+    app: Any,
+    *,
+    lease_seconds: float,
+    max_resumes: int,
+    retention_days: float,
+    batch: int = 500,
+    actor: str = "sweep",
+) -> SweepReport:
     """One full sweep: interrupt expired leases, resume or block interrupted work, prune.
 
     Idempotent and safe to run concurrently with itself on SQLite and PostgreSQL.
@@ -104,14 +149,18 @@ def run_sweep(store: LedgerStore, app: Any, *, lease_seconds: float, max_resumes
     candidates = store.list_interrupted(limit=batch)
     outcomes: dict[str, list[str]] = {}
     for entry in candidates:
-        outcome = resume_entry(store, app, entry, lease_seconds=lease_seconds,
-                               max_resumes=max_resumes, actor=actor)
+        outcome = resume_entry(
+            store, app, entry, lease_seconds=lease_seconds, max_resumes=max_resumes, actor=actor
+        )
         outcomes.setdefault(outcome, []).append(entry.key)
     pruned = store.prune_settled(retention_days * 86400.0, limit=batch)
     report = SweepReport(
-        interrupted=len(interrupted), found=len(candidates),
-        resumed=len(outcomes.get("resumed", [])), blocked=len(outcomes.get("blocked", [])),
-        no_snapshot=len(outcomes.get("no-snapshot", [])), pruned=pruned,
+        interrupted=len(interrupted),
+        found=len(candidates),
+        resumed=len(outcomes.get("resumed", [])),
+        blocked=len(outcomes.get("blocked", [])),
+        no_snapshot=len(outcomes.get("no-snapshot", [])),
+        pruned=pruned,
         resumed_keys=tuple(outcomes.get("resumed", [])),
     )
     if report.interrupted or report.found or report.pruned:
@@ -119,15 +168,23 @@ def run_sweep(store: LedgerStore, app: Any, *, lease_seconds: float, max_resumes
     return report
 
 
-def boot_sweep(store: LedgerStore, app: Any, *, node: str, boot: str, lease_seconds: float,
-               max_resumes: int) -> SweepReport:
+def boot_sweep(
+    store: LedgerStore, app: Any, *, node: str, boot: str, lease_seconds: float, max_resumes: int
+) -> SweepReport:
     """A worker's boot sweep: its own previous boot is gone, so its entries resume now."""
     mine = store.interrupt_previous_boot(node, boot, actor=node)
-    outcomes = [resume_entry(store, app, e, lease_seconds=lease_seconds,
-                             max_resumes=max_resumes, actor=node) for e in mine]
+    outcomes = [
+        resume_entry(
+            store, app, e, lease_seconds=lease_seconds, max_resumes=max_resumes, actor=node
+        )
+        for e in mine
+    ]
     report = SweepReport(
-        interrupted=len(mine), found=len(mine), resumed=outcomes.count("resumed"),
-        blocked=outcomes.count("blocked"), no_snapshot=outcomes.count("no-snapshot"),
+        interrupted=len(mine),
+        found=len(mine),
+        resumed=outcomes.count("resumed"),
+        blocked=outcomes.count("blocked"),
+        no_snapshot=outcomes.count("no-snapshot"),
         resumed_keys=tuple(e.key for e, o in zip(mine, outcomes, strict=True) if o == "resumed"),
     )
     if mine:

@@ -23,8 +23,9 @@ TESTS = Path(__file__).parent
 REPO = TESTS.parent
 
 
-def wait_for(predicate: Callable[[], Any], *, timeout: float, interval: float = 0.1,
-             what: str = "condition") -> Any:
+def wait_for(
+    predicate: Callable[[], Any], *, timeout: float, interval: float = 0.1, what: str = "condition"
+) -> Any:
     """Poll ``predicate`` until truthy; fail with ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
@@ -39,8 +40,15 @@ def wait_for(predicate: Callable[[], Any], *, timeout: float, interval: float = 
 class CeleryProcess:
     """One ``celery`` command (worker, beat, flower) started in its own session."""
 
-    def __init__(self, args: list[str], *, env: dict[str, str], log_path: Path,
-                 app: str = "tests_app", cwd: Path = TESTS) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        *,
+        env: dict[str, str],
+        log_path: Path,
+        app: str = "tests_app",
+        cwd: Path = TESTS,
+    ) -> None:
         self.args = [sys.executable, "-m", "celery", "-A", app, *args]
         self.env = env
         self.log_path = log_path
@@ -51,8 +59,14 @@ class CeleryProcess:
         env = {**os.environ, **self.env}
         env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")])
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.args, cwd=self.cwd, env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.args,
+            cwd=self.cwd,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         return self
 
     @property
@@ -69,9 +83,12 @@ class CeleryProcess:
     def wait_log(self, text: str, *, timeout: float = 30, count: int = 1) -> None:
         def seen() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
-                raise AssertionError(f"process exited ({self.proc.returncode}) before "
-                                     f"{text!r}:\n{self.log()[-3000:]}")
+                raise AssertionError(
+                    f"process exited ({self.proc.returncode}) before "
+                    f"{text!r}:\n{self.log()[-3000:]}"
+                )
             return self.log().count(text) >= count
+
         try:
             wait_for(seen, timeout=timeout, what=f"{text!r} in {self.log_path.name}")
         except AssertionError as exc:
@@ -123,14 +140,33 @@ class Processes:
         self.env = dict(env)
         self.started: list[CeleryProcess] = []
 
-    def worker(self, name: str = "w1", *, concurrency: int = 2, extra: list[str] | None = None,
-               env: dict[str, str] | None = None, ready: bool = True) -> CeleryProcess:
+    def worker(
+        self,
+        name: str = "w1",
+        *,
+        concurrency: int = 2,
+        extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        ready: bool = True,
+    ) -> CeleryProcess:
         queue = self.env["TEST_QUEUE"]
-        args = ["worker", "-c", str(concurrency), "-Q", queue,
-                "-n", f"{name}-{self.env['TEST_ID']}@%h", "-l", "info",
-                "--without-mingle", "--without-gossip", *(extra or [])]
-        proc = CeleryProcess(args, env={**self.env, **(env or {})},
-                             log_path=self.tmp_path / f"{name}.log").start()
+        args = [
+            "worker",
+            "-c",
+            str(concurrency),
+            "-Q",
+            queue,
+            "-n",
+            f"{name}-{self.env['TEST_ID']}@%h",
+            "-l",
+            "info",
+            "--without-mingle",
+            "--without-gossip",
+            *(extra or []),
+        ]
+        proc = CeleryProcess(
+            args, env={**self.env, **(env or {})}, log_path=self.tmp_path / f"{name}.log"
+        ).start()
         self.started.append(proc)
         if ready:
             proc.wait_log(" ready.", timeout=60)
@@ -138,9 +174,11 @@ class Processes:
 
     def beat(self, name: str = "beat", *, env: dict[str, str] | None = None) -> CeleryProcess:
         schedule = self.tmp_path / f"{name}-schedule"
-        proc = CeleryProcess(["beat", "-l", "info", "-s", str(schedule)],
-                             env={**self.env, **(env or {})},
-                             log_path=self.tmp_path / f"{name}.log").start()
+        proc = CeleryProcess(
+            ["beat", "-l", "info", "-s", str(schedule)],
+            env={**self.env, **(env or {})},
+            log_path=self.tmp_path / f"{name}.log",
+        ).start()
         self.started.append(proc)
         proc.wait_log("beat: Starting", timeout=60)
         return proc
@@ -164,8 +202,14 @@ def processes(tmp_path: Path, env: dict[str, str]) -> Iterator[Processes]:
         procs.stop_all()
 
 
-def test_env(tmp_path: Path, *, broker: str | None, ledger_url: str,
-             effects_url: str | None = None, **extra: Any) -> dict[str, str]:
+def test_env(
+    tmp_path: Path,
+    *,
+    broker: str | None,
+    ledger_url: str,
+    effects_url: str | None = None,
+    **extra: Any,
+) -> dict[str, str]:
     """Environment for tests_app: its own queue, data dir, broker, ledger and results."""
     test_id = uuid.uuid4().hex[:8]
     data = tmp_path / "data"

@@ -13,7 +13,9 @@ import uuid
 import pytest
 
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-PG_ADMIN_URL = os.environ.get("CELERY_LEDGER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+PG_ADMIN_URL = os.environ.get(
+    "CELERY_LEDGER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
 REDIS_HOST = os.environ.get("CELERY_LEDGER_TEST_REDIS_HOST", "127.0.0.1")
 REDIS_PORT = int(os.environ.get("CELERY_LEDGER_TEST_REDIS_PORT", "6379"))
 
@@ -44,8 +46,9 @@ def create_pg_database() -> tuple[str, str]:
     import psycopg
 
     try:
-        conn = psycopg.connect(PG_ADMIN_URL.replace("+psycopg", ""), autocommit=True,
-                               connect_timeout=3)
+        conn = psycopg.connect(
+            PG_ADMIN_URL.replace("+psycopg", ""), autocommit=True, connect_timeout=3
+        )
     except psycopg.OperationalError:
         missing("PostgreSQL")
         raise

@@ -48,8 +48,7 @@ def test_bad_side_effect_class_fails_at_registration():
 
 def test_oversized_result_is_a_clear_failure_and_never_reruns(tmp_path):
     ledger = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
-    env = test_env(tmp_path, broker=None, ledger_url=ledger,
-                   CELERY_LEDGER_MAX_RESULT_BYTES="1000")
+    env = test_env(tmp_path, broker=None, ledger_url=ledger, CELERY_LEDGER_MAX_RESULT_BYTES="1000")
     app = client_app(env)
     with processes(tmp_path, env) as procs:
         procs.worker("w1", concurrency=1)
@@ -93,16 +92,25 @@ def test_ledger_unreachable_at_settle_leaves_entry_for_recovery(tmp_path, redis,
     proxy = TcpProxy("127.0.0.1", pg_port).start()
     port = proxy.port
     proxied = f"postgresql://postgres@127.0.0.1:{port}/{pg_url.rsplit('/', 1)[1]}"
-    env = test_env(tmp_path, broker=redis, ledger_url=proxied, TEST_EFFECTS_URL=pg_url,
-                   CELERY_LEDGER_SETTLE_RETRY_SECONDS="1", CELERY_LEDGER_LEASE_SECONDS="3",
-                   CELERY_LEDGER_SWEEP_INTERVAL="1")
+    env = test_env(
+        tmp_path,
+        broker=redis,
+        ledger_url=proxied,
+        TEST_EFFECTS_URL=pg_url,
+        CELERY_LEDGER_SETTLE_RETRY_SECONDS="1",
+        CELERY_LEDGER_LEASE_SECONDS="3",
+        CELERY_LEDGER_SWEEP_INTERVAL="1",
+    )
     app = client_app(env)
     try:
         with processes(tmp_path, env) as procs:
             worker = procs.worker("w1", concurrency=1)
             result = app.send_task("tests_app.steps_then_wait", args=("st1", 3.0))
-            wait_for(lambda: effect_counts(pg_url, "st1").get(("st1", "b")), timeout=30,
-                     what="both steps to complete")
+            wait_for(
+                lambda: effect_counts(pg_url, "st1").get(("st1", "b")),
+                timeout=30,
+                what="both steps to complete",
+            )
             proxy.stop()  # the ledger is gone before the settle
             worker.wait_log("entry left running for recovery", timeout=30)
             proxy = TcpProxy("127.0.0.1", pg_port, port=port).start()
@@ -110,8 +118,11 @@ def test_ledger_unreachable_at_settle_leaves_entry_for_recovery(tmp_path, redis,
             assert result.get(timeout=90) == ["a:st1", "b:st1"]
             key = key_of("tests_app.steps_then_wait", result.id)
             store = LedgerStore(pg_url)
-            wait_for(lambda: store.get_entry(key).status is EntryStatus.COMPLETED, timeout=60,
-                     what="the resumed attempt to settle")
+            wait_for(
+                lambda: store.get_entry(key).status is EntryStatus.COMPLETED,
+                timeout=60,
+                what="the resumed attempt to settle",
+            )
     finally:
         proxy.stop()
     assert effect_counts(pg_url, "st1") == {("st1", "a"): 1, ("st1", "b"): 1}

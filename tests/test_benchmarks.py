@@ -27,15 +27,30 @@ EXPECTED = [
     ("throughput", "statements per task"),
     ("throughput", "round trips per task"),
     ("throughput", "pg transactions per task"),
-    *[("steps", f"{what} ({db})") for db in ("PostgreSQL", "SQLite") for what in (
-        "idempotent step overhead", "idempotent step writes", "effect step overhead",
-        "effect step writes", "resume 100 steps", "resume replay-row queries")],
-    *[("sweep", f"{what}") for what in (
-        "no-op sweep, 1,000 settled (PostgreSQL)", "no-op sweep, 10,000 settled (PostgreSQL)",
-        "no-op sweep, 10,000 settled (SQLite)", "sweep 100 expired, 1,000 settled (PostgreSQL)",
-        "sweep 100 expired, 10,000 settled (PostgreSQL)",
-        "sweep 10 expired, 10,000 settled (SQLite)",
-        "stale queries 100 expired, 10,000 settled (SQLite)")],
+    *[
+        ("steps", f"{what} ({db})")
+        for db in ("PostgreSQL", "SQLite")
+        for what in (
+            "idempotent step overhead",
+            "idempotent step writes",
+            "effect step overhead",
+            "effect step writes",
+            "resume 100 steps",
+            "resume replay-row queries",
+        )
+    ],
+    *[
+        ("sweep", f"{what}")
+        for what in (
+            "no-op sweep, 1,000 settled (PostgreSQL)",
+            "no-op sweep, 10,000 settled (PostgreSQL)",
+            "no-op sweep, 10,000 settled (SQLite)",
+            "sweep 100 expired, 1,000 settled (PostgreSQL)",
+            "sweep 100 expired, 10,000 settled (PostgreSQL)",
+            "sweep 10 expired, 10,000 settled (SQLite)",
+            "stale queries 100 expired, 10,000 settled (SQLite)",
+        )
+    ],
     ("memory", "RSS per pool process, plain"),
     ("memory", "RSS per pool process, ledger"),
     ("memory", "PSS ratio ledger/plain"),
@@ -50,12 +65,24 @@ EXPECTED = [
 @pytest.mark.processes
 def test_quick_run_reports_every_figure(redis: str, pg_url: str, tmp_path: Path) -> None:
     out_json = tmp_path / "bench.json"
-    env = {**os.environ, "CELERY_LEDGER_BENCH_PG": PG_ADMIN_URL,
-           "CELERY_LEDGER_BENCH_REDIS": redis}
+    env = {**os.environ, "CELERY_LEDGER_BENCH_PG": PG_ADMIN_URL, "CELERY_LEDGER_BENCH_REDIS": redis}
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--no-write",
-         "--broker", redis, "--json", str(out_json)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "run.py"),
+            "--quick",
+            "--no-write",
+            "--broker",
+            redis,
+            "--json",
+            str(out_json),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert proc.returncode == 0, f"runner failed:\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}"
 
     data = json.loads(out_json.read_text())
@@ -67,8 +94,9 @@ def test_quick_run_reports_every_figure(redis: str, pg_url: str, tmp_path: Path)
         assert isinstance(row["value"], (int, float)) and math.isfinite(row["value"]), row
         assert row["value"] >= 0, row
         # the printed table carries the same rows
-        assert any(line.startswith(bench) and metric in line
-                   for line in proc.stdout.splitlines()), f"{metric} missing from the table"
+        assert any(
+            line.startswith(bench) and metric in line for line in proc.stdout.splitlines()
+        ), f"{metric} missing from the table"
     # Counts are exact, not timings: the hot path's statement budget is part of the output.
     assert rows[("steps", "idempotent step writes (PostgreSQL)")]["value"] > 0
     assert rows[("steps", "resume replay-row queries (SQLite)")]["value"] >= 1

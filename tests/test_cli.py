@@ -42,23 +42,46 @@ from worker.codec import decode, encode
 
 BIN = Path(sys.executable).parent
 NODE = "celery@host-a"
-ENTRY_ROWS = ("SELECT key, status, fence, released_by, result FROM ledger_entries",
-              "SELECT key, name, status, fence, authorized FROM ledger_steps",
-              "SELECT COUNT(*) FROM ledger_events")
+ENTRY_ROWS = (
+    "SELECT key, status, fence, released_by, result FROM ledger_entries",
+    "SELECT key, name, status, fence, authorized FROM ledger_steps",
+    "SELECT COUNT(*) FROM ledger_events",
+)
 
 
 # -- building ledger state the way a worker does ----------------------------------------------
 
 
-def claim(store: LedgerStore, task: str = "shop.charge", *, lease: float = 60.0,
-          snapshot: bool = True, node: str = NODE) -> Any:
+def claim(
+    store: LedgerStore,
+    task: str = "shop.charge",
+    *,
+    lease: float = 60.0,
+    snapshot: bool = True,
+    node: str = NODE,
+) -> Any:
     task_id = str(uuid.uuid4())
-    snap = encode({"args": ["o1"], "kwargs": {}, "queue": None, "ledger_key": None},
-                  limit=10_000, what="snapshot") if snapshot else None
-    return store.claim(ClaimRequest(
-        key=entry_key(task, task_id), task_name=task, task_id=task_id, args_hash="task-id",
-        snapshot=snap, side_effect="non_idempotent", owner=Owner(node, "boot-1", 4242),
-        lease_seconds=lease))
+    snap = (
+        encode(
+            {"args": ["o1"], "kwargs": {}, "queue": None, "ledger_key": None},
+            limit=10_000,
+            what="snapshot",
+        )
+        if snapshot
+        else None
+    )
+    return store.claim(
+        ClaimRequest(
+            key=entry_key(task, task_id),
+            task_name=task,
+            task_id=task_id,
+            args_hash="task-id",
+            snapshot=snap,
+            side_effect="non_idempotent",
+            owner=Owner(node, "boot-1", 4242),
+            lease_seconds=lease,
+        )
+    )
 
 
 def blocked(store: LedgerStore, *, snapshot: bool = True) -> str:
@@ -67,15 +90,21 @@ def blocked(store: LedgerStore, *, snapshot: bool = True) -> str:
     ident = ("charge", "h0", 0)
     assert store.write_step(c.key, c.fence, ident, seq=0, status=StepStatus.STARTED)
     assert store.record_external_ref(c.key, c.fence, ident, "ch_1")
-    assert store.settle(c.key, c.fence, EntryStatus.BLOCKED, actor=NODE,
-                        reason="step 'charge' may have executed (external ref: ch_1)")
+    assert store.settle(
+        c.key,
+        c.fence,
+        EntryStatus.BLOCKED,
+        actor=NODE,
+        reason="step 'charge' may have executed (external ref: ch_1)",
+    )
     return str(c.key)
 
 
 def interrupted(store: LedgerStore, *, snapshot: bool = True) -> str:
     c = claim(store, snapshot=snapshot)
-    assert store.interrupt_owner(c.key, node=NODE, boot="boot-1", pid=4242, actor=NODE,
-                                 why="pool process lost")
+    assert store.interrupt_owner(
+        c.key, node=NODE, boot="boot-1", pid=4242, actor=NODE, why="pool process lost"
+    )
     return str(c.key)
 
 
@@ -116,8 +145,12 @@ def cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ledger_url: str) -> Any
     broker), so a re-enqueue is a file in ``data/broker``."""
     monkeypatch.setenv("CELERY_LEDGER_URL", ledger_url)
     monkeypatch.setenv("CELERY_LEDGER_DATA_DIR", str(tmp_path / "data"))
-    for name in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "CELERY_LEDGER_OPERATOR_TOKENS",
-                 "NO_COLOR"):
+    for name in (
+        "CELERY_BROKER_URL",
+        "CELERY_RESULT_BACKEND",
+        "CELERY_LEDGER_OPERATOR_TOKENS",
+        "NO_COLOR",
+    ):
         monkeypatch.delenv(name, raising=False)
     runner = CliRunner()
 
@@ -145,8 +178,7 @@ def one_line_error(result: Any, *words: str) -> None:
 
 
 def test_list_stuck_shows_each_kind_with_its_next_action(cli: Any, store: LedgerStore) -> None:
-    keys = {"blocked": blocked(store), "interrupted": interrupted(store),
-            "sweep": expired(store)}
+    keys = {"blocked": blocked(store), "interrupted": interrupted(store), "sweep": expired(store)}
     live, done = str(claim(store).key), completed(store)
     data = json.loads(cli("list", "--stuck", "--json").stdout)
     got = {e["key"]: e for e in data["entries"]}
@@ -184,28 +216,50 @@ def test_show_names_the_ambiguous_step_its_ref_and_the_fix(cli: Any, store: Ledg
     entry = store.get_entry(key)
     data = json.loads(cli("show", entry.task_id, "--json").stdout)  # by task id
     assert data["key"] == key and data["snapshot"]["args"] == ["o1"]
-    assert data["steps"] == [{
-        "name": "charge", "occurrence": 0, "status": "started", "external_ref": "ch_1",
-        "fence": 1, "attempts": 1, "authorized": 0, "ambiguous": True,
-        "started_at": data["steps"][0]["started_at"], "completed_at": None,
-        "duration_seconds": None}]
+    assert data["steps"] == [
+        {
+            "name": "charge",
+            "occurrence": 0,
+            "status": "started",
+            "external_ref": "ch_1",
+            "fence": 1,
+            "attempts": 1,
+            "authorized": 0,
+            "ambiguous": True,
+            "started_at": data["steps"][0]["started_at"],
+            "completed_at": None,
+            "duration_seconds": None,
+        }
+    ]
     assert [e["event"] for e in data["events"]] == ["claimed", "settled"]
 
 
 # -- release --------------------------------------------------------------------------------------
 
 
-def test_release_not_executed_reenqueues_and_is_stamped(cli: Any, store: LedgerStore,
-                                                       tmp_path: Path) -> None:
+def test_release_not_executed_reenqueues_and_is_stamped(
+    cli: Any, store: LedgerStore, tmp_path: Path
+) -> None:
     key = blocked(store)
-    out = cli("release", key, "--verified", "not-executed", "--by", "alice",
-              "--reason", "provider has no ch_1").stdout
+    out = cli(
+        "release",
+        key,
+        "--verified",
+        "not-executed",
+        "--by",
+        "alice",
+        "--reason",
+        "provider has no ch_1",
+    ).stdout
     assert "blocked -> interrupted" in out and "re-enqueued" in out and "charge" in out
     entry = store.get_entry(key)
     # The resume CAS took it: running under the resume marker until a worker claims it.
     assert entry.status is EntryStatus.RUNNING and entry.owner == RESUME_OWNER
     assert (entry.released_by, entry.released_reason, entry.released_from) == (
-        "alice", "provider has no ch_1", "blocked")
+        "alice",
+        "provider has no ch_1",
+        "blocked",
+    )
     assert entry.released_at is not None
     [step] = store.load_steps(key)
     assert step.status is StepStatus.NOT_EXECUTED and step.authorized == 1
@@ -214,25 +268,38 @@ def test_release_not_executed_reenqueues_and_is_stamped(cli: Any, store: LedgerS
     assert queued(tmp_path) == 1
 
 
-def test_release_is_one_shot(cli: Any, store: LedgerStore, ledger_url: str,
-                             tmp_path: Path) -> None:
+def test_release_is_one_shot(cli: Any, store: LedgerStore, ledger_url: str, tmp_path: Path) -> None:
     key = blocked(store, snapshot=False)  # stays interrupted after the release: no snapshot
     out = cli("release", key, "--verified", "not-executed", "--by", "alice", "--reason", "r1")
     assert "no argument snapshot" in out.stdout
     assert store.get_entry(key).status is EntryStatus.INTERRUPTED
     before = rows(ledger_url)
-    again = cli("release", key, "--verified", "not-executed", "--by", "bob", "--reason", "r2",
-                code=1)
+    again = cli(
+        "release", key, "--verified", "not-executed", "--by", "bob", "--reason", "r2", code=1
+    )
     one_line_error(again, "released already by alice", "one-shot")
     assert rows(ledger_url) == before and queued(tmp_path) == 0
 
 
 def test_release_completed_makes_later_deliveries_return_the_result(
-        cli: Any, store: LedgerStore, ledger_url: str) -> None:
+    cli: Any, store: LedgerStore, ledger_url: str
+) -> None:
     key = blocked(store)
-    data = json.loads(cli("release", key, "--verified", "completed", "--result-json",
-                          '{"charged": true, "id": "ch_1"}', "--by", "alice",
-                          "--reason", "provider shows ch_1 captured", "--json").stdout)
+    data = json.loads(
+        cli(
+            "release",
+            key,
+            "--verified",
+            "completed",
+            "--result-json",
+            '{"charged": true, "id": "ch_1"}',
+            "--by",
+            "alice",
+            "--reason",
+            "provider shows ch_1 captured",
+            "--json",
+        ).stdout
+    )
     assert data["to_status"] == "completed" and data["resume"] is None
     entry = store.get_entry(key)
     assert entry.status is EntryStatus.COMPLETED
@@ -242,44 +309,116 @@ def test_release_completed_makes_later_deliveries_return_the_result(
     again = claim_same(store, key)
     assert again.gate.value == "return" and decode(again.result)["id"] == "ch_1"
     before = rows(ledger_url)
-    one_line_error(cli("release", key, "--verified", "completed", "--result-json", "1",
-                       "--by", "bob", "--reason", "x", code=1), "completed")
+    one_line_error(
+        cli(
+            "release",
+            key,
+            "--verified",
+            "completed",
+            "--result-json",
+            "1",
+            "--by",
+            "bob",
+            "--reason",
+            "x",
+            code=1,
+        ),
+        "completed",
+    )
     assert rows(ledger_url) == before
 
 
 def claim_same(store: LedgerStore, key: str) -> Any:
     entry = store.get_entry(key)
-    return store.claim(ClaimRequest(
-        key=key, task_name=entry.task_name, task_id=entry.task_id, args_hash="task-id",
-        snapshot=None, side_effect="non_idempotent", owner=Owner("celery@b", "b", 1),
-        lease_seconds=60))
+    return store.claim(
+        ClaimRequest(
+            key=key,
+            task_name=entry.task_name,
+            task_id=entry.task_id,
+            args_hash="task-id",
+            snapshot=None,
+            side_effect="non_idempotent",
+            owner=Owner("celery@b", "b", 1),
+            lease_seconds=60,
+        )
+    )
 
 
-@pytest.mark.parametrize("args, words", [
-    (["release", "ffff0000", "--verified", "not-executed", "--by", "a", "--reason", "r"],
-     ["no ledger entry matches 'ffff0000'"]),
-    (["release", "{key}", "--verified", "completed", "--result-json", "{not json",
-      "--by", "a", "--reason", "r"], ["--result-json is not valid JSON"]),
-    (["release", "{key}", "--verified", "completed", "--result-json", "NaN",
-      "--by", "a", "--reason", "r"], ["--result-json is not valid JSON"]),
-    (["release", "{key}", "--verified", "maybe", "--by", "a", "--reason", "r"],
-     ["--verified must be 'completed' or 'not-executed', not 'maybe'"]),
-    (["release", "{key}", "--verified", "not-executed", "--reason", "r"], ["--by WHO"]),
-    (["release", "{key}", "--verified", "not-executed", "--by", "a"], ["--reason WHY"]),
-    (["release", "{key}", "--verified", "completed", "--by", "a", "--reason", "r"],
-     ["needs --result-json"]),
-    (["release", "{live}", "--verified", "not-executed", "--by", "a", "--reason", "r"],
-     ["live lease"]),
-    (["release", "{done}", "--verified", "completed", "--result-json", "1", "--by", "a",
-      "--reason", "r"], ["is completed"]),
-    (["show", "nope-nope"], ["no ledger entry matches"]),
-    (["resume", "{key}"], ["is blocked, not interrupted", "release"]),
-    (["list", "--status", "stuck"], ["unknown status 'stuck'"]),
-    (["list", "--since", "yesterday"], ["--since 'yesterday'"]),
-])
-def test_bad_input_is_one_line_and_writes_nothing(cli: Any, store: LedgerStore, ledger_url: str,
-                                                  tmp_path: Path, args: list[str],
-                                                  words: list[str]) -> None:
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (
+            ["release", "ffff0000", "--verified", "not-executed", "--by", "a", "--reason", "r"],
+            ["no ledger entry matches 'ffff0000'"],
+        ),
+        (
+            [
+                "release",
+                "{key}",
+                "--verified",
+                "completed",
+                "--result-json",
+                "{not json",
+                "--by",
+                "a",
+                "--reason",
+                "r",
+            ],
+            ["--result-json is not valid JSON"],
+        ),
+        (
+            [
+                "release",
+                "{key}",
+                "--verified",
+                "completed",
+                "--result-json",
+                "NaN",
+                "--by",
+                "a",
+                "--reason",
+                "r",
+            ],
+            ["--result-json is not valid JSON"],
+        ),
+        (
+            ["release", "{key}", "--verified", "maybe", "--by", "a", "--reason", "r"],
+            ["--verified must be 'completed' or 'not-executed', not 'maybe'"],
+        ),
+        (["release", "{key}", "--verified", "not-executed", "--reason", "r"], ["--by WHO"]),
+        (["release", "{key}", "--verified", "not-executed", "--by", "a"], ["--reason WHY"]),
+        (
+            ["release", "{key}", "--verified", "completed", "--by", "a", "--reason", "r"],
+            ["needs --result-json"],
+        ),
+        (
+            ["release", "{live}", "--verified", "not-executed", "--by", "a", "--reason", "r"],
+            ["live lease"],
+        ),
+        (
+            [
+                "release",
+                "{done}",
+                "--verified",
+                "completed",
+                "--result-json",
+                "1",
+                "--by",
+                "a",
+                "--reason",
+                "r",
+            ],
+            ["is completed"],
+        ),
+        (["show", "nope-nope"], ["no ledger entry matches"]),
+        (["resume", "{key}"], ["is blocked, not interrupted", "release"]),
+        (["list", "--status", "stuck"], ["unknown status 'stuck'"]),
+        (["list", "--since", "yesterday"], ["--since 'yesterday'"]),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(
+    cli: Any, store: LedgerStore, ledger_url: str, tmp_path: Path, args: list[str], words: list[str]
+) -> None:
     names = {"key": blocked(store), "live": str(claim(store).key), "done": completed(store)}
     before = rows(ledger_url)
     result = cli(*[names.get(a.strip("{}"), a) for a in args], code=1)
@@ -287,17 +426,20 @@ def test_bad_input_is_one_line_and_writes_nothing(cli: Any, store: LedgerStore, 
     assert rows(ledger_url) == before and queued(tmp_path) == 0
 
 
-def test_operator_tokens_gate_release_before_any_write(cli: Any, store: LedgerStore,
-                                                       ledger_url: str,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_operator_tokens_gate_release_before_any_write(
+    cli: Any, store: LedgerStore, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("CELERY_LEDGER_OPERATOR_TOKENS", "tok-alice, tok-bob")
     key = blocked(store)
     before = rows(ledger_url)
     for by in ("mallory", "tok-alice2", "tok"):
-        one_line_error(cli("release", key, "--verified", "not-executed", "--by", by,
-                           "--reason", "r", code=1), "does not match any operator token")
-    one_line_error(cli("release", key, "--verified", "not-executed", "--reason", "r", code=1),
-                   "--by WHO")
+        one_line_error(
+            cli("release", key, "--verified", "not-executed", "--by", by, "--reason", "r", code=1),
+            "does not match any operator token",
+        )
+    one_line_error(
+        cli("release", key, "--verified", "not-executed", "--reason", "r", code=1), "--by WHO"
+    )
     assert rows(ledger_url) == before
     cli("release", key, "--verified", "not-executed", "--by", "tok-bob", "--reason", "ok")
     assert store.get_entry(key).released_by == "tok-bob"
@@ -306,8 +448,9 @@ def test_operator_tokens_gate_release_before_any_write(cli: Any, store: LedgerSt
 # -- resume / sweep / stats -------------------------------------------------------------------
 
 
-def test_resume_reenqueues_an_interrupted_entry(cli: Any, store: LedgerStore,
-                                               tmp_path: Path) -> None:
+def test_resume_reenqueues_an_interrupted_entry(
+    cli: Any, store: LedgerStore, tmp_path: Path
+) -> None:
     key = interrupted(store)
     out = cli("resume", key[:12]).stdout
     assert f"re-enqueued {key}" in out
@@ -318,8 +461,9 @@ def test_resume_reenqueues_an_interrupted_entry(cli: Any, store: LedgerStore,
     assert queued(tmp_path) == 1
 
 
-def test_sweep_interrupts_expired_leases_and_resumes_them(cli: Any, store: LedgerStore,
-                                                         tmp_path: Path) -> None:
+def test_sweep_interrupts_expired_leases_and_resumes_them(
+    cli: Any, store: LedgerStore, tmp_path: Path
+) -> None:
     key = expired(store)
     report = json.loads(cli("sweep", "--json").stdout)
     assert report["interrupted"] == 1 and report["resumed"] == 1
@@ -342,8 +486,9 @@ def test_stats_counts_and_duplicate_rate(cli: Any, store: LedgerStore) -> None:
 # -- doctor / migrate / schema / connection ----------------------------------------------------
 
 
-def test_doctor_passes_on_the_embedded_default(cli: Any, store: LedgerStore,
-                                               ledger_url: str) -> None:
+def test_doctor_passes_on_the_embedded_default(
+    cli: Any, store: LedgerStore, ledger_url: str
+) -> None:
     data = json.loads(cli("doctor", "--json").stdout)
     checks = {c["name"]: c for c in data["checks"]}
     assert set(checks) == {"schema", "backend", "visibility", "acks", "beat", "reconcilers"}
@@ -354,7 +499,8 @@ def test_doctor_passes_on_the_embedded_default(cli: Any, store: LedgerStore,
 
 
 def test_doctor_warns_about_redis_visibility_and_sqlite_with_a_network_broker(
-        cli: Any, store: LedgerStore, ledger_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    cli: Any, store: LedgerStore, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Read-only: doctor never connects to this broker.
     monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:6379/15")
     monkeypatch.setenv("CELERY_LEDGER_LEASE_SECONDS", "7200")
@@ -367,16 +513,22 @@ def test_doctor_warns_about_redis_visibility_and_sqlite_with_a_network_broker(
     assert checks["backend"]["status"] == expected
 
 
-def test_schema_newer_than_the_code_is_refused_everywhere(cli: Any, store: LedgerStore,
-                                                          ledger_url: str) -> None:
+def test_schema_newer_than_the_code_is_refused_everywhere(
+    cli: Any, store: LedgerStore, ledger_url: str
+) -> None:
     engine = make_engine(ledger_url)
     with engine.begin() as conn:
         conn.execute(text("UPDATE ledger_alembic_version SET version_num = 'f00d'"))
     engine.dispose()
     store.dispose()
     before = rows(ledger_url)
-    for args in (["list"], ["show", "abc"], ["migrate"], ["migrate", "--plan"],
-                 ["release", "abc", "--verified", "not-executed", "--by", "a", "--reason", "r"]):
+    for args in (
+        ["list"],
+        ["show", "abc"],
+        ["migrate"],
+        ["migrate", "--plan"],
+        ["release", "abc", "--verified", "not-executed", "--by", "a", "--reason", "r"],
+    ):
         one_line_error(cli(*args, code=1), "'f00d' is newer than this celery-ledger")
     doctor = json.loads(cli("doctor", "--json", code=1).stdout)
     assert doctor["ok"] is False and doctor["checks"][0]["status"] == "FAIL"
@@ -385,9 +537,10 @@ def test_schema_newer_than_the_code_is_refused_everywhere(cli: Any, store: Ledge
 
 def test_a_url_that_does_not_connect_is_one_line(cli: Any, tmp_path: Path) -> None:
     missing = tmp_path / "nowhere" / "ledger.sqlite3"
-    for url, words in ((f"sqlite:///{missing}", ["no ledger database at"]),
-                       ("postgresql://postgres@127.0.0.1:1/none", ["unavailable",
-                                                                   "Connection refused"])):
+    for url, words in (
+        (f"sqlite:///{missing}", ["no ledger database at"]),
+        ("postgresql://postgres@127.0.0.1:1/none", ["unavailable", "Connection refused"]),
+    ):
         for args in (["list"], ["stats"], ["migrate", "--plan"]):
             one_line_error(cli("--url", url, *args, code=1), *words)
     assert not missing.exists() and not missing.parent.exists()  # nothing created
@@ -412,10 +565,8 @@ def test_migrate_plan_changes_nothing_then_migrate_applies(cli: Any, pg_url: str
 
 def run(args: list[str], env: dict[str, str], *, code: int = 0) -> subprocess.CompletedProcess:
     """``celery-ledger ...`` or ``celery -A tests_app ledger ...`` as a real process."""
-    full = {**os.environ, **env,
-            "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
-    proc = subprocess.run(args, env=full, cwd=TESTS, capture_output=True, text=True,
-                          timeout=90)
+    full = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
+    proc = subprocess.run(args, env=full, cwd=TESTS, capture_output=True, text=True, timeout=90)
     assert proc.returncode == code, (args, proc.returncode, proc.stdout, proc.stderr)
     return proc
 
@@ -428,14 +579,14 @@ def celery_cli(*args: str) -> list[str]:
     return [str(BIN / "celery"), "-A", "tests_app", "ledger", *args]
 
 
-def test_both_installations_share_the_commands(tmp_path: Path, store: LedgerStore,
-                                               ledger_url: str) -> None:
+def test_both_installations_share_the_commands(
+    tmp_path: Path, store: LedgerStore, ledger_url: str
+) -> None:
     key = blocked(store)
     env = test_env(tmp_path, broker=None, ledger_url=ledger_url)
     for cmd in (ledger_cli, celery_cli):
         helptext = run(cmd("--help"), env).stdout
-        for name in ("list", "show", "release", "resume", "sweep", "stats", "doctor",
-                     "migrate"):
+        for name in ("list", "show", "release", "resume", "sweep", "stats", "doctor", "migrate"):
             assert f"  {name}" in helptext
         stuck = json.loads(run(cmd("list", "--stuck", "--json"), env).stdout)
         assert [e["key"] for e in stuck["entries"]] == [key]
@@ -451,21 +602,33 @@ def test_both_installations_share_the_commands(tmp_path: Path, store: LedgerStor
 
 
 @pytest.mark.processes
-def test_full_story_blocked_found_shown_released_runs_once(tmp_path: Path, ledger_url: str
-                                                           ) -> None:
+def test_full_story_blocked_found_shown_released_runs_once(tmp_path: Path, ledger_url: str) -> None:
     """A real worker dies after `charge` started; the operator resolves it; charge runs once."""
     order = f"o-{uuid.uuid4().hex[:6]}"
     env = test_env(tmp_path, broker=None, ledger_url=ledger_url)
-    crash = {"CELERY_LEDGER_CRASH_AT": "step-started:charge",
-             "CELERY_LEDGER_CRASH_ONCE": str(tmp_path / "crash")}
+    crash = {
+        "CELERY_LEDGER_CRASH_AT": "step-started:charge",
+        "CELERY_LEDGER_CRASH_ONCE": str(tmp_path / "crash"),
+    }
     with processes(tmp_path, env) as procs:
         worker = procs.worker("w1", concurrency=1, env=crash)
-        sent = run([str(BIN / "celery"), "-A", "tests_app", "call", "tests_app.reconciled",
-                    "--kwargs", json.dumps({"order_id": order, "answer": "unknown"})], env)
+        sent = run(
+            [
+                str(BIN / "celery"),
+                "-A",
+                "tests_app",
+                "call",
+                "tests_app.reconciled",
+                "--kwargs",
+                json.dumps({"order_id": order, "answer": "unknown"}),
+            ],
+            env,
+        )
         task_id = sent.stdout.strip().splitlines()[-1]
         key = entry_key("tests_app.reconciled", task_id)
         store = LedgerStore(ledger_url, migrate=False)
         try:
+
             def status() -> EntryStatus | None:
                 try:
                     return store.get_entry(key).status
@@ -490,23 +653,41 @@ def test_full_story_blocked_found_shown_released_runs_once(tmp_path: Path, ledge
             assert "started (ambiguous)" in shown and "external ref: none" in shown
             data = json.loads(run(celery_cli("show", task_id, "--json"), env).stdout)
             assert [(s["name"], s["status"], s["external_ref"]) for s in data["steps"]] == [
-                ("charge", "started", None)]
+                ("charge", "started", None)
+            ]
             assert "provider cannot tell" in shown
             assert f"celery -A tests_app ledger release {key}" in shown
 
-            out = run(ledger_cli("release", key[:16], "--verified", "not-executed", "--by",
-                                 "alice", "--reason", f"no charge {order} at the provider"),
-                      env).stdout
+            out = run(
+                ledger_cli(
+                    "release",
+                    key[:16],
+                    "--verified",
+                    "not-executed",
+                    "--by",
+                    "alice",
+                    "--reason",
+                    f"no charge {order} at the provider",
+                ),
+                env,
+            ).stdout
             assert "re-enqueued" in out
-            wait_for(lambda: status() is EntryStatus.COMPLETED, timeout=90,
-                     what="completed after release")
-            assert effect_counts(ledger_url, order) == {(order, "charge"): 1,
-                                                        (order, "receipt"): 1}
+            wait_for(
+                lambda: status() is EntryStatus.COMPLETED,
+                timeout=90,
+                what="completed after release",
+            )
+            assert effect_counts(ledger_url, order) == {(order, "charge"): 1, (order, "receipt"): 1}
             stats = json.loads(run(celery_cli("stats", "--json"), env).stdout)
             assert stats["duplicate_execution_rate"] == 0.0
             assert stats["duplicate_executions"] == 0 and stats["by_status"]["completed"] == 1
-            err = run(ledger_cli("release", key, "--verified", "not-executed", "--by", "bob",
-                                 "--reason", "again"), env, code=1).stderr
+            err = run(
+                ledger_cli(
+                    "release", key, "--verified", "not-executed", "--by", "bob", "--reason", "again"
+                ),
+                env,
+                code=1,
+            ).stderr
             assert "is completed" in err and err.count("\n") == 1
         finally:
             store.dispose()

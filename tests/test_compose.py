@@ -38,25 +38,41 @@ def command_text(service: dict[str, Any]) -> str:
 def compose_client() -> list[str] | None:
     """``docker compose`` (v2 plugin) or ``docker-compose`` (v1), whichever works here."""
     docker = shutil.which("docker")
-    if docker and subprocess.run([docker, "compose", "version"], capture_output=True,
-                                 timeout=30).returncode == 0:
+    if (
+        docker
+        and subprocess.run(
+            [docker, "compose", "version"], capture_output=True, timeout=30
+        ).returncode
+        == 0
+    ):
         return [docker, "compose"]
     legacy = shutil.which("docker-compose")
     return [legacy] if legacy else None
 
 
 def run_config(client: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items()
-             if k not in ("FLOWER_BASIC_AUTH", "CELERY_APP", "POSTGRES_PASSWORD")}
-    return subprocess.run([*client, "-f", str(COMPOSE), "config", "-q"], cwd=REPO,
-                          env={**clean, **env}, capture_output=True, text=True, timeout=60)
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("FLOWER_BASIC_AUTH", "CELERY_APP", "POSTGRES_PASSWORD")
+    }
+    return subprocess.run(
+        [*client, "-f", str(COMPOSE), "config", "-q"],
+        cwd=REPO,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_a_compose_client_accepts_the_file() -> None:
     client = compose_client()
     if client is None:
-        pytest.skip("neither `docker compose` nor `docker-compose` is installed; the "
-                    "structural tests below still run")
+        pytest.skip(
+            "neither `docker compose` nor `docker-compose` is installed; the "
+            "structural tests below still run"
+        )
     ok = run_config(client, {"FLOWER_BASIC_AUTH": "admin:secret"})
     assert ok.returncode == 0, ok.stderr
     # Flower is never started open: without credentials the stack does not even configure.
@@ -66,8 +82,16 @@ def test_a_compose_client_accepts_the_file() -> None:
 
 
 def test_the_stack_has_every_service(compose: dict[str, Any]) -> None:
-    assert set(compose["services"]) == {"redis", "postgres", "migrate", "worker-1", "worker-2",
-                                        "beat", "flower", "metrics"}
+    assert set(compose["services"]) == {
+        "redis",
+        "postgres",
+        "migrate",
+        "worker-1",
+        "worker-2",
+        "beat",
+        "flower",
+        "metrics",
+    }
 
 
 def test_every_service_has_a_restart_policy_and_a_healthcheck(compose: dict[str, Any]) -> None:
@@ -101,8 +125,7 @@ def test_everything_on_the_ledger_waits_for_the_migration(compose: dict[str, Any
         assert env["CELERY_BROKER_URL"].startswith("redis://redis:"), name
 
 
-def test_two_workers_send_events_under_distinct_stable_node_names(
-        compose: dict[str, Any]) -> None:
+def test_two_workers_send_events_under_distinct_stable_node_names(compose: dict[str, Any]) -> None:
     names = set()
     for name in ("worker-1", "worker-2"):
         service = compose["services"][name]
@@ -116,8 +139,7 @@ def test_two_workers_send_events_under_distinct_stable_node_names(
     assert len(names) == 2
 
 
-def test_flower_runs_the_ledger_flowerconfig_with_authentication(
-        compose: dict[str, Any]) -> None:
+def test_flower_runs_the_ledger_flowerconfig_with_authentication(compose: dict[str, Any]) -> None:
     flower = compose["services"]["flower"]
     cmd = command_text(flower)
     conf = re.search(r"--conf=(\S+)", cmd)
@@ -135,9 +157,11 @@ def test_flower_runs_the_ledger_flowerconfig_with_authentication(
 
 def test_the_dockerfile_builds_the_project_as_a_non_root_user() -> None:
     text = DOCKERFILE.read_text()
-    instructions = [line.split(None, 1) for line in text.splitlines()
-                    if line.strip() and not line.lstrip().startswith("#")
-                    and not line.startswith((" ", "\t"))]
+    instructions = [
+        line.split(None, 1)
+        for line in text.splitlines()
+        if line.strip() and not line.lstrip().startswith("#") and not line.startswith((" ", "\t"))
+    ]
     keywords = [i[0] for i in instructions]
     assert keywords[0] == "FROM" and instructions[0][1].startswith("python:3.")
     assert "pip install ." in text

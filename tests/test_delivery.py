@@ -20,15 +20,20 @@ pytestmark = pytest.mark.processes
 
 def client_app(env: dict[str, str]) -> Celery:
     """A producer-side app with the same broker/backend as the workers."""
-    app = Celery("client", broker=env.get("CELERY_BROKER_URL", "filesystem://"),
-                 backend=env["CELERY_RESULT_BACKEND"])
+    app = Celery(
+        "client",
+        broker=env.get("CELERY_BROKER_URL", "filesystem://"),
+        backend=env["CELERY_RESULT_BACKEND"],
+    )
     app.conf.task_default_queue = env["TEST_QUEUE"]
     if "CELERY_BROKER_URL" not in env:
         folder = Path(env["CELERY_LEDGER_DATA_DIR"]) / "broker"
         data = Path(env["CELERY_LEDGER_DATA_DIR"])
-        app.conf.broker_transport_options = {"data_folder_in": str(folder),
-                                             "data_folder_out": str(folder),
-                                             "control_folder": str(data / "broker-control")}
+        app.conf.broker_transport_options = {
+            "data_folder_in": str(folder),
+            "data_folder_out": str(folder),
+            "control_folder": str(data / "broker-control"),
+        }
     return app
 
 
@@ -51,10 +56,14 @@ def test_same_task_id_redelivered_by_redis_runs_body_once(tmp_path, redis, pg_ur
 
         def redelivered() -> bool:
             return "waited" in event_names(store, key) or "returned" in event_names(store, key)
+
         # The redelivery is Redis's doing; give it a bounded time to show up in the ledger.
         wait_for(redelivered, timeout=30, what="a second delivery of the same task id")
-        wait_for(lambda: "returned" in event_names(store, key), timeout=60,
-                 what="the duplicate delivery to return the stored result")
+        wait_for(
+            lambda: "returned" in event_names(store, key),
+            timeout=60,
+            what="the duplicate delivery to return the stored result",
+        )
     assert effect_counts(pg_url, "dup-1") == {("dup-1", "body"): 1}
     assert store.get_entry(key).status is EntryStatus.COMPLETED
     assert result.get(timeout=5) == "done:dup-1"
@@ -71,10 +80,20 @@ def test_business_key_two_task_ids_one_body(tmp_path):
         r2 = app.send_task("tests_app.order", args=("ord-7", 100), kwargs={"pause": 1.0})
         v1, v2 = r1.get(timeout=60), r2.get(timeout=60)
     assert r1.id != r2.id
-    assert v1 == v2 == {"order_id": "ord-7", "amount": 100,
-                        "steps": ["reserve:ord-7", "charge:ord-7", "receipt:ord-7"]}
+    assert (
+        v1
+        == v2
+        == {
+            "order_id": "ord-7",
+            "amount": 100,
+            "steps": ["reserve:ord-7", "charge:ord-7", "receipt:ord-7"],
+        }
+    )
     assert effect_counts(ledger, "ord-7") == {
-        ("ord-7", "reserve"): 1, ("ord-7", "charge"): 1, ("ord-7", "receipt"): 1}
+        ("ord-7", "reserve"): 1,
+        ("ord-7", "charge"): 1,
+        ("ord-7", "receipt"): 1,
+    }
     store = LedgerStore(ledger)
     names = event_names(store, business_key("tests_app.order", order_id="ord-7"))
     assert names.count("claimed") == 1 and "returned" in names
@@ -94,7 +113,10 @@ def test_business_key_with_different_arguments_conflicts(tmp_path):
         assert type(info.value).__name__ == "KeyConflict"
     # The second body never ran: still one of each effect.
     assert effect_counts(ledger, "ord-9") == {
-        ("ord-9", "reserve"): 1, ("ord-9", "charge"): 1, ("ord-9", "receipt"): 1}
+        ("ord-9", "reserve"): 1,
+        ("ord-9", "charge"): 1,
+        ("ord-9", "receipt"): 1,
+    }
     store = LedgerStore(ledger)
     assert "conflict" in event_names(store, business_key("tests_app.order", order_id="ord-9"))
 
@@ -112,9 +134,14 @@ def test_ledger_unreachable_at_claim_runs_nothing_then_completes_once(tmp_path, 
     port = proxy.port
     proxy.stop()  # the ledger is "down": nothing listens on its port
     proxied = f"postgresql://postgres@127.0.0.1:{port}/{dbname}"
-    env = test_env(tmp_path, broker=None, ledger_url=proxied, TEST_EFFECTS_URL=pg_url,
-                   CELERY_LEDGER_UNAVAILABLE_BACKOFF="0.5",
-                   CELERY_LEDGER_UNAVAILABLE_BACKOFF_MAX="1")
+    env = test_env(
+        tmp_path,
+        broker=None,
+        ledger_url=proxied,
+        TEST_EFFECTS_URL=pg_url,
+        CELERY_LEDGER_UNAVAILABLE_BACKOFF="0.5",
+        CELERY_LEDGER_UNAVAILABLE_BACKOFF_MAX="1",
+    )
     app = client_app(env)
     try:
         with processes(tmp_path, env) as procs:
@@ -128,7 +155,10 @@ def test_ledger_unreachable_at_claim_runs_nothing_then_completes_once(tmp_path, 
         proxy.stop()
     assert value["steps"] == ["reserve:ord-down", "charge:ord-down", "receipt:ord-down"]
     assert effect_counts(pg_url, "ord-down") == {
-        ("ord-down", "reserve"): 1, ("ord-down", "charge"): 1, ("ord-down", "receipt"): 1}
+        ("ord-down", "reserve"): 1,
+        ("ord-down", "charge"): 1,
+        ("ord-down", "receipt"): 1,
+    }
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -32,8 +32,14 @@ COUNTS = ("accepted", "completed", "lost", "charged_twice", "duplicate_effects",
 
 def demo(*args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_")}
-    return subprocess.run([str(BIN / "celery-ledger"), "demo", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env, check=False)
+    return subprocess.run(
+        [str(BIN / "celery-ledger"), "demo", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
 
 
 def check_report(proc: subprocess.CompletedProcess[str], orders: int) -> dict[str, Any]:
@@ -107,8 +113,9 @@ def test_demo_on_redis_and_postgresql_cleans_up_after_itself(redis, pg_url):
         with engine.connect() as conn:
             assert conn.execute(text("SELECT COUNT(*) FROM ledger_entries")).scalar_one() == 0
             assert conn.execute(text("SELECT COUNT(*) FROM ledger_steps")).scalar_one() == 0
-            assert not [t for t in inspect(conn).get_table_names()
-                        if t.startswith("celery_ledger_demo_")]
+            assert not [
+                t for t in inspect(conn).get_table_names() if t.startswith("celery_ledger_demo_")
+            ]
     finally:
         engine.dispose()
 
@@ -127,15 +134,20 @@ def test_demo_keep_prints_a_table_and_the_commands_to_open_the_ledger():
         commands = re.findall(r"^  (celery-ledger --url '\S+' list)$", out, re.M)
         assert commands, out
         url = re.search(r"--url '(\S+)'", commands[0]).group(1)
-        listed = subprocess.run([str(BIN / "celery-ledger"), "--url", url, "list", "--json",
-                                 "--limit", "100"], capture_output=True, text=True, timeout=60,
-                                check=False)
+        listed = subprocess.run(
+            [str(BIN / "celery-ledger"), "--url", url, "list", "--json", "--limit", "100"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert listed.returncode == 0, listed.stderr
         rows = json.loads(listed.stdout)["entries"]
         assert sum(1 for e in rows if e["status"] == "completed") == 12
         assert {e["task"] for e in rows} == {"celery_ledger.demo.ledgered_order"}
     finally:
         import shutil
+
         shutil.rmtree(data_dir.group(1), ignore_errors=True)
 
 
@@ -143,15 +155,23 @@ def test_demo_keep_prints_a_table_and_the_commands_to_open_the_ledger():
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_or_sigterm_stops_every_process_and_removes_the_data(signum):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_")}
-    proc = subprocess.Popen([str(BIN / "celery-ledger"), "demo"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [str(BIN / "celery-ledger"), "demo"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         first = proc.stdout.readline() + proc.stdout.readline()
         data_dir = re.search(r"^data: (\S+)", first, re.M)
         assert data_dir, first
         # Wait until the workers and beat are up (they are what must be cleaned up).
-        wait_for(lambda: len(demo_processes(data_dir.group(1))) >= 4, timeout=90,
-                 what="the demo's worker and beat processes")
+        wait_for(
+            lambda: len(demo_processes(data_dir.group(1))) >= 4,
+            timeout=90,
+            what="the demo's worker and beat processes",
+        )
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=60)
     finally:

@@ -63,8 +63,11 @@ class FlowerClient:
 
 
 def events_total(metrics: str, event_type: str, task: str) -> float:
-    return sum(v for (name, labels), v in samples(metrics, "flower_events_total").items()
-               if dict(labels).get("type") == event_type and dict(labels).get("task") == task)
+    return sum(
+        v
+        for (name, labels), v in samples(metrics, "flower_events_total").items()
+        if dict(labels).get("type") == event_type and dict(labels).get("task") == task
+    )
 
 
 def ledger_gauge(metrics: str, name: str, **labels: str) -> float | None:
@@ -73,10 +76,16 @@ def ledger_gauge(metrics: str, name: str, **labels: str) -> float | None:
 
 def start_flower(procs: Any, port: int) -> Any:
     """``celery flower`` with the shipped flowerconfig.py and basic auth; waits for its API."""
-    proc = procs.command([
-        "flower", f"--port={port}", "--address=127.0.0.1", f"--conf={FLOWERCONFIG}",
-        f"--basic-auth={USER}:{PASSWORD}",
-    ], "flower")
+    proc = procs.command(
+        [
+            "flower",
+            f"--port={port}",
+            "--address=127.0.0.1",
+            f"--conf={FLOWERCONFIG}",
+            f"--basic-auth={USER}:{PASSWORD}",
+        ],
+        "flower",
+    )
     client = FlowerClient(port)
 
     def flower_up() -> bool:
@@ -88,11 +97,17 @@ def start_flower(procs: Any, port: int) -> Any:
     return proc
 
 
-def test_flower_shows_ledger_states_events_and_gauges(tmp_path: Path, redis: str,
-                                                      pg_url: str) -> None:
-    env = test_env(tmp_path, broker=redis, ledger_url=pg_url,
-                   # the duplicate re-queues itself every second while the first one runs
-                   CELERY_LEDGER_WAIT_COUNTDOWN_MAX=1, CELERY_LEDGER_METRICS_TTL=1)
+def test_flower_shows_ledger_states_events_and_gauges(
+    tmp_path: Path, redis: str, pg_url: str
+) -> None:
+    env = test_env(
+        tmp_path,
+        broker=redis,
+        ledger_url=pg_url,
+        # the duplicate re-queues itself every second while the first one runs
+        CELERY_LEDGER_WAIT_COUNTDOWN_MAX=1,
+        CELERY_LEDGER_METRICS_TTL=1,
+    )
     client = Celery("client", broker=redis, backend=redis)
     queue = env["TEST_QUEUE"]
 
@@ -127,28 +142,45 @@ def test_flower_shows_ledger_states_events_and_gauges(tmp_path: Path, redis: str
         wait_for(event_stream_live, timeout=60, interval=0, what="task events in Flower")
 
         first = send("tests_app.order", order_id="o-1", amount=10, pause=4.0)
-        wait_for(lambda: flower.state(first.id) == "LEDGER-CLAIMED", timeout=30, interval=0.1,
-                 what="the first delivery as LEDGER-CLAIMED while its body runs")
+        wait_for(
+            lambda: flower.state(first.id) == "LEDGER-CLAIMED",
+            timeout=30,
+            interval=0.1,
+            what="the first delivery as LEDGER-CLAIMED while its body runs",
+        )
         # Same business key, another task id: held back by the live lease, never run beside it.
         duplicate = send("tests_app.order", order_id="o-1", amount=10, pause=4.0)
-        wait_for(lambda: flower.state(duplicate.id) == "LEDGER-WAITED", timeout=30,
-                 interval=0.1, what="the duplicate as LEDGER-WAITED")
+        wait_for(
+            lambda: flower.state(duplicate.id) == "LEDGER-WAITED",
+            timeout=30,
+            interval=0.1,
+            what="the duplicate as LEDGER-WAITED",
+        )
 
         result = first.get(timeout=60)
         assert duplicate.get(timeout=60) == result, "the duplicate returned the stored result"
         # Celery's terminal event outranks a custom state: both end up SUCCESS in Flower.
-        wait_for(lambda: {flower.state(first.id), flower.state(duplicate.id)} == {"SUCCESS"},
-                 timeout=30, what="both deliveries SUCCESS in Flower")
+        wait_for(
+            lambda: {flower.state(first.id), flower.state(duplicate.id)} == {"SUCCESS"},
+            timeout=30,
+            what="both deliveries SUCCESS in Flower",
+        )
 
         def counted() -> str | None:
             page = flower.metrics()
-            ok = (events_total(page, "task-ledger-returned", "tests_app.order") >= 1
-                  and ledger_gauge(page, "task_entries", task="tests_app.order",
-                                   status="completed") == 1)
+            ok = (
+                events_total(page, "task-ledger-returned", "tests_app.order") >= 1
+                and ledger_gauge(page, "task_entries", task="tests_app.order", status="completed")
+                == 1
+            )
             return page if ok else None
 
-        page = wait_for(counted, timeout=30, interval=0.5,
-                        what="task-ledger-returned and the completed entry in /metrics")
+        page = wait_for(
+            counted,
+            timeout=30,
+            interval=0.5,
+            what="task-ledger-returned and the completed entry in /metrics",
+        )
         assert events_total(page, "task-ledger-claimed", "tests_app.order") == 1
         assert events_total(page, "task-ledger-waited", "tests_app.order") >= 1
         assert events_total(page, "task-ledger-settled", "tests_app.order") == 1
@@ -169,9 +201,13 @@ def serve_standalone(tmp_path: Path, url: str) -> str:
     port = free_port()
     log_path = tmp_path / "metrics.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cli("--url", url, "metrics", "--port", str(port)), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
+        proc = subprocess.Popen(
+            cli("--url", url, "metrics", "--port", str(port)),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
     try:
         scraper = FlowerClient(port, auth=None)
 
@@ -187,8 +223,7 @@ def serve_standalone(tmp_path: Path, url: str) -> str:
         proc.wait(timeout=10)
 
 
-def test_worker_dash_e_alone_sends_ledger_events(tmp_path: Path, redis: str,
-                                                 pg_url: str) -> None:
+def test_worker_dash_e_alone_sends_ledger_events(tmp_path: Path, redis: str, pg_url: str) -> None:
     env = test_env(tmp_path, broker=redis, ledger_url=pg_url)
     client = Celery("client", broker=redis, backend=redis)
     port = free_port()
@@ -199,8 +234,13 @@ def test_worker_dash_e_alone_sends_ledger_events(tmp_path: Path, redis: str,
         probes: list[Any] = []
 
         def order_seen_by_flower() -> bool:
-            probes.append(client.send_task("tests_app.order", queue=env["TEST_QUEUE"],
-                                           kwargs={"order_id": "o-e", "amount": 1}))
+            probes.append(
+                client.send_task(
+                    "tests_app.order",
+                    queue=env["TEST_QUEUE"],
+                    kwargs={"order_id": "o-e", "amount": 1},
+                )
+            )
             probes[-1].get(timeout=30)
             time.sleep(1)
             return any(flower.state(p.id) == "SUCCESS" for p in probes)

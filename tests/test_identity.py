@@ -54,8 +54,9 @@ def test_canonical_json_rejects_non_string_dict_keys(key: object) -> None:
         (object(), "object"),
     ],
 )
-def test_canonical_json_rejects_non_json_types_naming_the_path(value: object,
-                                                               type_name: str) -> None:
+def test_canonical_json_rejects_non_json_types_naming_the_path(
+    value: object, type_name: str
+) -> None:
     with pytest.raises(IdentityError) as info:
         canonical_json({"order": {"items": [0, value]}})
     message = str(info.value)
@@ -75,8 +76,8 @@ def test_identity_error_is_a_value_error() -> None:
 def test_entry_key_is_sha256_of_canonical_task_and_material() -> None:
     material = {"order_id": 42, "region": "eu"}
     expected = hashlib.sha256(
-        json.dumps(["shop.charge", material], sort_keys=True, separators=(",", ":"))
-        .encode()).hexdigest()
+        json.dumps(["shop.charge", material], sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
     assert entry_key("shop.charge", material) == expected
     assert len(entry_key("shop.charge", material)) == 64
 

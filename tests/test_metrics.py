@@ -23,12 +23,21 @@ OWNER = Owner(node="celery@test", boot="b1", pid=1)
 OTHER = Owner(node="celery@other", boot="b2", pid=2)
 
 
-def claim(store: LedgerStore, key: str, task: str, *, lease: float = 60.0,
-          owner: Owner = OWNER) -> Any:
-    return store.claim(ClaimRequest(key=key, task_name=task, task_id=f"id-{key}",
-                                    args_hash="task-id", snapshot=None,
-                                    side_effect="non_idempotent", owner=owner,
-                                    lease_seconds=lease))
+def claim(
+    store: LedgerStore, key: str, task: str, *, lease: float = 60.0, owner: Owner = OWNER
+) -> Any:
+    return store.claim(
+        ClaimRequest(
+            key=key,
+            task_name=task,
+            task_id=f"id-{key}",
+            args_hash="task-id",
+            snapshot=None,
+            side_effect="non_idempotent",
+            owner=owner,
+            lease_seconds=lease,
+        )
+    )
 
 
 def populate(store: LedgerStore) -> None:
@@ -36,8 +45,9 @@ def populate(store: LedgerStore) -> None:
     step = ("charge", "h", 0)
     done = claim(store, "k-done", "shop.order")
     assert store.write_step("k-done", done.fence, step, seq=0, status=StepStatus.STARTED)
-    assert store.write_step("k-done", done.fence, step, seq=0, status=StepStatus.COMPLETED,
-                            output="1")
+    assert store.write_step(
+        "k-done", done.fence, step, seq=0, status=StepStatus.COMPLETED, output="1"
+    )
     assert store.settle("k-done", done.fence, EntryStatus.COMPLETED, result="1")
     parked = claim(store, "k-blocked", "shop.order")
     assert store.settle("k-blocked", parked.fence, EntryStatus.BLOCKED, reason="ambiguous")
@@ -153,10 +163,16 @@ def test_standalone_endpoint_serves_the_same_gauges(store: LedgerStore, tmp_path
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cli("--url", store.url, "metrics", "--port", str(port), "--address", "127.0.0.1"),
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
-        wait_for(lambda: "celery-ledger metrics on" in log_path.read_text()
-                 or proc.poll() is not None, timeout=30, what="the metrics endpoint")
+        wait_for(
+            lambda: "celery-ledger metrics on" in log_path.read_text() or proc.poll() is not None,
+            timeout=30,
+            what="the metrics endpoint",
+        )
         assert proc.poll() is None, log_path.read_text()
         served = samples(http_get(f"http://127.0.0.1:{port}/metrics"))
     finally:
@@ -172,20 +188,29 @@ def test_standalone_endpoint_serves_the_same_gauges(store: LedgerStore, tmp_path
 
 def test_metrics_once_prints_the_gauges(store: LedgerStore) -> None:
     populate(store)
-    out = subprocess.run(cli("--url", store.url, "metrics", "--once"), capture_output=True,
-                         text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        cli("--url", store.url, "metrics", "--once"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     found = samples(out)
     assert value(found, "blocked_entries") == 1
     assert value(found, "duplicate_executions") == 1
 
 
 #: Samples that describe the scrape itself rather than the ledger.
-VOLATILE = ("celery_ledger_stats_query_seconds", "celery_ledger_stats_age_seconds",
-            "celery_ledger_oldest_running_age_seconds")
+VOLATILE = (
+    "celery_ledger_stats_query_seconds",
+    "celery_ledger_stats_age_seconds",
+    "celery_ledger_oldest_running_age_seconds",
+)
 
 
-def assert_same_gauges(a: dict[tuple[str, tuple], float],
-                       b: dict[tuple[str, tuple], float]) -> None:
+def assert_same_gauges(
+    a: dict[tuple[str, tuple], float], b: dict[tuple[str, tuple], float]
+) -> None:
     assert set(a) == set(b)
     stable_a = {k: v for k, v in a.items() if k[0] not in VOLATILE}
     stable_b = {k: v for k, v in b.items() if k[0] not in VOLATILE}

@@ -45,22 +45,25 @@ def test_whole_worker_killed_on_embedded_default_is_recovered(tmp_path, how):
     sweep can find the entry. ``boot``: the same node restarts and its boot sweep resumes it.
     """
     ledger = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
-    env = test_env(tmp_path, broker=None, ledger_url=ledger, CELERY_LEDGER_LEASE_SECONDS="3",
-                   CELERY_LEDGER_SWEEP_INTERVAL="1")
+    env = test_env(
+        tmp_path,
+        broker=None,
+        ledger_url=ledger,
+        CELERY_LEDGER_LEASE_SECONDS="3",
+        CELERY_LEDGER_SWEEP_INTERVAL="1",
+    )
     app = client_app(env)
     with processes(tmp_path, env) as procs:
         first = procs.worker("w1", concurrency=1)
         result = app.send_task("tests_app.order", args=("emb-1", 3), kwargs={"pause": 4.0})
-        wait_for(lambda: step_completed(ledger, "emb-1"), timeout=30,
-                 what="the first step")
+        wait_for(lambda: step_completed(ledger, "emb-1"), timeout=30, what="the first step")
         first.kill_all()  # SIGKILL the whole worker: parent and pool
         if how == "beat":
             procs.worker("w2", concurrency=1)
             procs.beat()
         else:
             procs.worker("w1", concurrency=1)
-        assert result.get(timeout=90)["steps"] == ["reserve:emb-1", "charge:emb-1",
-                                                   "receipt:emb-1"]
+        assert result.get(timeout=90)["steps"] == ["reserve:emb-1", "charge:emb-1", "receipt:emb-1"]
     assert effects_of(ledger, "emb-1") == ORDER_EFFECTS
     store = LedgerStore(ledger)
     key = business_key("tests_app.order", order_id="emb-1")
@@ -78,16 +81,18 @@ def test_pool_process_killed_is_interrupted_before_its_lease_expires(tmp_path, r
     with processes(tmp_path, env) as procs:
         worker = procs.worker("w1", concurrency=1)
         result = app.send_task("tests_app.order", args=("fast-1", 1), kwargs={"pause": 5.0})
-        wait_for(lambda: step_completed(pg_url, "fast-1"), timeout=30,
-                 what="the first step")
+        wait_for(lambda: step_completed(pg_url, "fast-1"), timeout=30, what="the first step")
         store = LedgerStore(pg_url)
         key = business_key("tests_app.order", order_id="fast-1")
         lease_until = store.get_entry(key).lease_until
         killed_at = store.now()
         for child in worker.children():
             os.kill(child, signal.SIGKILL)
-        wait_for(lambda: "interrupted" in event_names(store, key), timeout=20,
-                 what="the worker-lost fast path")
+        wait_for(
+            lambda: "interrupted" in event_names(store, key),
+            timeout=20,
+            what="the worker-lost fast path",
+        )
         marked = next(e for e in store.entry_events(key) if e.event == "interrupted")
         assert marked.at < lease_until, "waited for the lease instead of the fast path"
         assert marked.at - killed_at < 20
@@ -99,14 +104,18 @@ def test_pool_process_killed_is_interrupted_before_its_lease_expires(tmp_path, r
 def test_paused_worker_is_fenced_out_after_takeover(tmp_path, redis, pg_url):
     """SIGSTOP past the lease: another worker takes over; after SIGCONT the paused attempt's
     next step is refused and nothing happens twice."""
-    env = test_env(tmp_path, broker=redis, ledger_url=pg_url, CELERY_LEDGER_LEASE_SECONDS="2",
-                   CELERY_LEDGER_SWEEP_INTERVAL="1")
+    env = test_env(
+        tmp_path,
+        broker=redis,
+        ledger_url=pg_url,
+        CELERY_LEDGER_LEASE_SECONDS="2",
+        CELERY_LEDGER_SWEEP_INTERVAL="1",
+    )
     app = client_app(env)
     with processes(tmp_path, env) as procs:
         zombie = procs.worker("zombie", concurrency=1)
         result = app.send_task("tests_app.order", args=("zz-1", 1), kwargs={"pause": 3.0})
-        wait_for(lambda: step_completed(pg_url, "zz-1"), timeout=30,
-                 what="the first step")
+        wait_for(lambda: step_completed(pg_url, "zz-1"), timeout=30, what="the first step")
         os.killpg(zombie.pid, signal.SIGSTOP)  # parent, pool process and heartbeat thread
         try:
             procs.worker("w2", concurrency=1)
@@ -136,23 +145,34 @@ class RecordingApp:
             self.sent.append(options["task_id"])
 
 
-def make_interrupted(store: LedgerStore, n: int, task: str = "tests_app.order",
-                     queue: str | None = None) -> list[str]:
+def make_interrupted(
+    store: LedgerStore, n: int, task: str = "tests_app.order", queue: str | None = None
+) -> list[str]:
     keys = []
     for i in range(n):
         key = business_key(task, order_id=f"race-{i}")
-        snapshot = json.dumps({"args": [f"race-{i}", 1], "kwargs": {}, "queue": queue,
-                               "ledger_key": None})
-        args_hash = hashlib.sha256(
-            canonical_arguments([[f"race-{i}", 1], {}]).encode()).hexdigest()
-        store.claim(ClaimRequest(key=key, task_name=task, task_id=f"tid-{i}", args_hash=args_hash,
-                                 snapshot=snapshot, side_effect="non_idempotent",
-                                 owner=Owner("dead@host", "b0", 1), lease_seconds=0.01))
+        snapshot = json.dumps(
+            {"args": [f"race-{i}", 1], "kwargs": {}, "queue": queue, "ledger_key": None}
+        )
+        args_hash = hashlib.sha256(canonical_arguments([[f"race-{i}", 1], {}]).encode()).hexdigest()
+        store.claim(
+            ClaimRequest(
+                key=key,
+                task_name=task,
+                task_id=f"tid-{i}",
+                args_hash=args_hash,
+                snapshot=snapshot,
+                side_effect="non_idempotent",
+                owner=Owner("dead@host", "b0", 1),
+                lease_seconds=0.01,
+            )
+        )
         # The dead attempt had completed its first step: the resumed body replays it (a
         # body with no step rows at all would be ambiguous as a whole, and block).
         ident = ("reserve", input_hash_of([[f"race-{i}", "reserve"], {}]), 0)
-        store.write_step(key, 1, ident, seq=1, status=StepStatus.COMPLETED,
-                         output=f'"reserve:race-{i}"')
+        store.write_step(
+            key, 1, ident, seq=1, status=StepStatus.COMPLETED, output=f'"reserve:race-{i}"'
+        )
         keys.append(key)
     time.sleep(0.05)
     return keys
@@ -166,8 +186,14 @@ def test_concurrent_sweeps_resume_each_entry_once(ledger_url):
 
     def sweep() -> None:
         try:
-            run_sweep(LedgerStore(ledger_url), app, lease_seconds=60, max_resumes=5,
-                      retention_days=7, batch=50)
+            run_sweep(
+                LedgerStore(ledger_url),
+                app,
+                lease_seconds=60,
+                max_resumes=5,
+                retention_days=7,
+                batch=50,
+            )
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
@@ -190,8 +216,11 @@ def test_two_beats_resume_each_entry_once(tmp_path, redis, pg_url):
         procs.beat("beat1")
         procs.beat("beat2")
         procs.worker("w1", concurrency=2)
-        wait_for(lambda: all(store.get_entry(k).status is EntryStatus.COMPLETED for k in keys),
-                 timeout=90, what="every interrupted entry to complete")
+        wait_for(
+            lambda: all(store.get_entry(k).status is EntryStatus.COMPLETED for k in keys),
+            timeout=90,
+            what="every interrupted entry to complete",
+        )
     for i, key in enumerate(keys):
         assert event_names(store, key).count("resuming") == 1
         assert effects_of(pg_url, f"race-{i}") == {"charge": 1, "receipt": 1}  # reserve replayed
@@ -227,12 +256,17 @@ def test_message_lost_before_any_claim_is_resent_from_its_publish_intent(tmp_pat
 
     ledger = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
     env = test_env(tmp_path, broker=None, ledger_url=ledger, CELERY_LEDGER_SWEEP_INTERVAL="1")
-    producer = create_app("producer", data_dir=env["CELERY_LEDGER_DATA_DIR"],
-                          ledger_url=ledger, ledger_publish_intent_seconds=2,
-                          task_default_queue=env["TEST_QUEUE"])
+    producer = create_app(
+        "producer",
+        data_dir=env["CELERY_LEDGER_DATA_DIR"],
+        ledger_url=ledger,
+        ledger_publish_intent_seconds=2,
+        task_default_queue=env["TEST_QUEUE"],
+    )
 
-    @producer.task(base=LedgerTask, bind=True, name="tests_app.order", key_from=("order_id",),
-                   shared=False)
+    @producer.task(
+        base=LedgerTask, bind=True, name="tests_app.order", key_from=("order_id",), shared=False
+    )
     def order(self: Any, order_id: str, amount: int, pause: float = 0.0) -> None:
         raise AssertionError("the producer never runs the body")
 

@@ -34,9 +34,16 @@ def raw_engine(ledger_url: str) -> Iterator[Engine]:
 
 
 def claim_request() -> ClaimRequest:
-    return ClaimRequest(key="k", task_name="t", task_id="tid", args_hash="h", snapshot=None,
-                        side_effect="non_idempotent", owner=Owner("n", "b", 1),
-                        lease_seconds=30.0)
+    return ClaimRequest(
+        key="k",
+        task_name="t",
+        task_id="tid",
+        args_hash="h",
+        snapshot=None,
+        side_effect="non_idempotent",
+        owner=Owner("n", "b", 1),
+        lease_seconds=30.0,
+    )
 
 
 def tables(engine: Engine) -> set[str]:
@@ -45,8 +52,9 @@ def tables(engine: Engine) -> set[str]:
 
 def stamp_revision(engine: Engine, revision: str) -> None:
     with engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {VERSION_TABLE} "
-                          "(version_num VARCHAR(32) NOT NULL PRIMARY KEY)"))
+        conn.execute(
+            text(f"CREATE TABLE {VERSION_TABLE} (version_num VARCHAR(32) NOT NULL PRIMARY KEY)")
+        )
         conn.execute(text(f"INSERT INTO {VERSION_TABLE} VALUES (:v)"), {"v": revision})
 
 
@@ -54,13 +62,18 @@ def partial_index_clauses(engine: Engine) -> dict[str, str]:
     """Index name -> its definition, for every index on ledger_entries, from the catalog."""
     with engine.connect() as conn:
         if engine.dialect.name == "sqlite":
-            rows = conn.execute(text(
-                "SELECT name, sql FROM sqlite_master "
-                "WHERE type = 'index' AND tbl_name = 'ledger_entries' AND sql IS NOT NULL"))
+            rows = conn.execute(
+                text(
+                    "SELECT name, sql FROM sqlite_master "
+                    "WHERE type = 'index' AND tbl_name = 'ledger_entries' AND sql IS NOT NULL"
+                )
+            )
         else:
-            rows = conn.execute(text(
-                "SELECT indexname, indexdef FROM pg_indexes "
-                "WHERE tablename = 'ledger_entries'"))
+            rows = conn.execute(
+                text(
+                    "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'ledger_entries'"
+                )
+            )
         return {name: sql for name, sql in rows}
 
 
@@ -90,8 +103,7 @@ def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine)
         again.dispose()
 
 
-def test_migrated_schema_matches_the_table_definitions(ledger_url: str,
-                                                       raw_engine: Engine) -> None:
+def test_migrated_schema_matches_the_table_definitions(ledger_url: str, raw_engine: Engine) -> None:
     from alembic.autogenerate import compare_metadata
     from alembic.runtime.migration import MigrationContext
 
@@ -112,13 +124,14 @@ def test_partial_indexes_exist(ledger_url: str, raw_engine: Engine) -> None:
     for name, fragment in PARTIAL_INDEXES.items():
         assert name in clauses, f"{name} missing; have {sorted(clauses)}"
         definition = clauses[name]
-        where = definition[definition.upper().index(" WHERE "):]
+        where = definition[definition.upper().index(" WHERE ") :]
         assert fragment in where, definition
     assert " WHERE " not in clauses["ix_ledger_entries_task_status"].upper()
 
 
-def test_newer_schema_is_refused_and_nothing_is_written(ledger_url: str,
-                                                        raw_engine: Engine) -> None:
+def test_newer_schema_is_refused_and_nothing_is_written(
+    ledger_url: str, raw_engine: Engine
+) -> None:
     stamp_revision(raw_engine, "9999")
     store = LedgerStore(ledger_url)
     try:
@@ -148,8 +161,7 @@ def test_newer_schema_is_refused_without_migrate(ledger_url: str, raw_engine: En
     assert tables(raw_engine) == {VERSION_TABLE}
 
 
-def test_no_migrate_on_empty_database_says_run_migrate(ledger_url: str,
-                                                       raw_engine: Engine) -> None:
+def test_no_migrate_on_empty_database_says_run_migrate(ledger_url: str, raw_engine: Engine) -> None:
     store = LedgerStore(ledger_url, migrate=False)
     try:
         with pytest.raises(SchemaError, match="celery-ledger migrate") as info:

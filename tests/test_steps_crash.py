@@ -18,15 +18,19 @@ from test_delivery import client_app
 
 pytestmark = pytest.mark.processes
 
-ORDER_RESULT = {"order_id": "o1", "amount": 5,
-                "steps": ["reserve:o1", "charge:o1", "receipt:o1"]}
+ORDER_RESULT = {"order_id": "o1", "amount": 5, "steps": ["reserve:o1", "charge:o1", "receipt:o1"]}
 
 
-def run_with_crash(tmp_path, redis, pg_url, crash_at, task, args, kwargs=None,
-                   expect_failure=False):
-    env = test_env(tmp_path, broker=redis, ledger_url=pg_url,
-                   CELERY_LEDGER_CRASH_AT=crash_at,
-                   CELERY_LEDGER_CRASH_ONCE=str(tmp_path / "crash-once"))
+def run_with_crash(
+    tmp_path, redis, pg_url, crash_at, task, args, kwargs=None, expect_failure=False
+):
+    env = test_env(
+        tmp_path,
+        broker=redis,
+        ledger_url=pg_url,
+        CELERY_LEDGER_CRASH_AT=crash_at,
+        CELERY_LEDGER_CRASH_ONCE=str(tmp_path / "crash-once"),
+    )
     app = client_app(env)
     with processes(tmp_path, env) as procs:
         worker = procs.worker("w1", concurrency=1)
@@ -47,7 +51,10 @@ def test_crash_after_completed_row_replays_and_finishes_once(tmp_path, redis, pg
     value, _ = run_with_crash(tmp_path, redis, pg_url, crash_at, "tests_app.order", ("o1", 5))
     assert value == ORDER_RESULT
     assert effect_counts(pg_url, "o1") == {
-        ("o1", "reserve"): 1, ("o1", "charge"): 1, ("o1", "receipt"): 1}
+        ("o1", "reserve"): 1,
+        ("o1", "charge"): 1,
+        ("o1", "receipt"): 1,
+    }
     store = LedgerStore(pg_url)
     key = business_key("tests_app.order", order_id="o1")
     entry = store.get_entry(key)
@@ -58,8 +65,15 @@ def test_crash_after_completed_row_replays_and_finishes_once(tmp_path, redis, pg
 
 def test_crash_after_started_row_without_reconciler_blocks(tmp_path, redis, pg_url):
     """(a) killed between `started` and the body: may have executed, no reconciler -> blocked."""
-    exc, _ = run_with_crash(tmp_path, redis, pg_url, "step-started:charge", "tests_app.order",
-                            ("o1", 5), expect_failure=True)
+    exc, _ = run_with_crash(
+        tmp_path,
+        redis,
+        pg_url,
+        "step-started:charge",
+        "tests_app.order",
+        ("o1", 5),
+        expect_failure=True,
+    )
     assert type(exc).__name__ == "LedgerBlocked"
     key = business_key("tests_app.order", order_id="o1")
     store = LedgerStore(pg_url)
@@ -73,24 +87,41 @@ def test_crash_after_started_row_without_reconciler_blocks(tmp_path, redis, pg_u
 
 def test_crash_after_effect_before_checkpoint_is_never_rerun(tmp_path, redis, pg_url):
     """The effect happened, its `completed` row did not: the window DBOS re-executes."""
-    exc, _ = run_with_crash(tmp_path, redis, pg_url, "step-returned:charge", "tests_app.order",
-                            ("o1", 5), expect_failure=True)
+    exc, _ = run_with_crash(
+        tmp_path,
+        redis,
+        pg_url,
+        "step-returned:charge",
+        "tests_app.order",
+        ("o1", 5),
+        expect_failure=True,
+    )
     assert type(exc).__name__ == "LedgerBlocked"
     assert effect_counts(pg_url, "o1") == {("o1", "reserve"): 1, ("o1", "charge"): 1}
 
 
-@pytest.mark.parametrize("answer,crash_at,charges,status", [
-    # The crash comes after the provider call (the charge exists, its ref was recorded) ...
-    ("completed", "step-returned:charge", 1, EntryStatus.COMPLETED),
-    ("unknown", "step-returned:charge", 1, EntryStatus.BLOCKED),
-    ("raise", "step-returned:charge", 1, EntryStatus.BLOCKED),
-    # ... or before it (no charge exists): not_executed lets it run exactly once.
-    ("not_executed", "step-started:charge", 1, EntryStatus.COMPLETED),
-])
+@pytest.mark.parametrize(
+    "answer,crash_at,charges,status",
+    [
+        # The crash comes after the provider call (the charge exists, its ref was recorded) ...
+        ("completed", "step-returned:charge", 1, EntryStatus.COMPLETED),
+        ("unknown", "step-returned:charge", 1, EntryStatus.BLOCKED),
+        ("raise", "step-returned:charge", 1, EntryStatus.BLOCKED),
+        # ... or before it (no charge exists): not_executed lets it run exactly once.
+        ("not_executed", "step-started:charge", 1, EntryStatus.COMPLETED),
+    ],
+)
 def test_reconciler_answers(tmp_path, redis, pg_url, answer, crash_at, charges, status):
     blocked = status is EntryStatus.BLOCKED
-    value, task_id = run_with_crash(tmp_path, redis, pg_url, crash_at, "tests_app.reconciled",
-                                    ("r1", answer), expect_failure=blocked)
+    value, task_id = run_with_crash(
+        tmp_path,
+        redis,
+        pg_url,
+        crash_at,
+        "tests_app.reconciled",
+        ("r1", answer),
+        expect_failure=blocked,
+    )
     key = key_of("tests_app.reconciled", task_id)
     store = LedgerStore(pg_url)
     entry = store.get_entry(key)
@@ -118,8 +149,9 @@ def test_retry_after_completed_effect_does_not_repeat_it(tmp_path, redis, pg_url
 
 
 def test_loop_records_occurrences_and_replays_them(tmp_path, redis, pg_url):
-    value, task_id = run_with_crash(tmp_path, redis, pg_url, "step-completed:tick",
-                                    "tests_app.loop", ("lp1",))
+    value, task_id = run_with_crash(
+        tmp_path, redis, pg_url, "step-completed:tick", "tests_app.loop", ("lp1",)
+    )
     assert value == ["tick:lp1"] * 3
     store = LedgerStore(pg_url)
     rows = store.load_steps(key_of("tests_app.loop", task_id))
@@ -143,14 +175,16 @@ def test_loop_without_crash_records_three_occurrences(tmp_path, redis, pg_url):
 def test_keyed_step_reruns_with_the_same_provider_key(tmp_path, redis, pg_url):
     """keyed: an ambiguous step re-runs, sending the provider the same idempotency key, so the
     provider (not the ledger) makes the second call a no-op."""
-    value, task_id = run_with_crash(tmp_path, redis, pg_url, "step-returned:charge",
-                                    "tests_app.keyed_charge", ("k1",))
+    value, task_id = run_with_crash(
+        tmp_path, redis, pg_url, "step-returned:charge", "tests_app.keyed_charge", ("k1",)
+    )
     calls = effect_counts(pg_url, "k1")
     assert len(calls) == 1, calls  # one distinct provider key ...
     ((_, sent),) = calls.keys()
     assert calls[("k1", sent)] == 2  # ... sent twice: the crash hid the first call's success
     assert value == sent + ":k1"
     store = LedgerStore(pg_url)
-    assert store.get_entry(key_of("tests_app.keyed_charge", task_id)).status is \
-        EntryStatus.COMPLETED
+    assert (
+        store.get_entry(key_of("tests_app.keyed_charge", task_id)).status is EntryStatus.COMPLETED
+    )
     assert store.stats().duplicate_executions == 0  # keyed re-runs are not duplicates

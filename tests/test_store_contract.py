@@ -51,12 +51,27 @@ RACE_THREADS = 16
 RACE_PROCESSES = 4
 
 
-def request(key: str = "key-1", *, owner: Owner = OWNER, args_hash: str = "args-1",
-            lease: float = LEASE_LONG, max_interruptions: int = 5, task_id: str = "tid-1",
-            snapshot: str | None = '{"args":[1],"kwargs":{}}') -> ClaimRequest:
-    return ClaimRequest(key=key, task_name="shop.charge", task_id=task_id, args_hash=args_hash,
-                        snapshot=snapshot, side_effect="non_idempotent", owner=owner,
-                        lease_seconds=lease, max_interruptions=max_interruptions)
+def request(
+    key: str = "key-1",
+    *,
+    owner: Owner = OWNER,
+    args_hash: str = "args-1",
+    lease: float = LEASE_LONG,
+    max_interruptions: int = 5,
+    task_id: str = "tid-1",
+    snapshot: str | None = '{"args":[1],"kwargs":{}}',
+) -> ClaimRequest:
+    return ClaimRequest(
+        key=key,
+        task_name="shop.charge",
+        task_id=task_id,
+        args_hash=args_hash,
+        snapshot=snapshot,
+        side_effect="non_idempotent",
+        owner=owner,
+        lease_seconds=lease,
+        max_interruptions=max_interruptions,
+    )
 
 
 def wait_lease_expired(store: LedgerStore, key: str, timeout: float = 5.0) -> None:
@@ -128,8 +143,12 @@ def test_live_lease_waits(store: LedgerStore) -> None:
     # The same worker process seeing a redelivery of its own running task waits too.
     assert store.claim(request(task_id="tid-3")).gate is Gate.WAIT
     entry = store.get_entry("key-1")
-    assert (entry.fence, entry.owner, entry.task_id, entry.executions) == (1, OWNER.node,
-                                                                            "tid-1", 1)
+    assert (entry.fence, entry.owner, entry.task_id, entry.executions) == (
+        1,
+        OWNER.node,
+        "tid-1",
+        1,
+    )
     assert events_of(store, "key-1")[1:] == [("waited", 1, OTHER.node), ("waited", 1, OWNER.node)]
 
 
@@ -168,7 +187,8 @@ def test_retrying_reruns_with_fence_plus_one_and_replay(store: LedgerStore) -> N
     assert (claim.gate, claim.fence, claim.found) == (Gate.RUN, 2, EntryStatus.RETRYING)
     assert claim.executions == 1
     assert [(s.name, s.status, s.output, s.fence) for s in claim.steps] == [
-        ("charge", StepStatus.COMPLETED, "7", 1)]
+        ("charge", StepStatus.COMPLETED, "7", 1)
+    ]
     entry = store.get_entry("key-1")
     assert (entry.status, entry.fence, entry.owner) == (EntryStatus.RUNNING, 2, OTHER.node)
     assert (entry.executions, entry.interruptions) == (2, 0)
@@ -183,11 +203,14 @@ def test_expired_lease_is_taken_over_and_counted(store: LedgerStore) -> None:
     claim = store.claim(request(owner=OTHER, task_id="tid-2"))
     assert (claim.gate, claim.fence, claim.found) == (Gate.TAKEOVER, 2, EntryStatus.RUNNING)
     assert claim.executions == 1
-    assert [(s.name, s.status, s.fence) for s in claim.steps] == [
-        ("charge", StepStatus.STARTED, 1)]
+    assert [(s.name, s.status, s.fence) for s in claim.steps] == [("charge", StepStatus.STARTED, 1)]
     entry = store.get_entry("key-1")
     assert (entry.status, entry.fence, entry.owner, entry.task_id) == (
-        EntryStatus.RUNNING, 2, OTHER.node, "tid-2")
+        EntryStatus.RUNNING,
+        2,
+        OTHER.node,
+        "tid-2",
+    )
     assert (entry.executions, entry.interruptions) == (2, 1)
     assert entry.lease_until is not None and entry.lease_until > store.now()
     assert last_event(store, "key-1") == ("takeover", 2, OTHER.node)
@@ -246,8 +269,7 @@ def test_resume_owner_is_taken_over_at_once(store: LedgerStore) -> None:
     assert (entry.status, entry.owner) == (EntryStatus.RUNNING, RESUME_OWNER)
     assert entry.lease_until is not None and entry.lease_until > store.now()
     claim = store.claim(request(owner=OTHER))
-    assert (claim.gate, claim.fence, claim.found) == (Gate.TAKEOVER, fence + 2,
-                                                       EntryStatus.RUNNING)
+    assert (claim.gate, claim.fence, claim.found) == (Gate.TAKEOVER, fence + 2, EntryStatus.RUNNING)
     entry = store.get_entry("key-1")
     assert (entry.owner, entry.interruptions) == (OTHER.node, 1)
 
@@ -289,10 +311,13 @@ def test_superseded_fence_writes_nothing(store: LedgerStore) -> None:
     events_before = store.entry_events("key-1")
 
     assert store.renew_lease("key-1", 1, LEASE_LONG * 10) is False
-    assert store.write_step("key-1", 1, ("other", "ih", 0), seq=2,
-                            status=StepStatus.STARTED) is False
-    assert store.write_step("key-1", 1, STEP, seq=1, status=StepStatus.COMPLETED,
-                            output="stale") is False
+    assert (
+        store.write_step("key-1", 1, ("other", "ih", 0), seq=2, status=StepStatus.STARTED) is False
+    )
+    assert (
+        store.write_step("key-1", 1, STEP, seq=1, status=StepStatus.COMPLETED, output="stale")
+        is False
+    )
     assert store.record_external_ref("key-1", 1, STEP, "ch_stale") is False
     assert store.settle("key-1", 1, EntryStatus.COMPLETED, result="stale") is False
 
@@ -350,7 +375,12 @@ def test_step_started_then_completed(store: LedgerStore) -> None:
     assert store.write_step("key-1", 1, STEP, seq=1, status=StepStatus.STARTED)
     row = step_row(store, "key-1")
     assert (row.status, row.fence, row.seq, row.output, row.completed_at) == (
-        StepStatus.STARTED, 1, 1, None, None)
+        StepStatus.STARTED,
+        1,
+        1,
+        None,
+        None,
+    )
     assert row.ident == STEP and row.started_at is not None
     assert store.record_external_ref("key-1", 1, STEP, "ch_123")
     assert store.write_step("key-1", 1, STEP, seq=1, status=StepStatus.COMPLETED, output='"ok"')
@@ -372,29 +402,41 @@ def test_completed_step_is_never_overwritten(store: LedgerStore) -> None:
     assert store.write_step("key-1", 1, STEP, seq=1, status=StepStatus.COMPLETED, output="1")
     before = step_row(store, "key-1")
     # A second write onto a completed row changes nothing (and reports that nothing changed).
-    assert store.write_step("key-1", 1, STEP, seq=1, status=StepStatus.COMPLETED,
-                            output="2") is False
+    assert (
+        store.write_step("key-1", 1, STEP, seq=1, status=StepStatus.COMPLETED, output="2") is False
+    )
     assert store.write_step("key-1", 1, STEP, seq=1, status=StepStatus.STARTED) is False
     assert store.write_step("key-1", 1, STEP, seq=1, status=StepStatus.NOT_EXECUTED) is False
     assert step_row(store, "key-1") == before
     # ... and neither does a later attempt.
     assert store.settle("key-1", 1, EntryStatus.RETRYING)
     assert store.claim(request()).fence == 2
-    assert store.write_step("key-1", 2, STEP, seq=1, status=StepStatus.COMPLETED,
-                            output="3") is False
+    assert (
+        store.write_step("key-1", 2, STEP, seq=1, status=StepStatus.COMPLETED, output="3") is False
+    )
     assert step_row(store, "key-1") == before
 
 
 def test_occurrences_are_separate_rows_in_execution_order(store: LedgerStore) -> None:
     store.claim(request())
     for occurrence, seq in ((0, 1), (1, 3)):
-        assert store.write_step("key-1", 1, ("poll", "ih", occurrence), seq=seq,
-                                status=StepStatus.COMPLETED, output=str(occurrence))
-    assert store.write_step("key-1", 1, ("notify", "ih2", 0), seq=2,
-                            status=StepStatus.COMPLETED, output="n")
+        assert store.write_step(
+            "key-1",
+            1,
+            ("poll", "ih", occurrence),
+            seq=seq,
+            status=StepStatus.COMPLETED,
+            output=str(occurrence),
+        )
+    assert store.write_step(
+        "key-1", 1, ("notify", "ih2", 0), seq=2, status=StepStatus.COMPLETED, output="n"
+    )
     rows = store.load_steps("key-1")
     assert [(r.name, r.occurrence, r.seq, r.output) for r in rows] == [
-        ("poll", 0, 1, "0"), ("notify", 0, 2, "n"), ("poll", 1, 3, "1")]
+        ("poll", 0, 1, "0"),
+        ("notify", 0, 2, "n"),
+        ("poll", 1, 3, "1"),
+    ]
 
 
 def test_released_step_rerun_is_authorized_not_duplicate(store: LedgerStore) -> None:
@@ -412,8 +454,9 @@ def test_released_step_rerun_is_authorized_not_duplicate(store: LedgerStore) -> 
     assert store.write_step("key-1", claim.fence, STEP, seq=1, status=StepStatus.STARTED)
     row = step_row(store, "key-1")
     assert (row.status, row.attempts, row.authorized) == (StepStatus.STARTED, 2, 1)
-    assert store.write_step("key-1", claim.fence, STEP, seq=1, status=StepStatus.COMPLETED,
-                            output="1")
+    assert store.write_step(
+        "key-1", claim.fence, STEP, seq=1, status=StepStatus.COMPLETED, output="1"
+    )
     row = step_row(store, "key-1")
     assert (row.status, row.attempts, row.authorized) == (StepStatus.COMPLETED, 2, 1)
     stats = store.stats()
@@ -427,13 +470,20 @@ def test_reconciled_not_executed_rerun_in_same_attempt_is_counted(store: LedgerS
     run_and_expire(store)
     assert store.write_step("key-1", 1, STEP, seq=1, status=StepStatus.STARTED)
     claim = store.claim(request(owner=OTHER))
-    assert store.write_step("key-1", claim.fence, STEP, seq=1, status=StepStatus.NOT_EXECUTED,
-                            error="reconciler: no charge found")
+    assert store.write_step(
+        "key-1",
+        claim.fence,
+        STEP,
+        seq=1,
+        status=StepStatus.NOT_EXECUTED,
+        error="reconciler: no charge found",
+    )
     row = step_row(store, "key-1")
     assert (row.status, row.attempts, row.authorized) == (StepStatus.NOT_EXECUTED, 1, 1)
     assert store.write_step("key-1", claim.fence, STEP, seq=1, status=StepStatus.STARTED)
-    assert store.write_step("key-1", claim.fence, STEP, seq=1, status=StepStatus.COMPLETED,
-                            output="1")
+    assert store.write_step(
+        "key-1", claim.fence, STEP, seq=1, status=StepStatus.COMPLETED, output="1"
+    )
     row = step_row(store, "key-1")
     assert (row.status, row.attempts, row.authorized) == (StepStatus.COMPLETED, 2, 1)
     assert store.stats().duplicate_executions == 0
@@ -445,8 +495,9 @@ def test_reconciled_completed_is_not_an_execution(store: LedgerStore) -> None:
     run_and_expire(store)
     assert store.write_step("key-1", 1, STEP, seq=1, status=StepStatus.STARTED)
     claim = store.claim(request(owner=OTHER))
-    assert store.write_step("key-1", claim.fence, STEP, seq=1, status=StepStatus.COMPLETED,
-                            output='"found"')
+    assert store.write_step(
+        "key-1", claim.fence, STEP, seq=1, status=StepStatus.COMPLETED, output='"found"'
+    )
     row = step_row(store, "key-1")
     assert (row.status, row.fence, row.attempts) == (StepStatus.COMPLETED, claim.fence, 1)
     assert store.stats().duplicate_executions == 0
@@ -486,8 +537,7 @@ def test_interrupt_expired_bumps_fence_and_is_bounded(store: LedgerStore) -> Non
         assert (item.fence, item.interruptions, item.has_snapshot) == (2, 1, True)
         assert (item.task_name, item.task_id) == ("shop.charge", "tid-1")
         entry = store.get_entry(item.key)
-        assert (entry.status, entry.fence, entry.lease_until) == (EntryStatus.INTERRUPTED, 2,
-                                                                  None)
+        assert (entry.status, entry.fence, entry.lease_until) == (EntryStatus.INTERRUPTED, 2, None)
         assert entry.reason == "lease expired"
         assert last_event(store, item.key) == ("interrupted", 2, "beat-1")
     assert store.get_entry("k-live").status is EntryStatus.RUNNING
@@ -509,8 +559,11 @@ def test_interrupt_previous_boot(store: LedgerStore) -> None:
     assert all(i.fence == 2 for i in marked)
     assert last_event(store, "k-old-1") == ("interrupted", 2, new.node)
     assert store.get_entry("k-old-1").reason == f"previous boot of {new.node}"
-    for key, status in (("k-new", EntryStatus.RUNNING), ("k-other-node", EntryStatus.RUNNING),
-                        ("k-old-done", EntryStatus.COMPLETED)):
+    for key, status in (
+        ("k-new", EntryStatus.RUNNING),
+        ("k-other-node", EntryStatus.RUNNING),
+        ("k-old-done", EntryStatus.COMPLETED),
+    ):
         assert store.get_entry(key).status is status
     assert store.interrupt_previous_boot(new.node, new.boot) == []
 
@@ -526,28 +579,45 @@ def test_interrupt_previous_boot_is_bounded(store: LedgerStore) -> None:
 def test_interrupt_owner_fast_path(store: LedgerStore) -> None:
     store.claim(request())
     why = "WorkerLostError: pool process 101 exited with signal 9"
-    assert store.interrupt_owner("key-1", node=OWNER.node, boot=OWNER.boot, pid=999,
-                                 actor="parent", why=why) is None
-    assert store.interrupt_owner("key-1", node=OWNER.node, boot="boot-x", pid=OWNER.pid,
-                                 actor="parent", why=why) is None
+    assert (
+        store.interrupt_owner(
+            "key-1", node=OWNER.node, boot=OWNER.boot, pid=999, actor="parent", why=why
+        )
+        is None
+    )
+    assert (
+        store.interrupt_owner(
+            "key-1", node=OWNER.node, boot="boot-x", pid=OWNER.pid, actor="parent", why=why
+        )
+        is None
+    )
     assert store.get_entry("key-1").status is EntryStatus.RUNNING
-    got = store.interrupt_owner("key-1", node=OWNER.node, boot=OWNER.boot, pid=OWNER.pid,
-                                actor="parent", why=why)
+    got = store.interrupt_owner(
+        "key-1", node=OWNER.node, boot=OWNER.boot, pid=OWNER.pid, actor="parent", why=why
+    )
     assert got is not None and (got.key, got.fence, got.interruptions) == ("key-1", 2, 1)
     entry = store.get_entry("key-1")
     assert (entry.status, entry.reason) == (EntryStatus.INTERRUPTED, why)
     assert last_event(store, "key-1") == ("interrupted", 2, "parent")
     # Already interrupted: a second report changes nothing.
-    assert store.interrupt_owner("key-1", node=OWNER.node, boot=OWNER.boot, pid=None,
-                                 actor="parent", why=why) is None
+    assert (
+        store.interrupt_owner(
+            "key-1", node=OWNER.node, boot=OWNER.boot, pid=None, actor="parent", why=why
+        )
+        is None
+    )
     assert store.get_entry("key-1").fence == 2
 
 
 def test_interrupt_owner_after_settle_is_a_no_op(store: LedgerStore) -> None:
     store.claim(request())
     store.settle("key-1", 1, EntryStatus.COMPLETED, result="1")
-    assert store.interrupt_owner("key-1", node=OWNER.node, boot=OWNER.boot, pid=None,
-                                 actor="parent", why="lost") is None
+    assert (
+        store.interrupt_owner(
+            "key-1", node=OWNER.node, boot=OWNER.boot, pid=None, actor="parent", why="lost"
+        )
+        is None
+    )
     assert store.get_entry("key-1").status is EntryStatus.COMPLETED
 
 
@@ -556,12 +626,18 @@ def test_list_interrupted_oldest_first(store: LedgerStore) -> None:
     store.claim(request("k-2", snapshot=None))
     store.claim(request("k-3"))
     for key in ("k-2", "k-1"):
-        assert store.interrupt_owner(key, node=OWNER.node, boot=OWNER.boot, pid=None,
-                                     actor="t", why="lost") is not None
+        assert (
+            store.interrupt_owner(
+                key, node=OWNER.node, boot=OWNER.boot, pid=None, actor="t", why="lost"
+            )
+            is not None
+        )
         time.sleep(0.01)  # distinct updated_at on the database clock
     listed = store.list_interrupted()
-    assert [(i.key, i.fence, i.has_snapshot) for i in listed] == [("k-2", 2, False),
-                                                                  ("k-1", 2, True)]
+    assert [(i.key, i.fence, i.has_snapshot) for i in listed] == [
+        ("k-2", 2, False),
+        ("k-1", 2, True),
+    ]
     assert [i.key for i in store.list_interrupted(limit=1)] == ["k-2"]
 
 
@@ -573,9 +649,15 @@ def test_begin_resume_is_a_compare_and_set(store: LedgerStore) -> None:
     assert store.begin_resume("key-1", fence, lease_seconds=LEASE_LONG, actor="beat-2") is None
     entry = store.get_entry("key-1")
     assert (entry.status, entry.fence, entry.owner, entry.owner_boot, entry.owner_pid) == (
-        EntryStatus.RUNNING, fence + 1, RESUME_OWNER, None, None)
+        EntryStatus.RUNNING,
+        fence + 1,
+        RESUME_OWNER,
+        None,
+        None,
+    )
     assert [e for e in events_of(store, "key-1") if e[0] == "resuming"] == [
-        ("resuming", fence + 1, "beat-1")]
+        ("resuming", fence + 1, "beat-1")
+    ]
     assert store.list_interrupted() == []
 
 
@@ -593,7 +675,10 @@ def test_block_is_fenced(store: LedgerStore) -> None:
     assert store.block("key-1", fence, "step charge may have executed", actor="sweep")
     entry = store.get_entry("key-1")
     assert (entry.status, entry.fence, entry.reason) == (
-        EntryStatus.BLOCKED, fence + 1, "step charge may have executed")
+        EntryStatus.BLOCKED,
+        fence + 1,
+        "step charge may have executed",
+    )
     assert last_event(store, "key-1") == ("blocked", fence + 1, "sweep")
     assert store.block("key-1", fence, "again", actor="sweep") is False
     assert store.claim(request()).gate is Gate.BLOCK
@@ -646,21 +731,41 @@ def test_release_completed_stores_the_result(store: LedgerStore) -> None:
     store.claim(request())
     assert store.write_step("key-1", 1, STEP, seq=1, status=StepStatus.STARTED)
     assert store.settle("key-1", 1, EntryStatus.BLOCKED, reason="ambiguous")
-    rel = store.release("key-1", Verdict.COMPLETED, by="alice", reason="charge ch_1 in dashboard",
-                        result='{"charged":true}')
+    rel = store.release(
+        "key-1",
+        Verdict.COMPLETED,
+        by="alice",
+        reason="charge ch_1 in dashboard",
+        result='{"charged":true}',
+    )
     assert (rel.verified, rel.from_status, rel.to_status, rel.fence) == (
-        Verdict.COMPLETED, EntryStatus.BLOCKED, EntryStatus.COMPLETED, 2)
+        Verdict.COMPLETED,
+        EntryStatus.BLOCKED,
+        EntryStatus.COMPLETED,
+        2,
+    )
     assert (rel.task_name, rel.task_id) == ("shop.charge", "tid-1")
     entry = store.get_entry("key-1")
     assert (entry.status, entry.fence, entry.result, entry.reason) == (
-        EntryStatus.COMPLETED, 2, '{"charged":true}', None)
+        EntryStatus.COMPLETED,
+        2,
+        '{"charged":true}',
+        None,
+    )
     assert (entry.released_by, entry.released_reason, entry.released_from) == (
-        "alice", "charge ch_1 in dashboard", "blocked")
+        "alice",
+        "charge ch_1 in dashboard",
+        "blocked",
+    )
     assert entry.released_at is not None and entry.settled_at is not None
     assert step_row(store, "key-1").status is StepStatus.COMPLETED
     event = store.entry_events("key-1")[-1]
-    assert (event.event, event.fence, event.actor, event.status) == ("released", 2, "alice",
-                                                                     "completed")
+    assert (event.event, event.fence, event.actor, event.status) == (
+        "released",
+        2,
+        "alice",
+        "completed",
+    )
     assert event.detail is not None and "charge ch_1 in dashboard" in event.detail
     claim = store.claim(request(owner=OTHER))
     assert (claim.gate, claim.result) == (Gate.RETURN, '{"charged":true}')
@@ -668,21 +773,31 @@ def test_release_completed_stores_the_result(store: LedgerStore) -> None:
 
 def test_release_not_executed_marks_ambiguous_steps(store: LedgerStore) -> None:
     run_and_expire(store)
-    assert store.write_step("key-1", 1, ("lookup", "ih", 0), seq=1,
-                            status=StepStatus.COMPLETED, output="1")
+    assert store.write_step(
+        "key-1", 1, ("lookup", "ih", 0), seq=1, status=StepStatus.COMPLETED, output="1"
+    )
     assert store.write_step("key-1", 1, STEP, seq=2, status=StepStatus.STARTED)
     fence = store.interrupt_expired()[0].fence
     rel = store.release("key-1", Verdict.NOT_EXECUTED, by="bob", reason="no charge at provider")
-    assert (rel.to_status, rel.fence, rel.steps_released) == (EntryStatus.INTERRUPTED,
-                                                              fence + 1, ("charge",))
+    assert (rel.to_status, rel.fence, rel.steps_released) == (
+        EntryStatus.INTERRUPTED,
+        fence + 1,
+        ("charge",),
+    )
     assert rel.snapshot == '{"args":[1],"kwargs":{}}'
     entry = store.get_entry("key-1")
-    assert (entry.status, entry.fence, entry.interruptions) == (EntryStatus.INTERRUPTED,
-                                                                fence + 1, 0)
+    assert (entry.status, entry.fence, entry.interruptions) == (
+        EntryStatus.INTERRUPTED,
+        fence + 1,
+        0,
+    )
     assert (entry.released_by, entry.released_from) == ("bob", "interrupted")
     charge = step_row(store, "key-1", "charge")
-    assert (charge.status, charge.authorized, charge.fence) == (StepStatus.NOT_EXECUTED, 1,
-                                                                fence + 1)
+    assert (charge.status, charge.authorized, charge.fence) == (
+        StepStatus.NOT_EXECUTED,
+        1,
+        fence + 1,
+    )
     lookup = step_row(store, "key-1", "lookup")
     assert (lookup.status, lookup.output, lookup.fence) == (StepStatus.COMPLETED, "1", 1)
     # Released work is recoverable: it is listed for resume.
@@ -696,7 +811,8 @@ def test_release_not_executed_without_steps_releases_the_body(store: LedgerStore
     assert rel.steps_released == (BODY_STEP,)
     rows = store.load_steps("key-1")
     assert [(r.name, r.status, r.authorized, r.fence) for r in rows] == [
-        (BODY_STEP, StepStatus.NOT_EXECUTED, 1, rel.fence)]
+        (BODY_STEP, StepStatus.NOT_EXECUTED, 1, rel.fence)
+    ]
     assert store.stats().duplicate_executions == 0
 
 
@@ -707,11 +823,13 @@ def test_release_is_one_shot(store: LedgerStore) -> None:
     with pytest.raises(ReleaseRefused, match="released"):
         store.release("key-1", Verdict.NOT_EXECUTED, by="ops-2", reason="checked too")
     with pytest.raises(ReleaseRefused, match="released"):
-        store.release("key-1", Verdict.COMPLETED, by="ops-2", reason="changed my mind",
-                      result="1")
+        store.release("key-1", Verdict.COMPLETED, by="ops-2", reason="changed my mind", result="1")
     entry = store.get_entry("key-1")
-    assert (entry.fence, entry.released_by, entry.status) == (first.fence, "ops-1",
-                                                              EntryStatus.INTERRUPTED)
+    assert (entry.fence, entry.released_by, entry.status) == (
+        first.fence,
+        "ops-1",
+        EntryStatus.INTERRUPTED,
+    )
     assert [e[0] for e in events_of(store, "key-1")].count("released") == 1
     assert step_row(store, "key-1", BODY_STEP).authorized == 1
     # Once the released entry ran again and got stuck again, a new release is allowed.
@@ -756,8 +874,9 @@ def test_list_entries_filters(store: LedgerStore) -> None:
     store.claim(request("k-expired", lease=LEASE_SHORT))
     store.claim(request("k-int", lease=LEASE_SHORT))
     wait_lease_expired(store, "k-int")
-    assert store.interrupt_owner("k-int", node=OWNER.node, boot=OWNER.boot, pid=None,
-                                 actor="t", why="lost")
+    assert store.interrupt_owner(
+        "k-int", node=OWNER.node, boot=OWNER.boot, pid=None, actor="t", why="lost"
+    )
     store.claim(request("k-blocked"))
     store.settle("k-blocked", 1, EntryStatus.BLOCKED, reason="r")
     store.claim(request("k-done"))
@@ -784,8 +903,14 @@ def test_stats(store: LedgerStore) -> None:
     store.settle("k-done", 1, EntryStatus.COMPLETED, result="1")
     wait_lease_expired(store, "k-expired")
     stats = store.stats()
-    assert stats.by_status == {"running": 2, "completed": 1, "failed": 0, "retrying": 0,
-                               "interrupted": 1, "blocked": 0}
+    assert stats.by_status == {
+        "running": 2,
+        "completed": 1,
+        "failed": 0,
+        "retrying": 0,
+        "interrupted": 1,
+        "blocked": 0,
+    }
     assert stats.by_task_status[("shop.charge", "running")] == 2
     assert stats.expired_running == 1
     assert stats.interruptions == 1
@@ -829,8 +954,12 @@ def test_threads_racing_claim_get_exactly_one_run(store: LedgerStore) -> None:
     store.now()  # open the engine and the schema before the race
     for rnd in range(RACE_ROUNDS):
         key = f"race-{rnd}"
-        claims: list[Claim] = _race(RACE_THREADS, lambda i, key=key: store.claim(
-            request(key, owner=Owner(f"w{i}@host", "boot", 1000 + i), task_id=f"tid-{i}")))
+        claims: list[Claim] = _race(
+            RACE_THREADS,
+            lambda i, key=key: store.claim(
+                request(key, owner=Owner(f"w{i}@host", "boot", 1000 + i), task_id=f"tid-{i}")
+            ),
+        )
         gates = Counter(c.gate for c in claims)
         assert gates == {Gate.RUN: 1, Gate.WAIT: RACE_THREADS - 1}, (rnd, gates)
         assert all(c.fence == 1 for c in claims)
@@ -847,11 +976,16 @@ def test_threads_racing_begin_resume_get_exactly_one_fence(store: LedgerStore) -
         key = f"resume-{rnd}"
         store.claim(request(key, lease=LEASE_SHORT))
         wait_lease_expired(store, key)
-        got = store.interrupt_owner(key, node=OWNER.node, boot=OWNER.boot, pid=None,
-                                    actor="t", why="lost")
+        got = store.interrupt_owner(
+            key, node=OWNER.node, boot=OWNER.boot, pid=None, actor="t", why="lost"
+        )
         assert got is not None
-        fences = _race(2, lambda i, key=key, fence=got.fence: store.begin_resume(
-            key, fence, lease_seconds=LEASE_LONG, actor=f"beat-{i}"))
+        fences = _race(
+            2,
+            lambda i, key=key, fence=got.fence: store.begin_resume(
+                key, fence, lease_seconds=LEASE_LONG, actor=f"beat-{i}"
+            ),
+        )
         assert sorted(fences, key=lambda f: f is None) == [got.fence + 1, None], (rnd, fences)
         assert store.get_entry(key).fence == got.fence + 1
         assert [e[0] for e in events_of(store, key)].count("resuming") == 1
@@ -864,8 +998,11 @@ def _claim_in_process(url: str, keys: list[str], who: int, barrier: Any, results
         store.now()  # engine + schema check before the first barrier
         for key in keys:
             barrier.wait(timeout=60)
-            claim = store.claim(request(key, owner=Owner(f"proc-{who}@host", "boot",
-                                                         os.getpid()), task_id=f"tid-{who}"))
+            claim = store.claim(
+                request(
+                    key, owner=Owner(f"proc-{who}@host", "boot", os.getpid()), task_id=f"tid-{who}"
+                )
+            )
             results.put((key, who, claim.gate.value, claim.fence))
     except BaseException as exc:  # reported to the parent, then re-raised
         results.put(("error", who, repr(exc), 0))
@@ -880,9 +1017,12 @@ def test_processes_racing_claim_get_exactly_one_run(store: LedgerStore, ledger_u
     keys = [f"proc-race-{rnd}" for rnd in range(RACE_ROUNDS)]
     barrier = ctx.Barrier(RACE_PROCESSES)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_claim_in_process, args=(ledger_url, keys, who, barrier,
-                                                          results), daemon=True)
-             for who in range(RACE_PROCESSES)]
+    procs = [
+        ctx.Process(
+            target=_claim_in_process, args=(ledger_url, keys, who, barrier, results), daemon=True
+        )
+        for who in range(RACE_PROCESSES)
+    ]
     got: list[tuple[str, int, str, int]] = []
     try:
         for p in procs:
@@ -951,15 +1091,19 @@ def test_prune_skips_an_entry_being_released(pg_url: str) -> None:
         done: list[int] = []
         with store.engine.connect() as releaser:
             # What release() does first: lock the entry row.
-            releaser.execute(text("SELECT key FROM ledger_entries WHERE key = 'key-1' "
-                                  "FOR UPDATE"))
-            pruner = threading.Thread(target=lambda: done.append(store.prune_settled(0.1)),
-                                      daemon=True)
+            releaser.execute(text("SELECT key FROM ledger_entries WHERE key = 'key-1' FOR UPDATE"))
+            pruner = threading.Thread(
+                target=lambda: done.append(store.prune_settled(0.1)), daemon=True
+            )
             pruner.start()
             pruner.join(timeout=2)  # a correct prune skips the locked row at once
             # ... then un-settle it, as release(not_executed) does, and commit.
-            releaser.execute(text("UPDATE ledger_entries SET status = 'interrupted', "
-                                  "settled_at = NULL WHERE key = 'key-1'"))
+            releaser.execute(
+                text(
+                    "UPDATE ledger_entries SET status = 'interrupted', "
+                    "settled_at = NULL WHERE key = 'key-1'"
+                )
+            )
             releaser.commit()
         pruner.join(timeout=30)
         assert not pruner.is_alive()

@@ -25,16 +25,49 @@ TASKS = 100
 def verify(*args: str, timeout: float = 170) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_")}
     proc = subprocess.run(
-        [str(BIN / "celery-ledger"), "verify", "--tasks", str(TASKS), "--duration", "40",
-         "--seed", "1234", "--json", *args],
-        capture_output=True, text=True, timeout=timeout, env=env, check=False)
+        [
+            str(BIN / "celery-ledger"),
+            "verify",
+            "--tasks",
+            str(TASKS),
+            "--duration",
+            "40",
+            "--seed",
+            "1234",
+            "--json",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
     report = json.loads(proc.stdout)
     # What happened, for the test log: the plain run's numbers and anything parked.
-    print(json.dumps({k: {f: r[f] for f in ("completed", "lost", "never_claimed", "failed",
-                                            "blocked", "duplicate_effects", "charged_twice",
-                                            "resumed", "seconds")}
-                      for k, r in report["runs"].items()}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: {
+                    f: r[f]
+                    for f in (
+                        "completed",
+                        "lost",
+                        "never_claimed",
+                        "failed",
+                        "blocked",
+                        "duplicate_effects",
+                        "charged_twice",
+                        "resumed",
+                        "seconds",
+                    )
+                }
+                for k, r in report["runs"].items()
+            },
+            indent=1,
+        )
+    )
     print(report["chaos"]["counts"], report["chaos"]["skipped"])
     return report
 
@@ -92,7 +125,8 @@ def test_verify_on_postgresql_and_redis(redis, pg_url):
     try:
         with engine.connect() as conn:
             assert conn.execute(text("SELECT COUNT(*) FROM ledger_entries")).scalar_one() == 0
-            assert not [t for t in inspect(conn).get_table_names()
-                        if t.startswith("celery_ledger_demo_")]
+            assert not [
+                t for t in inspect(conn).get_table_names() if t.startswith("celery_ledger_demo_")
+            ]
     finally:
         engine.dispose()

@@ -14,9 +14,17 @@ from test_delivery import client_app
 
 
 def _modules_after(code: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-c", code + "\nimport sys\n"
-                          "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"],
-                         capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code + "\nimport sys\nprint(' '.join(sorted({m.split('.')[0] for m in sys.modules})))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return set(out.stdout.split())
 
 
@@ -29,8 +37,13 @@ def test_celery_command_line_does_not_load_the_ledger() -> None:
 
 
 def test_celery_ledger_subcommand_still_lists_every_command() -> None:
-    out = subprocess.run([sys.executable, "-m", "celery", "ledger", "--help"],
-                         capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "celery", "ledger", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     for command in ("list", "show", "release", "resume", "sweep", "stats", "doctor", "verify"):
         assert f"  {command} " in out.stdout, out.stdout
 
@@ -44,13 +57,18 @@ def test_package_exports_load_on_first_use() -> None:
 
 @pytest.mark.processes
 @pytest.mark.parametrize("setting, frozen", [("1", True), ("0", False)])
-def test_pool_processes_are_forked_with_the_gc_frozen(tmp_path: Path, redis: str, setting: str,
-                                                      frozen: bool) -> None:
+def test_pool_processes_are_forked_with_the_gc_frozen(
+    tmp_path: Path, redis: str, setting: str, frozen: bool
+) -> None:
     """A real prefork worker on Redis (Celery signals before-fork from its event-loop pool
     only): its pool process reports the frozen generation it inherited, and none when
     ``ledger_freeze_gc_before_fork`` is off."""
-    env = test_env(tmp_path, broker=redis, ledger_url=f"sqlite:///{tmp_path / 'ledger.db'}",
-                   CELERY_LEDGER_FREEZE_GC_BEFORE_FORK=setting)
+    env = test_env(
+        tmp_path,
+        broker=redis,
+        ledger_url=f"sqlite:///{tmp_path / 'ledger.db'}",
+        CELERY_LEDGER_FREEZE_GC_BEFORE_FORK=setting,
+    )
     app = client_app(env)
     with processes(tmp_path, env) as procs:
         procs.worker("w1", concurrency=1)

@@ -31,7 +31,8 @@ if os.environ.get("TEST_VISIBILITY_TIMEOUT"):
 
 meta = MetaData()
 effects = Table(
-    "test_effects", meta,
+    "test_effects",
+    meta,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("tag", String(128), nullable=False),
     Column("effect", String(64), nullable=False),
@@ -56,8 +57,7 @@ def effects_engine() -> Any:
 
 def effect(tag: str, name: str) -> str:
     with effects_engine().begin() as conn:
-        conn.execute(insert(effects).values(tag=tag, effect=name, pid=os.getpid(),
-                                            at=time.time()))
+        conn.execute(insert(effects).values(tag=tag, effect=name, pid=os.getpid(), at=time.time()))
     return f"{name}:{tag}"
 
 
@@ -81,8 +81,9 @@ def order(self: LedgerTask, order_id: str, amount: int, pause: float = 0.0) -> d
 def _answer(step: Any) -> Reconciled:
     answer = step.kwargs.get("answer") or (step.args[1] if len(step.args) > 1 else "unknown")
     if answer == "completed":
-        return Reconciled.completed(f"charge:{step.kwargs.get('order_id', step.args[0])}",
-                                    note="provider says charged")
+        return Reconciled.completed(
+            f"charge:{step.kwargs.get('order_id', step.args[0])}", note="provider says charged"
+        )
     if answer == "not_executed":
         return Reconciled.not_executed("provider has no such charge")
     if answer == "raise":
@@ -95,6 +96,7 @@ def reconciled(self: LedgerTask, order_id: str, answer: str) -> list[str]:
     def charge() -> str:
         self.record_external_ref(f"ch_{order_id}")
         return effect(order_id, "charge")
+
     return [self.step("charge", charge), self.step("receipt", effect, order_id, "receipt")]
 
 

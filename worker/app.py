@@ -31,20 +31,32 @@ SWEEP_TASK = "celery_ledger.sweep"
 BEAT_ENTRY = "celery-ledger-sweep"
 
 
-def create_app(main: str = "celery_ledger", *, data_dir: str | os.PathLike[str] | None = None,
-               broker_url: str | None = None, result_backend: str | None = None,
-               ledger_url: str | None = None, **conf: Any) -> Celery:
+def create_app(
+    main: str = "celery_ledger",
+    *,
+    data_dir: str | os.PathLike[str] | None = None,
+    broker_url: str | None = None,
+    result_backend: str | None = None,
+    ledger_url: str | None = None,
+    **conf: Any,
+) -> Celery:
     """A ledger-aware Celery app; defaults to the embedded, server-less setup."""
     env = os.environ
     data = Path(data_dir or env.get("CELERY_LEDGER_DATA_DIR", DEFAULT_DATA_DIR)).resolve()
     broker = broker_url or env.get("CELERY_BROKER_URL") or "filesystem://"
-    backend = (result_backend or env.get("CELERY_RESULT_BACKEND")
-               or f"db+sqlite:///{data / 'results.sqlite3'}")
+    backend = (
+        result_backend
+        or env.get("CELERY_RESULT_BACKEND")
+        or f"db+sqlite:///{data / 'results.sqlite3'}"
+    )
     app = Celery(main, broker=broker, backend=backend)
     app.conf.update(
-        ledger_url=ledger_url or env.get("CELERY_LEDGER_URL")
+        ledger_url=ledger_url
+        or env.get("CELERY_LEDGER_URL")
         or f"sqlite:///{data / 'ledger.sqlite3'}",
-        task_serializer="json", result_serializer="json", accept_content=["json"],
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
         # One message at a time per pool process: a prefetched message is one a crash can
         # strand, and one Redis may redeliver while it waits (celery #4400).
         worker_prefetch_multiplier=1,
@@ -56,8 +68,10 @@ def create_app(main: str = "celery_ledger", *, data_dir: str | os.PathLike[str] 
         queue_dir.mkdir(parents=True, exist_ok=True)
         (data / "broker-processed").mkdir(parents=True, exist_ok=True)
         app.conf.broker_transport_options = {
-            "data_folder_in": str(queue_dir), "data_folder_out": str(queue_dir),
-            "processed_folder": str(data / "broker-processed"), "store_processed": False,
+            "data_folder_in": str(queue_dir),
+            "data_folder_out": str(queue_dir),
+            "processed_folder": str(data / "broker-processed"),
+            "store_processed": False,
             # Fanout/control exchanges; kombu's default is ./control in the current directory.
             "control_folder": str(data / "broker-control"),
         }
@@ -85,8 +99,11 @@ def install(app: Celery) -> Celery:
         interval = runtime.settings_for(sender).sweep_interval
         sender.conf.beat_schedule = {
             **(sender.conf.beat_schedule or {}),
-            BEAT_ENTRY: {"task": SWEEP_TASK, "schedule": interval,
-                         "options": {"expires": interval}},
+            BEAT_ENTRY: {
+                "task": SWEEP_TASK,
+                "schedule": interval,
+                "options": {"expires": interval},
+            },
         }
 
     return app
@@ -94,9 +111,15 @@ def install(app: Celery) -> Celery:
 
 def sweep_now(app: Celery, *, actor: str = "sweep") -> SweepReport:
     settings = runtime.settings_for(app)
-    return run_sweep(runtime.store_for(app), app, lease_seconds=settings.lease_seconds,
-                     max_resumes=settings.max_resumes, retention_days=settings.retention_days,
-                     batch=settings.sweep_batch, actor=actor)
+    return run_sweep(
+        runtime.store_for(app),
+        app,
+        lease_seconds=settings.lease_seconds,
+        max_resumes=settings.max_resumes,
+        retention_days=settings.retention_days,
+        batch=settings.sweep_batch,
+        actor=actor,
+    )
 
 
 _connected = False
@@ -134,8 +157,9 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
             # imported once and shared copy-on-write by every pool process.
             runtime.store_for(sender.app).ensure_ready()
         except LedgerError as exc:
-            log.error("ledger not reachable at worker start (%s); tasks are redelivered until "
-                      "it is", exc)
+            log.error(
+                "ledger not reachable at worker start (%s); tasks are redelivered until it is", exc
+            )
 
 
 #: Set by ``_on_worker_init`` when this process is a worker of a ledger app whose settings ask
@@ -171,11 +195,21 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
         return
     settings = runtime.settings_for(app)
     try:
-        boot_sweep(runtime.store_for(app), app, node=sender.hostname, boot=runtime.boot_id(),
-                   lease_seconds=settings.lease_seconds, max_resumes=settings.max_resumes)
+        boot_sweep(
+            runtime.store_for(app),
+            app,
+            node=sender.hostname,
+            boot=runtime.boot_id(),
+            lease_seconds=settings.lease_seconds,
+            max_resumes=settings.max_resumes,
+        )
     except LedgerError as exc:
-        log.error("boot sweep of %s failed (%s); the beat sweep will find its entries once "
-                  "their leases expire", sender.hostname, exc)
+        log.error(
+            "boot sweep of %s failed (%s); the beat sweep will find its entries once "
+            "their leases expire",
+            sender.hostname,
+            exc,
+        )
 
 
 def _on_beat_init(sender: Any = None, **_: Any) -> None:

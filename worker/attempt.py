@@ -49,9 +49,18 @@ current_attempt: ContextVar[Attempt | None] = ContextVar("ledger_attempt", defau
 class Attempt:
     """State of one run of a body under one fence."""
 
-    def __init__(self, task: LedgerTask, store: LedgerStore, settings: LedgerSettings, *,
-                 key: str, fence: int, task_id: str, lease_seconds: float,
-                 replay: tuple[StepRecord, ...] = ()) -> None:
+    def __init__(
+        self,
+        task: LedgerTask,
+        store: LedgerStore,
+        settings: LedgerSettings,
+        *,
+        key: str,
+        fence: int,
+        task_id: str,
+        lease_seconds: float,
+        replay: tuple[StepRecord, ...] = (),
+    ) -> None:
         self.task = task
         self.store = store
         self.settings = settings
@@ -75,8 +84,13 @@ class Attempt:
 
     def mark_superseded(self, why: str) -> None:
         if self.superseded is None:
-            log.warning("attempt superseded key=%s task_id=%s fence=%s: %s",
-                        self.key, self.task_id, self.fence, why)
+            log.warning(
+                "attempt superseded key=%s task_id=%s fence=%s: %s",
+                self.key,
+                self.task_id,
+                self.fence,
+                why,
+            )
         self.superseded = why
 
     def _check_fence(self) -> None:
@@ -96,9 +110,16 @@ class Attempt:
 
     # -- the step runner ------------------------------------------------------------------
 
-    def step(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
-             kwargs: dict[str, Any], *, effect: bool | None = None,
-             not_executed_on: tuple[type[BaseException], ...] = ()) -> Any:
+    def step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        effect: bool | None = None,
+        not_executed_on: tuple[type[BaseException], ...] = (),
+    ) -> Any:
         """Run ``fn`` as the named step, or return its stored output if it completed before.
 
         Raises:
@@ -107,14 +128,21 @@ class Attempt:
         """
         self._check_fence()
         if self.current is not None:
-            raise RuntimeError(f"step {name!r} started inside step {self.current[0]!r}; "
-                               "steps do not nest")
+            raise RuntimeError(
+                f"step {name!r} started inside step {self.current[0]!r}; steps do not nest"
+            )
         ident = self.next_ident(name, [list(args), kwargs])
         row = self.replay.get(ident)
         if row is not None and row.status is StepStatus.COMPLETED:
             self.replayed += 1
-            log.debug("step replayed key=%s task_id=%s fence=%s step=%s#%s",
-                      self.key, self.task_id, self.fence, name, ident[2])
+            log.debug(
+                "step replayed key=%s task_id=%s fence=%s step=%s#%s",
+                self.key,
+                self.task_id,
+                self.fence,
+                name,
+                ident[2],
+            )
             return decode(row.output)
         writes_intent = self.side_effect.writes_intent if effect is None else effect
         self._seq += 1
@@ -127,8 +155,10 @@ class Attempt:
             output = fn(*args, **kwargs)
         except not_executed_on as exc:
             if writes_intent:
-                self._fenced(self._write(ident, seq, StepStatus.NOT_EXECUTED, error=repr(exc)),
-                             f"step {name} not-executed")
+                self._fenced(
+                    self._write(ident, seq, StepStatus.NOT_EXECUTED, error=repr(exc)),
+                    f"step {name} not-executed",
+                )
             raise
         except BaseException:
             if writes_intent:
@@ -138,8 +168,9 @@ class Attempt:
             self.current = None
         crash_point(self.settings, f"step-returned:{name}")
         try:
-            encoded = encode(output, limit=self.settings.max_result_bytes,
-                             what=f"output of step {name!r}")
+            encoded = encode(
+                output, limit=self.settings.max_result_bytes, what=f"output of step {name!r}"
+            )
         except PayloadError:
             if writes_intent:
                 self.ambiguous = ident
@@ -154,8 +185,15 @@ class Attempt:
         # Return what replay would return, so the first run and a resume agree exactly.
         return decode(encoded)
 
-    def _write(self, ident: tuple[str, str, int], seq: int, status: StepStatus, *,
-               output: str | None = None, error: str | None = None) -> bool:
+    def _write(
+        self,
+        ident: tuple[str, str, int],
+        seq: int,
+        status: StepStatus,
+        *,
+        output: str | None = None,
+        error: str | None = None,
+    ) -> bool:
         """Write a replay row, retrying an unreachable ledger for ``ledger_settle_retry_seconds``.
 
         A short outage must not turn into a failed task: the row is an upsert, so writing it
@@ -166,13 +204,20 @@ class Attempt:
         delay = 0.1
         while True:
             try:
-                return self.store.write_step(self.key, self.fence, ident, seq=seq,
-                                             status=status, output=output, error=error)
+                return self.store.write_step(
+                    self.key, self.fence, ident, seq=seq, status=status, output=output, error=error
+                )
             except LedgerUnavailable as exc:
                 if time.monotonic() + delay > deadline:
                     raise
-                log.warning("step %s write of key=%s task_id=%s fence=%s failed (%s); retrying",
-                            ident[0], self.key, self.task_id, self.fence, exc)
+                log.warning(
+                    "step %s write of key=%s task_id=%s fence=%s failed (%s); retrying",
+                    ident[0],
+                    self.key,
+                    self.task_id,
+                    self.fence,
+                    exc,
+                )
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
@@ -181,8 +226,10 @@ class Attempt:
         if self.current is None:
             raise RuntimeError("record_external_ref() is only meaningful inside a step")
         self._check_fence()
-        self._fenced(self.store.record_external_ref(self.key, self.fence, self.current, ref),
-                     "record_external_ref")
+        self._fenced(
+            self.store.record_external_ref(self.key, self.fence, self.current, ref),
+            "record_external_ref",
+        )
         crash_point(self.settings, f"step-ref:{self.current[0]}")
 
     @property
@@ -200,4 +247,5 @@ def input_hash_of(args: Any) -> str:
         return input_hash(args)
     except ValueError:
         import hashlib
+
         return hashlib.sha256(canonical_arguments(args).encode()).hexdigest()

@@ -45,9 +45,11 @@ class LedgerContext:
         if self._app is None:
             if self._app_name:
                 from celery.bin.celery import find_app
+
                 self._app = find_app(self._app_name)
             else:
                 from worker.app import create_app
+
                 self._app = create_app()
         return self._app
 
@@ -56,12 +58,14 @@ class LedgerContext:
         if self._url:
             return self._url
         from worker.runtime import settings_for
+
         return settings_for(self.app).url
 
     @property
     def store(self) -> Any:
         if self._store is None:
             from ledger import LedgerStore
+
             self._store = LedgerStore(self.url, migrate=False)
         return self._store
 

@@ -84,10 +84,13 @@ class DemoRun:
         if self.stage == "worker":
             in_flight = snap.with_effect("reserve") - snap.with_effect("receipt")
             if (waited > 0.5 and len(in_flight) >= self.work.concurrency) or (
-                    waited > CRASH_WAIT_SECONDS / 2 and in_flight):
+                waited > CRASH_WAIT_SECONDS / 2 and in_flight
+            ):
                 self.worker.kill()
-                crashes.append(f"SIGKILL whole worker (pid {self.worker.pid} and its pool) "
-                               f"with {len(in_flight)} order(s) in flight; restarted")
+                crashes.append(
+                    f"SIGKILL whole worker (pid {self.worker.pid} and its pool) "
+                    f"with {len(in_flight)} order(s) in flight; restarted"
+                )
                 self.work.restart("w")
                 self._next("restart")
             elif waited > CRASH_WAIT_SECONDS:
@@ -98,8 +101,10 @@ class DemoRun:
                 self.work.mark_progress()
                 self._next("child")
             elif waited > READY_TIMEOUT:
-                raise click.ClickException(f"{self.worker.name} not ready after "
-                                           f"{READY_TIMEOUT:.0f}s:\n{self.worker.log_text()[-2500:]}")
+                raise click.ClickException(
+                    f"{self.worker.name} not ready after "
+                    f"{READY_TIMEOUT:.0f}s:\n{self.worker.log_text()[-2500:]}"
+                )
         elif self.stage == "child":
             # The pool process of an order that charged the card and sent no receipt yet:
             # plain Celery forgets the order, or charges it again on redelivery.
@@ -108,14 +113,16 @@ class DemoRun:
             for order_id in sorted(charged):
                 pid = snap.orders[order_id].pids["charge"]
                 if pid in children and self.worker.kill_child(pid):
-                    crashes.append(f"SIGKILL pool process {pid} after {order_id} charged, "
-                                   "before its receipt")
+                    crashes.append(
+                        f"SIGKILL pool process {pid} after {order_id} charged, before its receipt"
+                    )
                     self._next("done")
                     break
             else:
                 if waited > CRASH_WAIT_SECONDS:
-                    crashes.append("pool-process kill skipped: no order was between charge "
-                                   "and receipt")
+                    crashes.append(
+                        "pool-process kill skipped: no order was between charge and receipt"
+                    )
                     self._next("done")
         return self.stage == "done"
 
@@ -138,8 +145,16 @@ class DemoReport:
     commands: list[str]
 
 
-def run_demo(*, orders: int, concurrency: int, gap: float, broker: str | None,
-             ledger: str | None, keep: bool, phases: Phases) -> DemoReport:
+def run_demo(
+    *,
+    orders: int,
+    concurrency: int,
+    gap: float,
+    broker: str | None,
+    ledger: str | None,
+    keep: bool,
+    phases: Phases,
+) -> DemoReport:
     """Run the three workloads side by side; always stop every process and clean up."""
     started = time.monotonic()
     box = Sandbox.create(prefix="celery-ledger-demo", broker=broker, ledger=ledger)
@@ -147,13 +162,25 @@ def run_demo(*, orders: int, concurrency: int, gap: float, broker: str | None,
     ledger_engine = make_engine(box.ledger_url)
     works: list[Workload] = []
     reports: dict[str, RunReport] = {}
-    settings = {"CELERY_LEDGER_LEASE_SECONDS": str(LEASE_SECONDS),
-                "CELERY_LEDGER_SWEEP_INTERVAL": str(SWEEP_INTERVAL)}
+    settings = {
+        "CELERY_LEDGER_LEASE_SECONDS": str(LEASE_SECONDS),
+        "CELERY_LEDGER_SWEEP_INTERVAL": str(SWEEP_INTERVAL),
+    }
     try:
         with Orchestra("worker.demo_app", box.data_dir / "logs") as orch:
             prepare(box)
-            works = [Workload(k, box, orch, orders=orders, concurrency=concurrency,
-                              env=settings, ledger_idle=LEDGER_IDLE_SECONDS) for k in KINDS]
+            works = [
+                Workload(
+                    k,
+                    box,
+                    orch,
+                    orders=orders,
+                    concurrency=concurrency,
+                    env=settings,
+                    ledger_idle=LEDGER_IDLE_SECONDS,
+                )
+                for k in KINDS
+            ]
             with phases.phase("enqueue"):
                 procs = [w.start_worker("w") for w in works]
                 procs += [w.start_beat() for w in works if w.kind.ledgered]
@@ -161,8 +188,9 @@ def run_demo(*, orders: int, concurrency: int, gap: float, broker: str | None,
                 orch.wait_ready(procs)
                 for w in works:
                     w.enqueue([gap] * orders)
-                phases.done(f"{len(works)} workers (+ beat for the ledger) up; {orders} orders "
-                            "sent to each")
+                phases.done(
+                    f"{len(works)} workers (+ beat for the ledger) up; {orders} orders sent to each"
+                )
             with phases.phase("crash"):
                 runs = [DemoRun(w) for w in works]
                 deadline = time.monotonic() + 2 * CRASH_WAIT_SECONDS + READY_TIMEOUT
@@ -172,27 +200,37 @@ def run_demo(*, orders: int, concurrency: int, gap: float, broker: str | None,
                     phases.update(" · ".join(f"{r.work.kind.id}: {r.stage}" for r in runs))
                     time.sleep(0.05)
                 kills = sum(1 for w in works for c in w.report.crashes if c.startswith("SIGKILL"))
-                phases.done(f"SIGKILLed {kills} times: each whole worker mid-flight (restarted),"
-                            " then a pool process right after its order charged the card")
+                phases.done(
+                    f"SIGKILLed {kills} times: each whole worker mid-flight (restarted),"
+                    " then a pool process right after its order charged the card"
+                )
             with phases.phase("recover"):
                 deadline = time.monotonic() + 60 + orders * gap
                 while time.monotonic() < deadline and not all(w.finished for w in works):
                     for w in works:
                         if not w.finished:
                             w.settle_tick(ledger_engine)
-                    phases.update(" · ".join(
-                        f"{w.kind.id} {w.completed()}/{orders}" + (" done" if w.finished else "")
-                        for w in works))
+                    phases.update(
+                        " · ".join(
+                            f"{w.kind.id} {w.completed()}/{orders}"
+                            + (" done" if w.finished else "")
+                            for w in works
+                        )
+                    )
                     time.sleep(0.2)
-                phases.done("plain Celery drained what it still had; the ledger's boot sweep "
-                            "and beat sweep resumed what was cut")
+                phases.done(
+                    "plain Celery drained what it still had; the ledger's boot sweep "
+                    "and beat sweep resumed what was cut"
+                )
             orch.stop_all()
             with phases.phase("verify"):
                 reports = {w.kind.id: w.tally(ledger_engine) for w in works}
                 led = reports["ledgered"]
-                phases.done(f"counted effects and ledger entries: the ledgered run lost "
-                            f"{led.lost + led.never_claimed}, duplicated "
-                            f"{led.duplicate_effects}")
+                phases.done(
+                    f"counted effects and ledger entries: the ledgered run lost "
+                    f"{led.lost + led.never_claimed}, duplicated "
+                    f"{led.duplicate_effects}"
+                )
     finally:
         order_ids = [o for w in works if w.kind.ledgered for o in w.order_ids]
         for w in works:
@@ -203,12 +241,22 @@ def run_demo(*, orders: int, concurrency: int, gap: float, broker: str | None,
             ledger_engine.dispose()
     led = reports["ledgered"]
     return DemoReport(
-        ok=(led.lost == 0 and led.never_claimed == 0 and led.duplicate_effects == 0
-            and led.charged_twice == 0),
-        orders=orders, concurrency=concurrency,
-        broker=safe_url(box.broker_url) or "filesystem://", ledger=safe_url(box.ledger_url),
-        data_dir=str(box.data_dir), kept=keep, seconds=round(time.monotonic() - started, 1),
-        runs=reports, commands=box.ledger_commands(led.resumed_keys[:1]) if keep else [])
+        ok=(
+            led.lost == 0
+            and led.never_claimed == 0
+            and led.duplicate_effects == 0
+            and led.charged_twice == 0
+        ),
+        orders=orders,
+        concurrency=concurrency,
+        broker=safe_url(box.broker_url) or "filesystem://",
+        ledger=safe_url(box.ledger_url),
+        data_dir=str(box.data_dir),
+        kept=keep,
+        seconds=round(time.monotonic() - started, 1),
+        runs=reports,
+        commands=box.ledger_commands(led.resumed_keys[:1]) if keep else [],
+    )
 
 
 def prepare(box: Sandbox) -> None:
@@ -254,19 +302,25 @@ def render(report: DemoReport) -> str:
         answers = ", ".join(f"{v} {n}" for v, n in sorted(led.reconciler.items()))
         lines.append(f"  ledgered   reconciler asked about an interrupted step: {answers}")
     for b in led.blocked_orders:
-        lines.append(f"  blocked    {b['order_id']}: step {', '.join(b['ambiguous_steps']) or '?'}"
-                     f" may have run: {b['reason']}")
+        lines.append(
+            f"  blocked    {b['order_id']}: step {', '.join(b['ambiguous_steps']) or '?'}"
+            f" may have run: {b['reason']}"
+        )
     lines.append("")
     if report.ok:
-        lines.append(click.style("OK", fg="green", bold=True)
-                     + f": the ledgered run lost nothing and duplicated nothing "
-                       f"({led.completed} completed, {led.blocked} parked for an operator).")
+        lines.append(
+            click.style("OK", fg="green", bold=True)
+            + f": the ledgered run lost nothing and duplicated nothing "
+            f"({led.completed} completed, {led.blocked} parked for an operator)."
+        )
     else:
         lost = led.lost_orders + led.never_claimed_orders
-        lines.append(click.style("FAIL", fg="red", bold=True)
-                     + f": the ledgered run lost {led.lost + led.never_claimed} "
-                       f"({led.never_claimed} never claimed) and duplicated "
-                       f"{led.duplicate_effects} effect(s); lost: {', '.join(lost)}")
+        lines.append(
+            click.style("FAIL", fg="red", bold=True)
+            + f": the ledgered run lost {led.lost + led.never_claimed} "
+            f"({led.never_claimed} never claimed) and duplicated "
+            f"{led.duplicate_effects} effect(s); lost: {', '.join(lost)}"
+        )
     lines.append(f"Took {report.seconds:.0f}s on {report.broker} with ledger {report.ledger}.")
     if report.kept:
         lines.append(f"Data kept in {report.data_dir}; look at the ledger with:")
@@ -275,33 +329,69 @@ def render(report: DemoReport) -> str:
 
 
 @click.command("demo")
-@click.option("--orders", type=click.IntRange(1, 1000), default=24, show_default=True,
-              help="Orders per run.")
+@click.option(
+    "--orders", type=click.IntRange(1, 1000), default=24, show_default=True, help="Orders per run."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
-@click.option("--keep", is_flag=True,
-              help="Keep the data directory (and ledger rows) for `celery-ledger list/show`.")
-@click.option("--broker", metavar="URL",
-              help="Broker URL (e.g. redis://127.0.0.1:6379/0); default: filesystem://.")
-@click.option("--ledger", "ledger_url", metavar="URL",
-              help="Ledger URL (e.g. postgresql://...); default: SQLite in the data directory.")
-@click.option("--concurrency", type=click.IntRange(1, 8), default=2, show_default=True,
-              help="Pool processes per worker.")
-@click.option("--gap", type=click.FloatRange(0.05, 5.0), default=0.25, show_default=True,
-              help="Seconds of work between an order's effects.")
-def demo(orders: int, as_json: bool, keep: bool, broker: str | None, ledger_url: str | None,
-         concurrency: int, gap: float) -> None:
+@click.option(
+    "--keep",
+    is_flag=True,
+    help="Keep the data directory (and ledger rows) for `celery-ledger list/show`.",
+)
+@click.option(
+    "--broker",
+    metavar="URL",
+    help="Broker URL (e.g. redis://127.0.0.1:6379/0); default: filesystem://.",
+)
+@click.option(
+    "--ledger",
+    "ledger_url",
+    metavar="URL",
+    help="Ledger URL (e.g. postgresql://...); default: SQLite in the data directory.",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 8),
+    default=2,
+    show_default=True,
+    help="Pool processes per worker.",
+)
+@click.option(
+    "--gap",
+    type=click.FloatRange(0.05, 5.0),
+    default=0.25,
+    show_default=True,
+    help="Seconds of work between an order's effects.",
+)
+def demo(
+    orders: int,
+    as_json: bool,
+    keep: bool,
+    broker: str | None,
+    ledger_url: str | None,
+    concurrency: int,
+    gap: float,
+) -> None:
     """Crash real workers under plain Celery and under the ledger; compare what survived."""
     phases = Phases(4, stream=sys.stderr if as_json else sys.stdout, quiet=False)
     if not as_json:
-        click.echo(f"celery-ledger demo: {orders} orders per run (quote, reserve, charge, "
-                   f"receipt), {concurrency} pool processes per worker, 3 runs side by side")
+        click.echo(
+            f"celery-ledger demo: {orders} orders per run (quote, reserve, charge, "
+            f"receipt), {concurrency} pool processes per worker, 3 runs side by side"
+        )
     try:
         with quiet_logging():
-            report = run_demo(orders=orders, concurrency=concurrency, gap=gap, broker=broker,
-                              ledger=ledger_url, keep=keep, phases=phases)
+            report = run_demo(
+                orders=orders,
+                concurrency=concurrency,
+                gap=gap,
+                broker=broker,
+                ledger=ledger_url,
+                keep=keep,
+                phases=phases,
+            )
     except SignalStop as stop:
-        click.echo(f"\ninterrupted ({stop}); every process the demo started is stopped",
-                   err=True)
+        click.echo(f"\ninterrupted ({stop}); every process the demo started is stopped", err=True)
         sys.exit(128 + stop.signum)
     except KeyboardInterrupt:
         click.echo("\ninterrupted; every process the demo started is stopped", err=True)

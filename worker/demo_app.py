@@ -95,7 +95,8 @@ def effect_tables(namespace: str) -> EffectTables:
         raise ValueError(f"namespace {namespace!r} must be alphanumeric, at most 40 chars")
     md = MetaData()
     effects = Table(
-        f"celery_ledger_demo_{namespace}_effects", md,
+        f"celery_ledger_demo_{namespace}_effects",
+        md,
         Column("id", Integer, primary_key=True, autoincrement=True),
         Column("run", String(64), nullable=False),
         Column("order_id", String(128), nullable=False),
@@ -104,7 +105,8 @@ def effect_tables(namespace: str) -> EffectTables:
         Column("at", Float, nullable=False),
     )
     answers = Table(
-        f"celery_ledger_demo_{namespace}_answers", md,
+        f"celery_ledger_demo_{namespace}_answers",
+        md,
         Column("id", Integer, primary_key=True, autoincrement=True),
         Column("order_id", String(128), nullable=False),
         Column("step", String(64), nullable=False),
@@ -152,20 +154,31 @@ class EffectsDb:
     def record(self, run: str, order_id: str, effect: str) -> str:
         """Perform one effect: append its row. Returns what the step returns."""
         with self.engine.begin() as conn:
-            conn.execute(insert(self.tables.effects).values(
-                run=run, order_id=order_id, effect=effect, pid=os.getpid(), at=time.time()))
+            conn.execute(
+                insert(self.tables.effects).values(
+                    run=run, order_id=order_id, effect=effect, pid=os.getpid(), at=time.time()
+                )
+            )
         return f"{effect}:{order_id}"
 
     def count(self, order_id: str, effect: str) -> int:
         t = self.tables.effects
         with reading(self.engine) as conn:
-            return int(conn.execute(select(func.count()).select_from(t).where(
-                t.c.order_id == order_id, t.c.effect == effect)).scalar_one())
+            return int(
+                conn.execute(
+                    select(func.count())
+                    .select_from(t)
+                    .where(t.c.order_id == order_id, t.c.effect == effect)
+                ).scalar_one()
+            )
 
     def note_answer(self, order_id: str, step: str, verdict: str) -> None:
         with self.engine.begin() as conn:
-            conn.execute(insert(self.tables.answers).values(
-                order_id=order_id, step=step, verdict=verdict, at=time.time()))
+            conn.execute(
+                insert(self.tables.answers).values(
+                    order_id=order_id, step=step, verdict=verdict, at=time.time()
+                )
+            )
 
 
 # -- the order, three ways ------------------------------------------------------------------
@@ -178,8 +191,9 @@ def quote(order_id: str, amount: int) -> dict[str, Any]:
     return {"order_id": order_id, "amount": amount, "currency": "EUR"}
 
 
-def run_order(step: StepRunner, db: EffectsDb, run: str, order_id: str, amount: int,
-              gap: float) -> dict[str, Any]:
+def run_order(
+    step: StepRunner, db: EffectsDb, run: str, order_id: str, amount: int, gap: float
+) -> dict[str, Any]:
     """The order's body, shared by the plain and the ledgered task.
 
     ``gap`` is work between the effects (talking to the warehouse, the bank): it is where a
@@ -191,12 +205,10 @@ def run_order(step: StepRunner, db: EffectsDb, run: str, order_id: str, amount: 
     charged = step("charge", db.record, run, order_id, "charge")
     time.sleep(gap)
     receipt = step("receipt", db.record, run, order_id, "receipt")
-    return {"order_id": order_id, "amount": price["amount"],
-            "steps": [reserved, charged, receipt]}
+    return {"order_id": order_id, "amount": price["amount"], "steps": [reserved, charged, receipt]}
 
 
-def _plain_step(name: str, fn: Callable[..., Any], *args: Any, effect: bool | None = None
-                ) -> Any:
+def _plain_step(name: str, fn: Callable[..., Any], *args: Any, effect: bool | None = None) -> Any:
     return fn(*args)
 
 
@@ -221,12 +233,14 @@ def make_reconciler(db: EffectsDb) -> Callable[[AmbiguousStep], Reconciled]:
         order_id = step.kwargs.get("order_id") or step.args[1]
         if step.step == BODY_STEP:
             db.note_answer(order_id, step.step, "not_executed")
-            return Reconciled.not_executed("every effect of an order is a fenced step, and "
-                                           "no step row exists")
+            return Reconciled.not_executed(
+                "every effect of an order is a fenced step, and no step row exists"
+            )
         if step.step in EFFECTS and db.count(order_id, step.step) >= 1:
             db.note_answer(order_id, step.step, "completed")
-            return Reconciled.completed(f"{step.step}:{order_id}",
-                                        note="the effect row is at the provider")
+            return Reconciled.completed(
+                f"{step.step}:{order_id}", note="the effect row is at the provider"
+            )
         db.note_answer(order_id, step.step, "unknown")
         return Reconciled.unknown("no effect row yet; a paused attempt may still write it")
 
@@ -254,9 +268,12 @@ class DemoConfig:
         """Raises: KeyError naming the variable the demo should have set."""
         vis = env.get(ENV_VISIBILITY)
         return cls(
-            data_dir=Path(env["CELERY_LEDGER_DATA_DIR"]), queue=env[ENV_QUEUE],
-            namespace=env[ENV_NAMESPACE], effects_url=env[ENV_EFFECTS_URL],
-            broker_url=env.get("CELERY_BROKER_URL"), ledger_url=env.get("CELERY_LEDGER_URL"),
+            data_dir=Path(env["CELERY_LEDGER_DATA_DIR"]),
+            queue=env[ENV_QUEUE],
+            namespace=env[ENV_NAMESPACE],
+            effects_url=env[ENV_EFFECTS_URL],
+            broker_url=env.get("CELERY_BROKER_URL"),
+            ledger_url=env.get("CELERY_LEDGER_URL"),
             result_backend=env.get("CELERY_RESULT_BACKEND"),
             visibility_timeout=float(vis) if vis else None,
         )
@@ -277,8 +294,13 @@ def build_app(env: Mapping[str, str] | None = None) -> Celery:
     from worker.app import create_app  # here: building the app is what needs Celery wiring
 
     cfg = DemoConfig.from_env(os.environ if env is None else env)
-    app = create_app("celery_ledger_demo", data_dir=cfg.data_dir, broker_url=cfg.broker_url,
-                     result_backend=cfg.result_backend, ledger_url=cfg.ledger_url)
+    app = create_app(
+        "celery_ledger_demo",
+        data_dir=cfg.data_dir,
+        broker_url=cfg.broker_url,
+        result_backend=cfg.result_backend,
+        ledger_url=cfg.ledger_url,
+    )
     app.conf.update(
         task_default_queue=cfg.queue,
         # The commands count effects and ledger rows; Celery results would only be clutter.
@@ -318,14 +340,19 @@ def register(app: Celery, db: EffectsDb) -> None:
         return run_order(_plain_step, db, run, order_id, amount, gap)
 
     @app.task(name=PLAIN_ACKS_LATE, acks_late=True, reject_on_worker_lost=True)
-    def plain_order_acks_late(run: str, order_id: str, amount: int, gap: float
-                              ) -> dict[str, Any]:
+    def plain_order_acks_late(run: str, order_id: str, amount: int, gap: float) -> dict[str, Any]:
         return run_order(_plain_step, db, run, order_id, amount, gap)
 
-    @app.task(base=LedgerTask, bind=True, name=LEDGERED, key_from=("order_id",),
-              reconciler=make_reconciler(db))
-    def ledgered_order(self: Any, run: str, order_id: str, amount: int, gap: float
-                       ) -> dict[str, Any]:
+    @app.task(
+        base=LedgerTask,
+        bind=True,
+        name=LEDGERED,
+        key_from=("order_id",),
+        reconciler=make_reconciler(db),
+    )
+    def ledgered_order(
+        self: Any, run: str, order_id: str, amount: int, gap: float
+    ) -> dict[str, Any]:
         result = run_order(self.step, db, run, order_id, amount, gap)
         result["replayed"] = self.ledger_attempt.replayed
         return result
@@ -379,8 +406,11 @@ class EffectsSnapshot:
 def effect_counts(db: EffectsDb, run: str) -> EffectsSnapshot:
     """One grouped query over the effects of ``run``."""
     t = db.tables.effects
-    q = (select(t.c.order_id, t.c.effect, func.count(), func.max(t.c.pid), func.max(t.c.at))
-         .where(t.c.run == run).group_by(t.c.order_id, t.c.effect))
+    q = (
+        select(t.c.order_id, t.c.effect, func.count(), func.max(t.c.pid), func.max(t.c.at))
+        .where(t.c.run == run)
+        .group_by(t.c.order_id, t.c.effect)
+    )
     orders: dict[str, OrderEffects] = {}
     rows, last = 0, None
     with reading(db.engine) as conn:
@@ -401,8 +431,10 @@ def reconciler_answers(db: EffectsDb) -> dict[str, int]:
     with reading(db.engine) as conn:
         if not conn.dialect.has_table(conn, t.name):
             return {}
-        return {v: int(n) for v, n in conn.execute(
-            select(t.c.verdict, func.count()).group_by(t.c.verdict))}
+        return {
+            v: int(n)
+            for v, n in conn.execute(select(t.c.verdict, func.count()).group_by(t.c.verdict))
+        }
 
 
 def ledger_key(order_id: str) -> str:
@@ -435,25 +467,41 @@ def ledger_outcomes(ledger_engine: Engine, order_ids: Iterable[str]) -> dict[str
     found: dict[str, LedgerOutcome] = {}
     with reading(ledger_engine) as conn:
         for i in range(0, len(keys), 500):
-            chunk = keys[i:i + 500]
+            chunk = keys[i : i + 500]
             started: dict[str, list[str]] = {}
             reruns: dict[str, int] = {}
-            for key, name, status, attempts, authorized in conn.execute(select(
-                    steps.c.key, steps.c.name, steps.c.status, steps.c.attempts,
-                    steps.c.authorized).where(steps.c.key.in_(chunk))):
+            for key, name, status, attempts, authorized in conn.execute(
+                select(
+                    steps.c.key, steps.c.name, steps.c.status, steps.c.attempts, steps.c.authorized
+                ).where(steps.c.key.in_(chunk))
+            ):
                 if status == StepStatus.STARTED.value:
                     started.setdefault(key, []).append(name)
                 if status != StepStatus.NOT_EXECUTED.value:
                     reruns[key] = reruns.get(key, 0) + max(0, attempts - 1 - authorized)
-            for row in conn.execute(select(
-                    entries.c.key, entries.c.status, entries.c.executions, entries.c.result,
-                    entries.c.reason, entries.c.error).where(entries.c.key.in_(chunk))):
+            for row in conn.execute(
+                select(
+                    entries.c.key,
+                    entries.c.status,
+                    entries.c.executions,
+                    entries.c.result,
+                    entries.c.reason,
+                    entries.c.error,
+                ).where(entries.c.key.in_(chunk))
+            ):
                 result = decode(row.result) if row.result else None
                 replayed = result.get("replayed", 0) if isinstance(result, dict) else 0
                 found[by_key[row.key]] = LedgerOutcome(
-                    by_key[row.key], row.key, EntryStatus(row.status), int(row.executions),
-                    int(replayed), row.reason, _error_line(row.error),
-                    tuple(started.get(row.key, ())), reruns.get(row.key, 0))
+                    by_key[row.key],
+                    row.key,
+                    EntryStatus(row.status),
+                    int(row.executions),
+                    int(replayed),
+                    row.reason,
+                    _error_line(row.error),
+                    tuple(started.get(row.key, ())),
+                    reruns.get(row.key, 0),
+                )
     return found
 
 
@@ -510,8 +558,14 @@ class RunReport:
     failed_orders: list[dict[str, Any]] = field(default_factory=list)
 
 
-def tally(report: RunReport, db: EffectsDb, run: str, order_ids: list[str],
-          ledger_engine: Engine | None, enqueued_at: float) -> RunReport:
+def tally(
+    report: RunReport,
+    db: EffectsDb,
+    run: str,
+    order_ids: list[str],
+    ledger_engine: Engine | None,
+    enqueued_at: float,
+) -> RunReport:
     """Fill ``report`` from the effects table (and the ledger, for a ledgered run)."""
     snap = effect_counts(db, run)
     wanted = set(order_ids)
@@ -532,10 +586,18 @@ def tally(report: RunReport, db: EffectsDb, run: str, order_ids: list[str],
         blocked = [outcomes[o] for o, s in status.items() if s is EntryStatus.BLOCKED]
         failed = [outcomes[o] for o, s in status.items() if s is EntryStatus.FAILED]
         r.blocked, r.failed = len(blocked), len(failed)
-        r.blocked_orders = [{"order_id": o.order_id, "key": o.key, "reason": o.reason,
-                             "ambiguous_steps": list(o.ambiguous_steps)} for o in blocked]
-        r.failed_orders = [{"order_id": o.order_id, "key": o.key, "error": o.error}
-                           for o in failed[:20]]
+        r.blocked_orders = [
+            {
+                "order_id": o.order_id,
+                "key": o.key,
+                "reason": o.reason,
+                "ambiguous_steps": list(o.ambiguous_steps),
+            }
+            for o in blocked
+        ]
+        r.failed_orders = [
+            {"order_id": o.order_id, "key": o.key, "error": o.error} for o in failed[:20]
+        ]
         r.steps_replayed = sum(o.replayed for o in outcomes.values())
         resumed = [o for o in outcomes.values() if o.executions > 1]
         r.resumed = len(resumed)
@@ -552,14 +614,13 @@ def tally(report: RunReport, db: EffectsDb, run: str, order_ids: list[str],
     return r
 
 
-def drop_namespace(ledger_engine: Engine | None, order_ids: Iterable[str],
-                   db: EffectsDb) -> None:
+def drop_namespace(ledger_engine: Engine | None, order_ids: Iterable[str], db: EffectsDb) -> None:
     """Remove what a run left: its ledger entries (with steps and events) and its tables."""
     if ledger_engine is not None:
         keys = [ledger_key(o) for o in order_ids]
         with ledger_engine.begin() as conn:
             for i in range(0, len(keys), 500):
-                chunk = keys[i:i + 500]
+                chunk = keys[i : i + 500]
                 conn.execute(delete(steps).where(steps.c.key.in_(chunk)))
                 conn.execute(delete(events).where(events.c.key.in_(chunk)))
                 conn.execute(delete(entries).where(entries.c.key.in_(chunk)))

@@ -17,7 +17,8 @@ from worker.task import LedgerTask
 
 effects_metadata = MetaData()
 effects = Table(
-    "example_effects", effects_metadata,
+    "example_effects",
+    effects_metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("order_id", String(64), nullable=False),
     Column("effect", String(32), nullable=False),
@@ -32,6 +33,7 @@ def effects_engine(url: str) -> Any:
     import os
 
     from ledger.engine import make_engine
+
     k = f"{os.getpid()}:{url}"
     if k not in _engines:
         engine = make_engine(url) if "sqlite" in url or "postgres" in url else create_engine(url)
@@ -49,14 +51,18 @@ def record_effect(url: str, order_id: str, effect: str) -> str:
 def register(app: Celery) -> None:
     from worker.runtime import settings_for
 
-    @app.task(base=LedgerTask, bind=True, name="celery_ledger.examples.place_order",
-              key_from=("order_id",))
-    def place_order(self: LedgerTask, order_id: str, amount: int, work_seconds: float = 0.0
-                    ) -> dict[str, Any]:
+    @app.task(
+        base=LedgerTask,
+        bind=True,
+        name="celery_ledger.examples.place_order",
+        key_from=("order_id",),
+    )
+    def place_order(
+        self: LedgerTask, order_id: str, amount: int, work_seconds: float = 0.0
+    ) -> dict[str, Any]:
         url = settings_for(self.app).url
         reservation = self.step("reserve", record_effect, url, order_id, "reserve")
         time.sleep(work_seconds)
         charge = self.step("charge", record_effect, url, order_id, "charge")
         receipt = self.step("receipt", record_effect, url, order_id, "receipt")
-        return {"order_id": order_id, "amount": amount,
-                "steps": [reservation, charge, receipt]}
+        return {"order_id": order_id, "amount": amount, "steps": [reservation, charge, receipt]}

@@ -28,4 +28,5 @@ install_in_flower(ttl=float(_os.environ.get("CELERY_LEDGER_METRICS_TTL", DEFAULT
 if not (_flower_options.basic_auth or _flower_options.auth or _flower_options.auth_provider):
     _logging.getLogger("worker.flowerconfig").warning(
         "Flower starts without authentication: anyone who reaches its port sees every task's "
-        "arguments and results; set FLOWER_BASIC_AUTH or --basic-auth")
+        "arguments and results; set FLOWER_BASIC_AUTH or --basic-auth"
+    )

@@ -37,8 +37,9 @@ class Heartbeat:
             self._attempts[id(attempt)] = (attempt, due)
             if self._pid != os.getpid() or self._thread is None or not self._thread.is_alive():
                 self._pid = os.getpid()
-                self._thread = threading.Thread(target=self._run, name="ledger-heartbeat",
-                                                daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="ledger-heartbeat", daemon=True
+                )
                 self._thread.start()
             # Waking the thread for every task would cost a context switch per task; most
             # attempts end long before their first renewal, which the sleeping thread meets.
@@ -74,8 +75,13 @@ class Heartbeat:
         except LedgerError as exc:
             # Keep trying: the lease may still outlive the outage. If it does not, the
             # sweep interrupts the entry and the fence stops this attempt's writes.
-            log.warning("heartbeat for key=%s task_id=%s fence=%s failed: %s",
-                        attempt.key, attempt.task_id, attempt.fence, exc)
+            log.warning(
+                "heartbeat for key=%s task_id=%s fence=%s failed: %s",
+                attempt.key,
+                attempt.task_id,
+                attempt.fence,
+                exc,
+            )
             next_due = time.monotonic() + min(1.0, attempt.lease_seconds / 6)
             ok = True
         if not ok:

@@ -43,8 +43,9 @@ ledger_apps: weakref.WeakSet[Celery] = weakref.WeakSet()
 
 #: Task id whose intent ``LedgerTask.apply_async`` recorded while it publishes, so the signal
 #: that the same publish sends does not record it again.
-_recorded: contextvars.ContextVar[str | None] = contextvars.ContextVar("ledger_intent",
-                                                                        default=None)
+_recorded: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "ledger_intent", default=None
+)
 
 
 def wanted(task: LedgerTask, headers: dict[str, Any] | None) -> bool:
@@ -55,22 +56,43 @@ def wanted(task: LedgerTask, headers: dict[str, Any] | None) -> bool:
     return not app.conf.task_always_eager and runtime.publish_intent_enabled(app)
 
 
-def record(task: LedgerTask, args: tuple[Any, ...], kwargs: dict[str, Any], task_id: str, *,
-           ledger_key: str | None, queue: str | None) -> None:
+def record(
+    task: LedgerTask,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    task_id: str,
+    *,
+    ledger_key: str | None,
+    queue: str | None,
+) -> None:
     """Record ``task``'s intent; never raises (an intent must not stop a publish: without one
     the task is still claimed, or redelivered, as usual)."""
     try:
         key, args_hash = task.ledger_key(args, kwargs, task_id, ledger_key)
-        snapshot = encode({"args": list(args), "kwargs": kwargs,
-                           "queue": queue or getattr(task, "queue", None),
-                           "ledger_key": ledger_key},
-                          limit=SNAPSHOT_LIMIT, what="argument snapshot")
+        snapshot = encode(
+            {
+                "args": list(args),
+                "kwargs": kwargs,
+                "queue": queue or getattr(task, "queue", None),
+                "ledger_key": ledger_key,
+            },
+            limit=SNAPSHOT_LIMIT,
+            what="argument snapshot",
+        )
         settings = runtime.settings_for(task.app)
-        runtime.store_for(task.app).record_intent(ClaimRequest(
-            key=key, task_name=task.name, task_id=task_id, args_hash=args_hash,
-            snapshot=snapshot, side_effect=task.side_effect, owner=runtime.owner_for(None),
-            lease_seconds=settings.publish_intent_seconds,
-            max_interruptions=settings.max_resumes))
+        runtime.store_for(task.app).record_intent(
+            ClaimRequest(
+                key=key,
+                task_name=task.name,
+                task_id=task_id,
+                args_hash=args_hash,
+                snapshot=snapshot,
+                side_effect=task.side_effect,
+                owner=runtime.owner_for(None),
+                lease_seconds=settings.publish_intent_seconds,
+                max_interruptions=settings.max_resumes,
+            )
+        )
     except Exception as exc:  # noqa: BLE001 - an intent must never stop a publish
         log.warning("no publish intent for %s[%s]: %s", task.name, task_id, exc)
 
@@ -90,9 +112,13 @@ class recorded_by_apply_async:  # noqa: N801 - reads as a with-statement clause
         _recorded.reset(self._token)
 
 
-def on_before_task_publish(sender: str | None = None, body: Any = None,
-                           headers: dict[str, Any] | None = None,
-                           routing_key: str | None = None, **_: Any) -> None:
+def on_before_task_publish(
+    sender: str | None = None,
+    body: Any = None,
+    headers: dict[str, Any] | None = None,
+    routing_key: str | None = None,
+    **_: Any,
+) -> None:
     """``before_task_publish``: the intent of a ledgered task sent by name."""
     headers = headers or {}
     task_id = headers.get("id")
@@ -104,8 +130,14 @@ def on_before_task_publish(sender: str | None = None, body: Any = None,
     task = _ledger_task(sender)
     if task is None or not wanted(task, headers):
         return
-    record(task, tuple(body[0] or ()), dict(body[1] or {}), task_id,
-           ledger_key=headers.get("ledger_key"), queue=routing_key)
+    record(
+        task,
+        tuple(body[0] or ()),
+        dict(body[1] or {}),
+        task_id,
+        ledger_key=headers.get("ledger_key"),
+        queue=routing_key,
+    )
 
 
 def _ledger_task(name: str) -> LedgerTask | None:

@@ -50,9 +50,13 @@ StoreFactory = Callable[[], OperatorQueries]
 class LedgerCollector:
     """A prometheus_client collector of ledger aggregates, cached for ``ttl`` seconds."""
 
-    def __init__(self, store: StoreFactory | OperatorQueries, *,
-                 ttl: float = DEFAULT_TTL_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        store: StoreFactory | OperatorQueries,
+        *,
+        ttl: float = DEFAULT_TTL_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._factory: StoreFactory | None = None
         self._store: OperatorQueries | None = None
         if isinstance(store, OperatorQueries):
@@ -110,42 +114,58 @@ class LedgerCollector:
         self._computed_at = now
 
 
-def _families(stats: LedgerStats | None, age: float, query_seconds: float, *,
-              failed: bool) -> Iterator[Metric]:
+def _families(
+    stats: LedgerStats | None, age: float, query_seconds: float, *, failed: bool
+) -> Iterator[Metric]:
     """The families; with samples when ``stats`` is given, only ``up`` 0 when ``failed``."""
-    up = GaugeMetricFamily(f"{PREFIX}_up", "1 if the last computation of the ledger "
-                           "aggregates succeeded, 0 if the ledger could not be read")
-    timing = GaugeMetricFamily(f"{PREFIX}_stats_query_seconds",
-                               "Time the last computation of the aggregates took")
-    cache_age = GaugeMetricFamily(f"{PREFIX}_stats_age_seconds",
-                                  "Age of the aggregates this scrape serves (cached)")
-    by_status = GaugeMetricFamily(f"{PREFIX}_entries", "Ledger entries by status",
-                                  labels=["status"])
-    by_task = GaugeMetricFamily(f"{PREFIX}_task_entries", "Ledger entries by task and status",
-                                labels=["task", "status"])
+    up = GaugeMetricFamily(
+        f"{PREFIX}_up",
+        "1 if the last computation of the ledger "
+        "aggregates succeeded, 0 if the ledger could not be read",
+    )
+    timing = GaugeMetricFamily(
+        f"{PREFIX}_stats_query_seconds", "Time the last computation of the aggregates took"
+    )
+    cache_age = GaugeMetricFamily(
+        f"{PREFIX}_stats_age_seconds", "Age of the aggregates this scrape serves (cached)"
+    )
+    by_status = GaugeMetricFamily(
+        f"{PREFIX}_entries", "Ledger entries by status", labels=["status"]
+    )
+    by_task = GaugeMetricFamily(
+        f"{PREFIX}_task_entries", "Ledger entries by task and status", labels=["task", "status"]
+    )
     expired = GaugeMetricFamily(
         f"{PREFIX}_expired_leases",
-        "Entries still running whose lease expired (the sweep will interrupt them)")
+        "Entries still running whose lease expired (the sweep will interrupt them)",
+    )
     blocked = GaugeMetricFamily(
-        f"{PREFIX}_blocked_entries", "Entries parked blocked until an operator releases them")
-    oldest = GaugeMetricFamily(f"{PREFIX}_oldest_running_age_seconds",
-                               "Seconds since the oldest running entry last changed state")
+        f"{PREFIX}_blocked_entries", "Entries parked blocked until an operator releases them"
+    )
+    oldest = GaugeMetricFamily(
+        f"{PREFIX}_oldest_running_age_seconds",
+        "Seconds since the oldest running entry last changed state",
+    )
     resumes = GaugeMetricFamily(
         f"{PREFIX}_unsettled_interruptions",
-        "Interruptions (each one a resume) recorded on entries not yet settled")
+        "Interruptions (each one a resume) recorded on entries not yet settled",
+    )
     duplicates = GaugeMetricFamily(
         f"{PREFIX}_duplicate_executions",
-        "Step executions beyond the first that no operator or reconciler authorized")
+        "Step executions beyond the first that no operator or reconciler authorized",
+    )
     rate = GaugeMetricFamily(
         f"{PREFIX}_duplicate_execution_ratio",
-        "duplicate_executions per ledger entry; the ledger's promise is 0")
+        "duplicate_executions per ledger entry; the ledger's promise is 0",
+    )
     if stats is not None:
         up.add_metric([], 1.0)
         timing.add_metric([], query_seconds)
         cache_age.add_metric([], age)
         for entry_status in EntryStatus:
-            by_status.add_metric([entry_status.value],
-                                 float(stats.by_status.get(entry_status.value, 0)))
+            by_status.add_metric(
+                [entry_status.value], float(stats.by_status.get(entry_status.value, 0))
+            )
         for (task, status), n in sorted(stats.by_task_status.items()):
             by_task.add_metric([task, status], float(n))
         expired.add_metric([], float(stats.expired_running))
@@ -157,8 +177,19 @@ def _families(stats: LedgerStats | None, age: float, query_seconds: float, *,
     elif failed:
         up.add_metric([], 0.0)
         timing.add_metric([], query_seconds)
-    yield from (up, timing, cache_age, by_status, by_task, expired, blocked, oldest, resumes,
-                duplicates, rate)
+    yield from (
+        up,
+        timing,
+        cache_age,
+        by_status,
+        by_task,
+        expired,
+        blocked,
+        oldest,
+        resumes,
+        duplicates,
+        rate,
+    )
 
 
 # -- Flower ------------------------------------------------------------------------------
@@ -166,8 +197,9 @@ def _families(stats: LedgerStats | None, age: float, query_seconds: float, *,
 _flower_collector: LedgerCollector | None = None
 
 
-def install_in_flower(app: Any = None, *, ttl: float = DEFAULT_TTL_SECONDS,
-                      registry: CollectorRegistry = REGISTRY) -> LedgerCollector:
+def install_in_flower(
+    app: Any = None, *, ttl: float = DEFAULT_TTL_SECONDS, registry: CollectorRegistry = REGISTRY
+) -> LedgerCollector:
     """Register the ledger collector into the registry Flower's ``/metrics`` renders.
 
     ``app`` defaults to the Celery app ``celery -A ... flower`` loaded. The ledger URL comes from
@@ -204,6 +236,7 @@ def _current_celery_app() -> Any:
 
 # -- standalone endpoint -----------------------------------------------------------------
 
+
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
 
@@ -217,18 +250,31 @@ def serve(collector: LedgerCollector, *, address: str, port: int) -> WSGIServer:
     """A threaded HTTP server for ``/metrics`` of a registry holding only ``collector``."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(collector)
-    return make_server(address, port, make_wsgi_app(registry), _Server,
-                       handler_class=_QuietHandler)
+    return make_server(address, port, make_wsgi_app(registry), _Server, handler_class=_QuietHandler)
 
 
 @click.command("metrics")
-@click.option("--port", type=int, default=DEFAULT_PORT, show_default=True,
-              help="Port to serve /metrics on (0: any free port).")
-@click.option("--address", default="127.0.0.1", show_default=True,
-              help="Address to bind (0.0.0.0 inside a container).")
-@click.option("--ttl", type=float, default=DEFAULT_TTL_SECONDS, show_default=True,
-              envvar="CELERY_LEDGER_METRICS_TTL",
-              help="Seconds one computation of the aggregates is served.")
+@click.option(
+    "--port",
+    type=int,
+    default=DEFAULT_PORT,
+    show_default=True,
+    help="Port to serve /metrics on (0: any free port).",
+)
+@click.option(
+    "--address",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to bind (0.0.0.0 inside a container).",
+)
+@click.option(
+    "--ttl",
+    type=float,
+    default=DEFAULT_TTL_SECONDS,
+    show_default=True,
+    envvar="CELERY_LEDGER_METRICS_TTL",
+    help="Seconds one computation of the aggregates is served.",
+)
 @click.option("--once", is_flag=True, help="Print the metrics once and exit.")
 @click.pass_obj
 def metrics_command(obj: Any, port: int, address: str, ttl: float, once: bool) -> None:
@@ -240,8 +286,10 @@ def metrics_command(obj: Any, port: int, address: str, ttl: float, once: bool) -
         click.echo(generate_latest(registry).decode(), nl=False)
         return
     server = serve(collector, address=address, port=port)
-    click.echo(f"celery-ledger metrics on http://{address}:{server.server_port}/metrics "
-               f"(ttl {ttl:g}s)", err=True)
+    click.echo(
+        f"celery-ledger metrics on http://{address}:{server.server_port}/metrics (ttl {ttl:g}s)",
+        err=True,
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:

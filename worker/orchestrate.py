@@ -71,8 +71,16 @@ def wait_until(predicate: Callable[[], Any], *, timeout: float, interval: float 
 class CeleryProcess:
     """One ``celery -A <app> ...`` process, started in a session of its own."""
 
-    def __init__(self, name: str, args: list[str], *, env: dict[str, str], log_path: Path,
-                 app: str, ready_marker: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        *,
+        env: dict[str, str],
+        log_path: Path,
+        app: str,
+        ready_marker: str,
+    ) -> None:
         self.name = name
         self.args = [sys.executable, "-m", "celery", "-A", app, *args]
         self.env = env
@@ -88,12 +96,19 @@ class CeleryProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_")}
         env.update(self.env)
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+            p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p
+        )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.args, cwd=self.log_path.parent, env=env,
-                                     stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.args,
+            cwd=self.log_path.parent,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.started_at = time.monotonic()
         log.debug("started %s pid=%s: %s", self.name, self.proc.pid, " ".join(self.args))
         return self
@@ -124,7 +139,8 @@ class CeleryProcess:
         if self.proc is not None and self.proc.poll() is not None:
             raise click.ClickException(
                 f"{self.name} exited with status {self.proc.returncode} before it was ready; "
-                f"last lines of {self.log_path}:\n{self.log_text()[-2500:]}")
+                f"last lines of {self.log_path}:\n{self.log_text()[-2500:]}"
+            )
         # Once seen, remembered: the log grows with every task and is not read again.
         self._ready = self.ready_marker in self.log_text()
         return self._ready
@@ -139,8 +155,13 @@ class CeleryProcess:
         except OSError:
             pass
         try:  # no /proc (macOS): pgrep knows
-            out = subprocess.run(["pgrep", "-P", str(self.pid)], capture_output=True,
-                                 text=True, timeout=5, check=False).stdout
+            out = subprocess.run(
+                ["pgrep", "-P", str(self.pid)],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                check=False,
+            ).stdout
         except (OSError, subprocess.TimeoutExpired):
             return []
         return [int(p) for p in out.split()]
@@ -211,22 +232,58 @@ class Orchestra:
         self._previous: dict[int, Any] = {}
         self._closed = False
 
-    def worker(self, name: str, *, env: dict[str, str], queue: str, node: str,
-               concurrency: int = 2, extra: Iterable[str] = ()) -> CeleryProcess:
+    def worker(
+        self,
+        name: str,
+        *,
+        env: dict[str, str],
+        queue: str,
+        node: str,
+        concurrency: int = 2,
+        extra: Iterable[str] = (),
+    ) -> CeleryProcess:
         """Start a prefork worker (not waiting for it to be ready)."""
-        args = ["worker", "-P", "prefork", "-c", str(concurrency), "-Q", queue, "-n", node,
-                "-l", "info", "--without-mingle", "--without-gossip", "--without-heartbeat",
-                *extra]
-        return self._start(CeleryProcess(name, args, env=env, app=self.app,
-                                         log_path=self.log_dir / f"{name}.log",
-                                         ready_marker=" ready."))
+        args = [
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            str(concurrency),
+            "-Q",
+            queue,
+            "-n",
+            node,
+            "-l",
+            "info",
+            "--without-mingle",
+            "--without-gossip",
+            "--without-heartbeat",
+            *extra,
+        ]
+        return self._start(
+            CeleryProcess(
+                name,
+                args,
+                env=env,
+                app=self.app,
+                log_path=self.log_dir / f"{name}.log",
+                ready_marker=" ready.",
+            )
+        )
 
     def beat(self, name: str, *, env: dict[str, str]) -> CeleryProcess:
         schedule = self.log_dir / f"{name}-schedule"
         args = ["beat", "-l", "info", "-s", str(schedule)]
-        return self._start(CeleryProcess(name, args, env=env, app=self.app,
-                                         log_path=self.log_dir / f"{name}.log",
-                                         ready_marker="beat: Starting"))
+        return self._start(
+            CeleryProcess(
+                name,
+                args,
+                env=env,
+                app=self.app,
+                log_path=self.log_dir / f"{name}.log",
+                ready_marker="beat: Starting",
+            )
+        )
 
     def _start(self, proc: CeleryProcess) -> CeleryProcess:
         if self._closed:
@@ -234,28 +291,31 @@ class Orchestra:
         self.started.append(proc)
         return proc.start()
 
-    def wait_ready(self, procs: Iterable[CeleryProcess], timeout: float = READY_TIMEOUT
-                   ) -> None:
+    def wait_ready(self, procs: Iterable[CeleryProcess], timeout: float = READY_TIMEOUT) -> None:
         """Wait until every process printed its ready line.
 
         Raises:
             click.ClickException: one exited, or they were not ready within ``timeout``.
         """
         pending = list(procs)
-        if wait_until(lambda: all(p.is_ready() for p in pending), timeout=timeout,
-                      interval=0.2) is None:
+        if (
+            wait_until(lambda: all(p.is_ready() for p in pending), timeout=timeout, interval=0.2)
+            is None
+        ):
             late = [p for p in pending if not p.is_ready()]
             raise click.ClickException(
                 f"{', '.join(p.name for p in late)} not ready after {timeout:.0f}s; last lines "
-                f"of {late[0].log_path}:\n{late[0].log_text()[-2500:]}")
+                f"of {late[0].log_path}:\n{late[0].log_text()[-2500:]}"
+            )
 
     def stop_all(self) -> None:
         """Stop every process started, newest first. Safe to call twice."""
         # A second Ctrl-C (or SIGTERM) must not abandon the cleanup half way.
         previous = {}
         if threading.current_thread() is threading.main_thread():
-            previous = {s: signal.signal(s, signal.SIG_IGN)
-                        for s in (signal.SIGINT, signal.SIGTERM)}
+            previous = {
+                s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)
+            }
         try:
             # All at once, then one shared deadline: stopping five workers one by one
             # would take five graceful timeouts.
@@ -309,8 +369,9 @@ class Sandbox:
     temporary: bool
 
     @classmethod
-    def create(cls, *, prefix: str, broker: str | None, ledger: str | None,
-               data_dir: Path | None = None) -> Sandbox:
+    def create(
+        cls, *, prefix: str, broker: str | None, ledger: str | None, data_dir: Path | None = None
+    ) -> Sandbox:
         """A fresh namespace, and a data directory (a new temporary one unless given).
 
         With no ``ledger`` the ledger and the effects tables are SQLite files in the data
@@ -369,8 +430,7 @@ class Sandbox:
                 assert self.broker_url is not None
                 client = redis.Redis.from_url(self.broker_url, socket_timeout=5)
                 try:
-                    return int(client.llen(demo_app.redis_keyprefix(self.namespace, queue)
-                                           + queue))
+                    return int(client.llen(demo_app.redis_keyprefix(self.namespace, queue) + queue))
                 finally:
                     client.close()
         except Exception as exc:  # noqa: BLE001 - a count for the report, nothing depends on it
@@ -379,15 +439,21 @@ class Sandbox:
 
     def describe(self) -> str:
         broker = "filesystem:// broker" if self.embedded else f"broker {safe_url(self.broker_url)}"
-        ledger = ("SQLite ledger" if self.ledger_url.startswith("sqlite")
-                  else f"ledger {safe_url(self.ledger_url)}")
+        ledger = (
+            "SQLite ledger"
+            if self.ledger_url.startswith("sqlite")
+            else f"ledger {safe_url(self.ledger_url)}"
+        )
         return f"{ledger}, {broker}"
 
     def ledger_commands(self, show: Iterable[str] = ()) -> list[str]:
         """How to look at the ledger this run used with the operator CLI."""
         url = safe_url(self.ledger_url)
-        return [f"celery-ledger --url '{url}' list", f"celery-ledger --url '{url}' stats",
-                *(f"celery-ledger --url '{url}' show {key}" for key in show)]
+        return [
+            f"celery-ledger --url '{url}' list",
+            f"celery-ledger --url '{url}' stats",
+            *(f"celery-ledger --url '{url}' show {key}" for key in show),
+        ]
 
     def remove(self, keep: bool, order_ids: Iterable[str], ledger_engine: Any) -> None:
         """Remove what the run created: Redis keys always (they are only message
@@ -421,6 +487,7 @@ def safe_url(url: str | None) -> str:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:  # noqa: BLE001 - not an SQLAlchemy URL (redis://)
         from kombu.utils.url import maybe_sanitize_url
+
         return str(maybe_sanitize_url(url))
 
 
@@ -447,9 +514,17 @@ class Workload:
     #: With no new effect for this long, a plain run is over (a lost order never returns).
     PLAIN_IDLE = 3.0
 
-    def __init__(self, kind: RunKind, box: Sandbox, orch: Orchestra, *, orders: int,
-                 concurrency: int, env: dict[str, str] | None = None,
-                 ledger_idle: float = 10.0) -> None:
+    def __init__(
+        self,
+        kind: RunKind,
+        box: Sandbox,
+        orch: Orchestra,
+        *,
+        orders: int,
+        concurrency: int,
+        env: dict[str, str] | None = None,
+        ledger_idle: float = 10.0,
+    ) -> None:
         from worker import demo_app
 
         self.kind = kind
@@ -465,8 +540,9 @@ class Workload:
         self._worker_env: dict[str, dict[str, str]] = {}
         self._generation: dict[str, int] = {}
         self.beat: CeleryProcess | None = None
-        self.report = demo_app.RunReport(task=kind.task, title=f"{kind.title} {kind.subtitle}",
-                                         ledgered=kind.ledgered)
+        self.report = demo_app.RunReport(
+            task=kind.task, title=f"{kind.title} {kind.subtitle}", ledgered=kind.ledgered
+        )
         self.snapshot = demo_app.EffectsSnapshot({}, 0, None)
         self.enqueued_at = 0.0
         self.finished = False
@@ -485,9 +561,13 @@ class Workload:
     def restart(self, name: str) -> CeleryProcess:
         """Start worker ``name`` again, under the same node name (its boot sweep runs)."""
         self._generation[name] = self._generation.get(name, 0) + 1
-        proc = self.orch.worker(f"{self.kind.id}-{name}-{self._generation[name]}",
-                                env={**self.env, **self._worker_env[name]}, queue=self.queue,
-                                node=self.node(name), concurrency=self.concurrency)
+        proc = self.orch.worker(
+            f"{self.kind.id}-{name}-{self._generation[name]}",
+            env={**self.env, **self._worker_env[name]},
+            queue=self.queue,
+            node=self.node(name),
+            concurrency=self.concurrency,
+        )
         self.workers[name] = proc
         return proc
 
@@ -504,8 +584,9 @@ class Workload:
             self.enqueued_at = time.time()
             with app.producer_or_acquire() as producer:
                 for i, (order_id, gap) in enumerate(zip(self.order_ids, gaps, strict=True)):
-                    app.send_task(self.kind.task, args=(self.run, order_id, 10 + i, gap),
-                                  producer=producer)
+                    app.send_task(
+                        self.kind.task, args=(self.run, order_id, 10 + i, gap), producer=producer
+                    )
         finally:
             app.close()
         self.mark_progress()
@@ -542,7 +623,8 @@ class Workload:
             final = {EntryStatus.COMPLETED, EntryStatus.FAILED, EntryStatus.BLOCKED}
             outcomes = demo_app.ledger_outcomes(ledger_engine, self.order_ids)
             done = len(outcomes) == len(self.order_ids) and all(
-                o.status in final for o in outcomes.values())
+                o.status in final for o in outcomes.values()
+            )
             if any(o.status not in final for o in outcomes.values()):
                 self.mark_progress()
             idle = self.ledger_idle
@@ -554,8 +636,14 @@ class Workload:
         from worker import demo_app
 
         self.report.queued_at_end = self.box.queued(self.queue)
-        return demo_app.tally(self.report, self.db, self.run, self.order_ids,
-                              ledger_engine if self.kind.ledgered else None, self.enqueued_at)
+        return demo_app.tally(
+            self.report,
+            self.db,
+            self.run,
+            self.order_ids,
+            ledger_engine if self.kind.ledgered else None,
+            self.enqueued_at,
+        )
 
 
 # -- live progress ----------------------------------------------------------------------------
@@ -595,7 +683,7 @@ class Phases:
             return
         self._last = now
         line = f"{self._head()} {text}"
-        self.stream.write("\r\033[K" + line[:shutil.get_terminal_size().columns - 1])
+        self.stream.write("\r\033[K" + line[: shutil.get_terminal_size().columns - 1])
         self.stream.flush()
 
     def done(self, text: str) -> None:
@@ -623,13 +711,21 @@ def quiet_logging() -> Iterator[None]:
         root.setLevel(level)
 
 
-def side_by_side(kinds: Iterable[RunKind], runs: list[Any], rows: list[tuple[str, Any]],
-                 total: int, *, width: int = 16) -> list[str]:
+def side_by_side(
+    kinds: Iterable[RunKind],
+    runs: list[Any],
+    rows: list[tuple[str, Any]],
+    total: int,
+    *,
+    width: int = 16,
+) -> list[str]:
     """The comparison table: one column per run kind, one line per ``(label, cell)`` row."""
     kinds = list(kinds)
-    lines = ["", " " * 20 + "".join(f"{k.title:>{width}}" for k in kinds),
-             " " * 20 + "".join(f"{k.subtitle:>{width}}" for k in kinds)]
+    lines = [
+        "",
+        " " * 20 + "".join(f"{k.title:>{width}}" for k in kinds),
+        " " * 20 + "".join(f"{k.subtitle:>{width}}" for k in kinds),
+    ]
     for label, cell in rows:
         lines.append(f"{label:<20}" + "".join(f"{cell(r, total):>{width}}" for r in runs))
     return lines
-

@@ -23,30 +23,44 @@ log = logging.getLogger(__name__)
 
 
 class LedgerRequest(Request):
-    def on_failure(self, exc_info: Any, send_failed_event: bool = True,
-                   return_ok: bool = False) -> Any:
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> Any:
         exc = exc_info.exception
         if isinstance(exc, ExceptionWithTraceback):
             exc = exc.exc
-        if isinstance(exc, (WorkerLostError, SystemExit, KeyboardInterrupt)) and \
-                not (self._already_cancelled or self._already_revoked):
+        if isinstance(exc, (WorkerLostError, SystemExit, KeyboardInterrupt)) and not (
+            self._already_cancelled or self._already_revoked
+        ):
             self._interrupt_now(exc)
-        return super().on_failure(exc_info, send_failed_event=send_failed_event,
-                                  return_ok=return_ok)
+        return super().on_failure(
+            exc_info, send_failed_event=send_failed_event, return_ok=return_ok
+        )
 
     def _interrupt_now(self, exc: BaseException) -> None:
         task = self.task
         try:
-            key, _ = task.ledger_key(self.args, self.kwargs, self.id,
-                                     self._request_dict.get("ledger_key"))
+            key, _ = task.ledger_key(
+                self.args, self.kwargs, self.id, self._request_dict.get("ledger_key")
+            )
             store = runtime.store_for(task.app)
             found = store.interrupt_owner(
-                key, node=self.hostname, boot=runtime.boot_id(), pid=self.worker_pid,
-                actor=self.hostname, why=f"pool process {self.worker_pid} lost: {exc}")
+                key,
+                node=self.hostname,
+                boot=runtime.boot_id(),
+                pid=self.worker_pid,
+                actor=self.hostname,
+                why=f"pool process {self.worker_pid} lost: {exc}",
+            )
         except (LedgerError, ValueError) as err:
             # The lease is the backstop: the sweep finds this entry when it expires.
             log.warning("worker-lost fast path failed for task_id=%s: %s", self.id, err)
             return
         if found is not None:
-            log.warning("interrupted key=%s task_id=%s fence=%s: pool process %s lost",
-                        key, self.id, found.fence, self.worker_pid)
+            log.warning(
+                "interrupted key=%s task_id=%s fence=%s: pool process %s lost",
+                key,
+                self.id,
+                found.fence,
+                self.worker_pid,
+            )

@@ -71,8 +71,9 @@ class LedgerSettings:
     operator_tokens: frozenset[str] = frozenset()
 
     @classmethod
-    def from_mapping(cls, conf: Mapping[str, Any], env: Mapping[str, str] | None = None
-                     ) -> LedgerSettings:
+    def from_mapping(
+        cls, conf: Mapping[str, Any], env: Mapping[str, str] | None = None
+    ) -> LedgerSettings:
         """Build from Celery-style ``ledger_*`` keys, then ``CELERY_LEDGER_*`` overrides.
 
         Raises:
@@ -117,9 +118,18 @@ class LedgerSettings:
             raise ValueError("ledger_max_result_bytes must be > 0")
 
 
-_FLOATS = {"publish_intent_seconds", "lease_seconds", "sweep_interval", "retention_days",
-           "wait_poll_seconds", "wait_countdown_max", "unavailable_backoff",
-           "unavailable_backoff_max", "settle_retry_seconds", "reconcile_timeout"}
+_FLOATS = {
+    "publish_intent_seconds",
+    "lease_seconds",
+    "sweep_interval",
+    "retention_days",
+    "wait_poll_seconds",
+    "wait_countdown_max",
+    "unavailable_backoff",
+    "unavailable_backoff_max",
+    "settle_retry_seconds",
+    "reconcile_timeout",
+}
 _INTS = {"max_resumes", "max_result_bytes", "sweep_batch"}
 _SETS = {"crash_points", "operator_tokens"}
 

@@ -96,12 +96,15 @@ class LedgerTask(Task):
         except ValueError:
             raise ValueError(
                 f"task {cls.name}: side_effect={cls.side_effect!r} is not one of "
-                f"{[s.value for s in SideEffect]}") from None
+                f"{[s.value for s in SideEffect]}"
+            ) from None
         if cls.key_from is None or callable(cls.key_from):
             return
         if isinstance(cls.key_from, str):
-            raise TypeError(f"task {cls.name}: key_from must be a tuple of argument names or a "
-                            f"callable, not the string {cls.key_from!r}")
+            raise TypeError(
+                f"task {cls.name}: key_from must be a tuple of argument names or a "
+                f"callable, not the string {cls.key_from!r}"
+            )
         sig = inspect.signature(cls.run)
         params = [p for p in sig.parameters.values() if p.name != "self"]
         if any(p.kind is p.VAR_KEYWORD for p in params):
@@ -111,19 +114,33 @@ class LedgerTask(Task):
         if missing:
             raise ValueError(
                 f"task {cls.name}: key_from names {missing}, which are not arguments of "
-                f"{cls.name}({', '.join(p.name for p in params)})")
+                f"{cls.name}({', '.join(p.name for p in params)})"
+            )
 
     # -- the API a body uses --------------------------------------------------------------
 
-    def step(self, name: str, fn: Callable[..., Any], *args: Any, effect: bool | None = None,
-             not_executed_on: tuple[type[BaseException], ...] = (), **kwargs: Any) -> Any:
+    def step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        effect: bool | None = None,
+        not_executed_on: tuple[type[BaseException], ...] = (),
+        **kwargs: Any,
+    ) -> Any:
         """Run ``fn(*args, **kwargs)`` as the named step; on resume, return its stored output.
 
         ``effect=False`` marks a pure read inside an effect task (one write, no intent row).
         """
         attempt = self._attempt()
-        return attempt.step(name, fn, args, kwargs, effect=effect,
-                            not_executed_on=not_executed_on + tuple(self.not_executed_on))
+        return attempt.step(
+            name,
+            fn,
+            args,
+            kwargs,
+            effect=effect,
+            not_executed_on=not_executed_on + tuple(self.not_executed_on),
+        )
 
     def record_external_ref(self, ref: str) -> None:
         """Durably attach a provider handle to the running step before calling the provider."""
@@ -141,14 +158,17 @@ class LedgerTask(Task):
     def _attempt(self) -> Attempt:
         attempt = current_attempt.get()
         if attempt is None:
-            raise RuntimeError("steps run only inside the body of a ledgered task "
-                               "delivered by a worker (or apply())")
+            raise RuntimeError(
+                "steps run only inside the body of a ledgered task "
+                "delivered by a worker (or apply())"
+            )
         return attempt
 
     # -- identity -------------------------------------------------------------------------
 
-    def ledger_key(self, args: Sequence[Any], kwargs: Mapping[str, Any], task_id: str,
-                   header_key: Any = None) -> tuple[str, str]:
+    def ledger_key(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any], task_id: str, header_key: Any = None
+    ) -> tuple[str, str]:
         """Return (entry key, args hash) for a delivery.
 
         Raises:
@@ -174,23 +194,51 @@ class LedgerTask(Task):
 
     # -- publishing -----------------------------------------------------------------------
 
-    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
-                    producer: Any = None, link: Any = None, link_error: Any = None,
-                    shadow: Any = None, **options: Any) -> Any:
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: Any = None,
+        **options: Any,
+    ) -> Any:
         """Send the task; with publish intents on, record it in the ledger first
         (``worker.intents``). An unreachable ledger never stops the publish."""
         headers = options.get("headers") or {}
         if not intents.wanted(self, headers):
-            return super().apply_async(args, kwargs, task_id=task_id, producer=producer,
-                                       link=link, link_error=link_error, shadow=shadow,
-                                       **options)
+            return super().apply_async(
+                args,
+                kwargs,
+                task_id=task_id,
+                producer=producer,
+                link=link,
+                link_error=link_error,
+                shadow=shadow,
+                **options,
+            )
         task_id = task_id or uuid()
-        intents.record(self, tuple(args or ()), dict(kwargs or {}), task_id,
-                       ledger_key=headers.get("ledger_key"), queue=options.get("queue"))
+        intents.record(
+            self,
+            tuple(args or ()),
+            dict(kwargs or {}),
+            task_id,
+            ledger_key=headers.get("ledger_key"),
+            queue=options.get("queue"),
+        )
         with intents.recorded_by_apply_async(task_id):
-            return super().apply_async(args, kwargs, task_id=task_id, producer=producer,
-                                       link=link, link_error=link_error, shadow=shadow,
-                                       **options)
+            return super().apply_async(
+                args,
+                kwargs,
+                task_id=task_id,
+                producer=producer,
+                link=link,
+                link_error=link_error,
+                shadow=shadow,
+                **options,
+            )
 
     # -- delivery -------------------------------------------------------------------------
 
@@ -203,9 +251,14 @@ class LedgerTask(Task):
         key, args_hash = self.ledger_key(args, kwargs, req.id, _header(req, "ledger_key"))
         lease = float(self.lease_seconds or settings.lease_seconds)
         claim_req = ClaimRequest(
-            key=key, task_name=self.name, task_id=req.id, args_hash=args_hash,
-            snapshot=_snapshot(args, kwargs, req), side_effect=self.side_effect,
-            owner=runtime.owner_for(req.hostname), lease_seconds=lease,
+            key=key,
+            task_name=self.name,
+            task_id=req.id,
+            args_hash=args_hash,
+            snapshot=_snapshot(args, kwargs, req),
+            side_effect=self.side_effect,
+            owner=runtime.owner_for(req.hostname),
+            lease_seconds=lease,
             max_interruptions=settings.max_resumes,
         )
         claim = None
@@ -218,8 +271,9 @@ class LedgerTask(Task):
                 break
         assert claim is not None
         self._emit(_GATE_EVENT[claim.gate], key, claim.fence, found=_value(claim.found))
-        log.debug("claim key=%s task_id=%s fence=%s gate=%s", key, req.id, claim.fence,
-                  claim.gate.value)
+        log.debug(
+            "claim key=%s task_id=%s fence=%s gate=%s", key, req.id, claim.fence, claim.gate.value
+        )
 
         if claim.gate is Gate.RETURN:
             if claim.error is not None:
@@ -229,19 +283,37 @@ class LedgerTask(Task):
             countdown = min(max(claim.lease_remaining or 1.0, 1.0), settings.wait_countdown_max)
             return self._redeliver(args, kwargs, countdown=countdown)
         if claim.gate is Gate.BLOCK:
-            raise LedgerBlocked(f"{self.name}[{req.id}] key {key} is blocked: {claim.reason}; "
-                                f"see `celery-ledger show {key}`")
+            raise LedgerBlocked(
+                f"{self.name}[{req.id}] key {key} is blocked: {claim.reason}; "
+                f"see `celery-ledger show {key}`"
+            )
         if claim.gate is Gate.CONFLICT:
             raise KeyConflict(
                 f"{self.name}[{req.id}]: business key {key} was first claimed with different "
-                "arguments; the body did not run (use a different key, or the same arguments)")
+                "arguments; the body did not run (use a different key, or the same arguments)"
+            )
         return self._run_attempt(claim, store, settings, lease, args, kwargs)
 
-    def _run_attempt(self, claim: Claim, store: Any, settings: Any, lease: float,
-                     args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run_attempt(
+        self,
+        claim: Claim,
+        store: Any,
+        settings: Any,
+        lease: float,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
         req = self.request
-        attempt = Attempt(self, store, settings, key=claim.key, fence=claim.fence,
-                          task_id=req.id, lease_seconds=lease, replay=claim.steps)
+        attempt = Attempt(
+            self,
+            store,
+            settings,
+            key=claim.key,
+            fence=claim.fence,
+            task_id=req.id,
+            lease_seconds=lease,
+            replay=claim.steps,
+        )
         token = current_attempt.set(attempt)
         heartbeat.register(attempt)
         try:
@@ -266,16 +338,22 @@ class LedgerTask(Task):
                 # running. Its lease expires, the sweep interrupts it, and a resume replays
                 # what completed. Re-deliver after the lease too, in case the sweep's own
                 # resume message is the one that gets lost.
-                log.error("ledger unreachable mid-task key=%s task_id=%s fence=%s (%s); entry "
-                          "left running for recovery", attempt.key, attempt.task_id,
-                          attempt.fence, exc)
+                log.error(
+                    "ledger unreachable mid-task key=%s task_id=%s fence=%s (%s); entry "
+                    "left running for recovery",
+                    attempt.key,
+                    attempt.task_id,
+                    attempt.fence,
+                    exc,
+                )
                 return self._redeliver(args, kwargs, countdown=lease + 1.0)
             except BaseException as exc:
                 self._settle_failure(attempt, exc, args, kwargs)
                 raise
             try:
-                encoded = encode(result, limit=settings.max_result_bytes,
-                                 what=f"result of {self.name}")
+                encoded = encode(
+                    result, limit=settings.max_result_bytes, what=f"result of {self.name}"
+                )
             except PayloadError as exc:
                 self._settle(attempt, EntryStatus.FAILED, error=self._dump_exc(exc))
                 raise
@@ -292,8 +370,9 @@ class LedgerTask(Task):
 
     # -- ambiguity ------------------------------------------------------------------------
 
-    def _resolve_ambiguity(self, attempt: Attempt, claim: Claim, args: tuple[Any, ...],
-                           kwargs: dict[str, Any]) -> Any:
+    def _resolve_ambiguity(
+        self, attempt: Attempt, claim: Claim, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         """Decide every step that started and never completed, before anything runs.
 
         Returns ``_RUN_BODY`` to go on, or the task's result when a reconciler proved the
@@ -308,10 +387,14 @@ class LedgerTask(Task):
             return _RUN_BODY
         # A task that recorded no steps: its body is the effect. If an earlier attempt ran it
         # and nothing says how that ended, the body itself is ambiguous.
-        if claim.gate is Gate.TAKEOVER and claim.executions >= 1 and (
-                body is None or body.status is StepStatus.STARTED):
-            verdict = self._resolve(attempt, BODY_IDENT, body.external_ref if body else None,
-                                    args, kwargs)
+        if (
+            claim.gate is Gate.TAKEOVER
+            and claim.executions >= 1
+            and (body is None or body.status is StepStatus.STARTED)
+        ):
+            verdict = self._resolve(
+                attempt, BODY_IDENT, body.external_ref if body else None, args, kwargs
+            )
             if verdict is not None and verdict[0] is Verdict.COMPLETED:
                 self._settle(attempt, EntryStatus.COMPLETED, result=verdict[1])
                 return decode(verdict[1])
@@ -322,45 +405,73 @@ class LedgerTask(Task):
             attempt._fenced(store_write(attempt, BODY_IDENT, StepStatus.STARTED), "body start")
         return _RUN_BODY
 
-    def _resolve(self, attempt: Attempt, ident: tuple[str, str, int], ref: str | None,
-                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Verdict, str] | None:
+    def _resolve(
+        self,
+        attempt: Attempt,
+        ident: tuple[str, str, int],
+        ref: str | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Verdict, str] | None:
         name = ident[0]
         if attempt.side_effect.rerun_when_ambiguous:
-            log.info("ambiguous step re-run key=%s task_id=%s fence=%s step=%s class=%s",
-                     attempt.key, attempt.task_id, attempt.fence, name, attempt.side_effect.value)
+            log.info(
+                "ambiguous step re-run key=%s task_id=%s fence=%s step=%s class=%s",
+                attempt.key,
+                attempt.task_id,
+                attempt.fence,
+                name,
+                attempt.side_effect.value,
+            )
             return None
         step = AmbiguousStep(
-            key=attempt.key, task_name=self.name, task_id=attempt.task_id, step=name,
-            input_hash=ident[1], occurrence=ident[2], external_ref=ref,
-            provider_key=_provider_key(attempt.key, ident), args=args, kwargs=kwargs)
+            key=attempt.key,
+            task_name=self.name,
+            task_id=attempt.task_id,
+            step=name,
+            input_hash=ident[1],
+            occurrence=ident[2],
+            external_ref=ref,
+            provider_key=_provider_key(attempt.key, ident),
+            args=args,
+            kwargs=kwargs,
+        )
         answer = ask(self._reconciler_for(name), step, timeout=attempt.settings.reconcile_timeout)
         if answer.verdict is Verdict.COMPLETED:
             try:
-                encoded = encode(answer.output, limit=attempt.settings.max_result_bytes,
-                                 what=f"reconciled output of step {name!r}")
+                encoded = encode(
+                    answer.output,
+                    limit=attempt.settings.max_result_bytes,
+                    what=f"reconciled output of step {name!r}",
+                )
             except PayloadError as exc:
                 answer = type(answer).unknown(str(exc))
             else:
-                attempt._fenced(store_write(attempt, ident, StepStatus.COMPLETED, encoded),
-                                f"step {name} reconcile")
+                attempt._fenced(
+                    store_write(attempt, ident, StepStatus.COMPLETED, encoded),
+                    f"step {name} reconcile",
+                )
                 attempt.replay[ident] = _row(ident, StepStatus.COMPLETED, attempt.fence, encoded)
-                self._emit("reconciled", attempt.key, attempt.fence, step=name,
-                           verdict="completed")
+                self._emit("reconciled", attempt.key, attempt.fence, step=name, verdict="completed")
                 return (Verdict.COMPLETED, encoded)
-        if (answer.verdict is Verdict.NOT_EXECUTED
-                and attempt.side_effect is not SideEffect.IRREVERSIBLE):
-            attempt._fenced(store_write(attempt, ident, StepStatus.NOT_EXECUTED),
-                            f"step {name} reconcile")
+        if (
+            answer.verdict is Verdict.NOT_EXECUTED
+            and attempt.side_effect is not SideEffect.IRREVERSIBLE
+        ):
+            attempt._fenced(
+                store_write(attempt, ident, StepStatus.NOT_EXECUTED), f"step {name} reconcile"
+            )
             attempt.replay[ident] = _row(ident, StepStatus.NOT_EXECUTED, attempt.fence)
-            self._emit("reconciled", attempt.key, attempt.fence, step=name,
-                       verdict="not_executed")
+            self._emit("reconciled", attempt.key, attempt.fence, step=name, verdict="not_executed")
             return (Verdict.NOT_EXECUTED, "")
         why = answer.note or answer.verdict.value
         if answer.verdict is Verdict.NOT_EXECUTED:
             why = "irreversible steps are never re-run without an operator"
-        reason = (f"step {name!r} may have executed (external ref: {ref or 'none'}; "
-                  f"reconciler: {why}); reconcile or release: "
-                  f"celery-ledger show {attempt.key}")
+        reason = (
+            f"step {name!r} may have executed (external ref: {ref or 'none'}; "
+            f"reconciler: {why}); reconcile or release: "
+            f"celery-ledger show {attempt.key}"
+        )
         self._block(attempt, reason)
         raise LedgerBlocked(f"{self.name}[{attempt.task_id}] key {attempt.key}: {reason}")
 
@@ -371,8 +482,13 @@ class LedgerTask(Task):
         return rec
 
     def _block(self, attempt: Attempt, reason: str) -> None:
-        log.warning("blocked key=%s task_id=%s fence=%s: %s", attempt.key, attempt.task_id,
-                    attempt.fence, reason)
+        log.warning(
+            "blocked key=%s task_id=%s fence=%s: %s",
+            attempt.key,
+            attempt.task_id,
+            attempt.fence,
+            reason,
+        )
         self._settle(attempt, EntryStatus.BLOCKED, reason=reason)
         self._emit("blocked", attempt.key, attempt.fence, reason=reason)
 
@@ -390,14 +506,22 @@ class LedgerTask(Task):
         delay = 0.1
         while True:
             try:
-                ok = attempt.store.settle(attempt.key, attempt.fence, status,
-                                          actor=self.request.hostname, **fields)
+                ok = attempt.store.settle(
+                    attempt.key, attempt.fence, status, actor=self.request.hostname, **fields
+                )
                 break
             except LedgerUnavailable as exc:
                 if time.monotonic() + delay > deadline:
-                    log.error("settle %s of key=%s task_id=%s fence=%s failed for %ss (%s); "
-                              "entry left running for recovery", status.value, attempt.key,
-                              attempt.task_id, attempt.fence, settings.settle_retry_seconds, exc)
+                    log.error(
+                        "settle %s of key=%s task_id=%s fence=%s failed for %ss (%s); "
+                        "entry left running for recovery",
+                        status.value,
+                        attempt.key,
+                        attempt.task_id,
+                        attempt.fence,
+                        settings.settle_retry_seconds,
+                        exc,
+                    )
                     return True
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
@@ -407,8 +531,9 @@ class LedgerTask(Task):
             attempt.mark_superseded(f"settle {status.value} refused")
         return ok
 
-    def _settle_failure(self, attempt: Attempt, exc: BaseException, args: tuple[Any, ...],
-                        kwargs: dict[str, Any]) -> None:
+    def _settle_failure(
+        self, attempt: Attempt, exc: BaseException, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         if attempt.ambiguous is None:
             self._settle(attempt, EntryStatus.FAILED, error=self._dump_exc(exc))
             return
@@ -425,11 +550,21 @@ class LedgerTask(Task):
 
     def _dump_exc(self, exc: BaseException) -> str:
         try:
-            return encode(self.backend.prepare_exception(exc, "json"), limit=64 * 1024,
-                          what="stored exception")
+            return encode(
+                self.backend.prepare_exception(exc, "json"),
+                limit=64 * 1024,
+                what="stored exception",
+            )
         except Exception:  # noqa: BLE001 - an odd exception must not stop the settle
-            return encode({"exc_type": type(exc).__name__, "exc_message": [repr(exc)[:2000]],
-                           "exc_module": "builtins"}, limit=64 * 1024, what="stored exception")
+            return encode(
+                {
+                    "exc_type": type(exc).__name__,
+                    "exc_message": [repr(exc)[:2000]],
+                    "exc_module": "builtins",
+                },
+                limit=64 * 1024,
+                what="stored exception",
+            )
 
     def _stored_failure(self, error: str) -> BaseException:
         data = decode(error)
@@ -443,8 +578,14 @@ class LedgerTask(Task):
 
     # -- redelivery -----------------------------------------------------------------------
 
-    def _redeliver(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, countdown: float,
-                   headers: dict[str, Any] | None = None) -> Any:
+    def _redeliver(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        countdown: float,
+        headers: dict[str, Any] | None = None,
+    ) -> Any:
         """Send this delivery again later with the same task id, without spending a retry.
 
         ``Ignore`` then acks this message and records no state, so a RETURN stored by the
@@ -453,20 +594,32 @@ class LedgerTask(Task):
         req = self.request
         sig = self.signature_from_request(req, args, kwargs, countdown=countdown)
         # The entry exists (WAIT) or the ledger is down (claim): no publish intent to record.
-        sig.options["headers"] = {**(sig.options.get("headers") or {}), **(headers or {}),
-                                  "ledger_redelivery": True}
+        sig.options["headers"] = {
+            **(sig.options.get("headers") or {}),
+            **(headers or {}),
+            "ledger_redelivery": True,
+        }
         sig.apply_async()
         raise Ignore()
 
-    def _ledger_unavailable(self, exc: LedgerUnavailable, args: tuple[Any, ...],
-                            kwargs: dict[str, Any]) -> Any:
+    def _ledger_unavailable(
+        self, exc: LedgerUnavailable, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         settings = runtime.settings_for(self.app)
         n = int(_header(self.request, "ledger_unavailable") or 0)
-        countdown = min(settings.unavailable_backoff * (2 ** n), settings.unavailable_backoff_max)
-        log.warning("ledger unavailable at claim task=%s task_id=%s (attempt %s); body not run, "
-                    "redelivering in %.1fs: %s", self.name, self.request.id, n + 1, countdown, exc)
-        return self._redeliver(args, kwargs, countdown=countdown,
-                               headers={"ledger_unavailable": n + 1})
+        countdown = min(settings.unavailable_backoff * (2**n), settings.unavailable_backoff_max)
+        log.warning(
+            "ledger unavailable at claim task=%s task_id=%s (attempt %s); body not run, "
+            "redelivering in %.1fs: %s",
+            self.name,
+            self.request.id,
+            n + 1,
+            countdown,
+            exc,
+        )
+        return self._redeliver(
+            args, kwargs, countdown=countdown, headers={"ledger_unavailable": n + 1}
+        )
 
     def _wait_briefly(self, store: Any, key: str, settings: Any) -> bool:
         """Poll a live lease for up to ``ledger_wait_poll_seconds``; True if it ended."""
@@ -491,15 +644,27 @@ class LedgerTask(Task):
         if not runtime.events_enabled(self.app):
             return
         try:
-            self.send_event(f"task-ledger-{kind}", retry=False, key=key, fence=fence,
-                            task_name=self.name, **fields)
+            self.send_event(
+                f"task-ledger-{kind}",
+                retry=False,
+                key=key,
+                fence=fence,
+                task_name=self.name,
+                **fields,
+            )
         except Exception as exc:  # noqa: BLE001
             log.debug("could not send task-ledger-%s for key=%s: %r", kind, key, exc)
 
 
 _RUN_BODY = object()
-_GATE_EVENT = {Gate.RUN: "claimed", Gate.TAKEOVER: "resumed", Gate.RETURN: "returned",
-               Gate.WAIT: "waited", Gate.BLOCK: "blocked", Gate.CONFLICT: "conflict"}
+_GATE_EVENT = {
+    Gate.RUN: "claimed",
+    Gate.TAKEOVER: "resumed",
+    Gate.RETURN: "returned",
+    Gate.WAIT: "waited",
+    Gate.BLOCK: "blocked",
+    Gate.CONFLICT: "conflict",
+}
 
 
 def _value(status: EntryStatus | None) -> str | None:
@@ -516,35 +681,53 @@ def _header(req: Any, name: str) -> Any:
 def _snapshot(args: tuple[Any, ...], kwargs: dict[str, Any], req: Any) -> str | None:
     """Arguments and routing needed to re-enqueue this task; None if not JSON-able."""
     delivery = req.delivery_info or {}
-    data = {"args": list(args), "kwargs": kwargs,
-            "queue": delivery.get("routing_key") or None,
-            "ledger_key": _header(req, "ledger_key")}
+    data = {
+        "args": list(args),
+        "kwargs": kwargs,
+        "queue": delivery.get("routing_key") or None,
+        "ledger_key": _header(req, "ledger_key"),
+    }
     try:
         return encode(data, limit=16 * 1024 * 1024, what="argument snapshot")
     except PayloadError as exc:
-        log.warning("no argument snapshot for task_id=%s (%s); recovery will report it, not "
-                    "resume it", req.id, exc)
+        log.warning(
+            "no argument snapshot for task_id=%s (%s); recovery will report it, not resume it",
+            req.id,
+            exc,
+        )
         return None
 
 
 def _sha256(text: str) -> str:
     import hashlib
+
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def _provider_key(key: str, ident: tuple[str, str, int]) -> str:
     from ledger import provider_key
+
     return provider_key(key, ident[0], ident[2])
 
 
-def _row(ident: tuple[str, str, int], status: StepStatus, fence: int,
-         output: str | None = None) -> StepRecord:
-    return StepRecord(name=ident[0], input_hash=ident[1], occurrence=ident[2], seq=0,
-                      status=status, fence=fence, output=output)
+def _row(
+    ident: tuple[str, str, int], status: StepStatus, fence: int, output: str | None = None
+) -> StepRecord:
+    return StepRecord(
+        name=ident[0],
+        input_hash=ident[1],
+        occurrence=ident[2],
+        seq=0,
+        status=status,
+        fence=fence,
+        output=output,
+    )
 
 
-def store_write(attempt: Attempt, ident: tuple[str, str, int], status: StepStatus,
-                output: str | None = None) -> bool:
+def store_write(
+    attempt: Attempt, ident: tuple[str, str, int], status: StepStatus, output: str | None = None
+) -> bool:
     row = attempt.replay.get(ident)
-    return attempt.store.write_step(attempt.key, attempt.fence, ident,
-                                    seq=row.seq if row else 0, status=status, output=output)
+    return attempt.store.write_step(
+        attempt.key, attempt.fence, ident, seq=row.seq if row else 0, status=status, output=output
+    )

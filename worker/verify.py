@@ -128,8 +128,11 @@ class ProxyOutage(LedgerOutage):
         self._cut = False
 
     def worker_url(self, url: str) -> str:
-        return make_url(url).set(host="127.0.0.1", port=self.proxy.port).render_as_string(
-            hide_password=False)
+        return (
+            make_url(url)
+            .set(host="127.0.0.1", port=self.proxy.port)
+            .render_as_string(hide_password=False)
+        )
 
     def begin(self) -> str:
         self.proxy.stop()
@@ -164,8 +167,9 @@ class SqliteStall(LedgerOutage):
     def begin(self) -> str:
         self._release.clear()
         locked = threading.Event()
-        self._thread = threading.Thread(target=self._hold, args=(locked,), daemon=True,
-                                        name="verify-sqlite-stall")
+        self._thread = threading.Thread(
+            target=self._hold, args=(locked,), daemon=True, name="verify-sqlite-stall"
+        )
         self._thread.start()
         locked.wait(timeout=35)
         return f"ledger write lock held for {self.seconds:.1f}s (SQLite)"
@@ -195,8 +199,10 @@ def outage_for(box: Sandbox) -> LedgerOutage:
     if not is_sqlite(box.ledger_url):
         return ProxyOutage(box.ledger_url)
     if not box.owns_ledger:
-        return NoOutage("the SQLite ledger is not verify's own file; its write lock would "
-                        "stall every other process that uses it")
+        return NoOutage(
+            "the SQLite ledger is not verify's own file; its write lock would "
+            "stall every other process that uses it"
+        )
     return SqliteStall(box.ledger_url)
 
 
@@ -216,8 +222,9 @@ class Chaos:
     """Random actions at random intervals against every run alike; every timer it sets
     (SIGCONT, restoring the ledger) fires by ``finish`` at the latest."""
 
-    def __init__(self, works: list[Workload], rng: random.Random, outage: LedgerOutage,
-                 chaos_log: ChaosLog) -> None:
+    def __init__(
+        self, works: list[Workload], rng: random.Random, outage: LedgerOutage, chaos_log: ChaosLog
+    ) -> None:
         self.works = works
         self.rng = rng
         self.outage = outage
@@ -250,20 +257,24 @@ class Chaos:
                 return
             self.outage_on = True
             detail = self.outage.begin()
-            self.timers.append((time.monotonic() + self.outage.seconds, "outage",
-                                self._end_outage))
-            self.log.actions.append({"t": at, "action": action, "run": "ledgered",
-                                     "detail": detail})
+            self.timers.append((time.monotonic() + self.outage.seconds, "outage", self._end_outage))
+            self.log.actions.append(
+                {"t": at, "action": action, "run": "ledgered", "detail": detail}
+            )
             return
         for work in self.works:
             done = self._act_on(work, action, pick)
             if done:
-                self.log.actions.append({"t": at, "action": action, "run": work.kind.id,
-                                         "detail": done})
+                self.log.actions.append(
+                    {"t": at, "action": action, "run": work.kind.id, "detail": done}
+                )
 
     def _act_on(self, work: Workload, action: str, pick: float) -> str | None:
-        ready = [(n, p) for n, p in sorted(work.workers.items())
-                 if p.alive and not p.paused and p.is_ready()]
+        ready = [
+            (n, p)
+            for n, p in sorted(work.workers.items())
+            if p.alive and not p.paused and p.is_ready()
+        ]
         if not ready:
             return None
         name, proc = ready[int(pick * len(ready))]
@@ -320,9 +331,17 @@ class VerifyReport:
     data_dir: str = ""
 
 
-def run_verify(*, tasks: int, duration: float, seed: int, concurrency: int,
-               broker: str | None, ledger: str | None, keep: bool,
-               phases: Phases) -> VerifyReport:
+def run_verify(
+    *,
+    tasks: int,
+    duration: float,
+    seed: int,
+    concurrency: int,
+    broker: str | None,
+    ledger: str | None,
+    keep: bool,
+    phases: Phases,
+) -> VerifyReport:
     started = time.monotonic()
     rng = random.Random(seed)
     box = Sandbox.create(prefix="celery-ledger-verify", broker=broker, ledger=ledger)
@@ -339,21 +358,33 @@ def run_verify(*, tasks: int, duration: float, seed: int, concurrency: int,
             outage = outage_for(box)
             if outage.unavailable:
                 chaos_log.skipped.append(f"ledger-outage: {outage.unavailable}")
-            settings = {"CELERY_LEDGER_LEASE_SECONDS": str(LEASE_SECONDS),
-                        "CELERY_LEDGER_SWEEP_INTERVAL": str(SWEEP_INTERVAL)}
+            settings = {
+                "CELERY_LEDGER_LEASE_SECONDS": str(LEASE_SECONDS),
+                "CELERY_LEDGER_SWEEP_INTERVAL": str(SWEEP_INTERVAL),
+            }
             second: dict[str, str] = {}
             if box.redis:
                 second = {demo_app.ENV_VISIBILITY: str(VISIBILITY_TIMEOUT)}
             else:
                 chaos_log.skipped.append(
                     "visibility-timeout redelivery: Redis only (filesystem:// never "
-                    "redelivers a message a worker holds)")
+                    "redelivers a message a worker holds)"
+                )
             for kind in KINDS:
                 env = dict(settings)
                 if kind.ledgered:
                     env["CELERY_LEDGER_URL"] = outage.worker_url(box.ledger_url)
-                works.append(Workload(kind, box, orch, orders=tasks, concurrency=concurrency,
-                                      env=env, ledger_idle=LEDGER_IDLE_SECONDS))
+                works.append(
+                    Workload(
+                        kind,
+                        box,
+                        orch,
+                        orders=tasks,
+                        concurrency=concurrency,
+                        env=env,
+                        ledger_idle=LEDGER_IDLE_SECONDS,
+                    )
+                )
             with phases.phase("start"):
                 procs = []
                 for w in works:
@@ -376,8 +407,9 @@ def run_verify(*, tasks: int, duration: float, seed: int, concurrency: int,
                 finally:
                     chaos.finish()
                 counts = chaos_log.counts()
-                phases.done(", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
-                            or "no action was due")
+                phases.done(
+                    ", ".join(f"{n} {a}" for a, n in sorted(counts.items())) or "no action was due"
+                )
             with phases.phase("settle"):
                 for w in works:  # a worker killed last is still starting: let it come up
                     w.finished = False
@@ -404,15 +436,30 @@ def run_verify(*, tasks: int, duration: float, seed: int, concurrency: int,
         finally:
             ledger_engine.dispose()
     led = reports["ledgered"]
-    ok = (led.lost == 0 and led.duplicate_effects == 0 and led.charged_twice == 0
-          and led.ledger_duplicate_executions == 0)
+    ok = (
+        led.lost == 0
+        and led.duplicate_effects == 0
+        and led.charged_twice == 0
+        and led.ledger_duplicate_executions == 0
+    )
     return VerifyReport(
-        ok=ok, seed=seed, tasks=tasks, duration=duration, concurrency=concurrency,
-        broker=safe_url(box.broker_url) or "filesystem://", ledger=safe_url(box.ledger_url),
-        seconds=round(time.monotonic() - started, 1), runs=reports,
-        chaos={"actions": chaos_log.actions, "counts": chaos_log.counts(),
-               "skipped": chaos_log.skipped},
-        kept=keep, data_dir=str(box.data_dir))
+        ok=ok,
+        seed=seed,
+        tasks=tasks,
+        duration=duration,
+        concurrency=concurrency,
+        broker=safe_url(box.broker_url) or "filesystem://",
+        ledger=safe_url(box.ledger_url),
+        seconds=round(time.monotonic() - started, 1),
+        runs=reports,
+        chaos={
+            "actions": chaos_log.actions,
+            "counts": chaos_log.counts(),
+            "skipped": chaos_log.skipped,
+        },
+        kept=keep,
+        data_dir=str(box.data_dir),
+    )
 
 
 def _drained(works: list[Workload], ledger_engine: Any) -> bool:
@@ -454,8 +501,7 @@ def render(report: VerifyReport) -> str:
     lines = side_by_side(KINDS, runs, ROWS, report.tasks)
     lines.append("")
     counts = report.chaos["counts"]
-    lines.append("chaos: " + (", ".join(f"{n} × {a}" for a, n in sorted(counts.items()))
-                              or "none"))
+    lines.append("chaos: " + (", ".join(f"{n} × {a}" for a, n in sorted(counts.items())) or "none"))
     for skipped in report.chaos["skipped"]:
         lines.append(f"  skipped {skipped}")
     led = report.runs["ledgered"]
@@ -468,41 +514,80 @@ def render(report: VerifyReport) -> str:
     for f in led.failed_orders:
         lines.append(f"failed  {f['order_id']}: {f['error']}")
     if led.never_claimed:
-        lines.append(f"never claimed: {led.never_claimed} ledgered order(s) have no ledger "
-                     f"entry ({led.queued_at_end} message(s) still queued): the broker dropped "
-                     "them before any worker claimed them, which no task-side ledger can see "
-                     "(filesystem:// forgets what a SIGKILLed worker had fetched)")
+        lines.append(
+            f"never claimed: {led.never_claimed} ledgered order(s) have no ledger "
+            f"entry ({led.queued_at_end} message(s) still queued): the broker dropped "
+            "them before any worker claimed them, which no task-side ledger can see "
+            "(filesystem:// forgets what a SIGKILLed worker had fetched)"
+        )
     lines.append("")
-    verdict = (click.style("PASS", fg="green", bold=True) if report.ok
-               else click.style("FAIL", fg="red", bold=True))
-    lines.append(f"{verdict}: ledgered run: {led.lost} lost after a claim, "
-                 f"{led.duplicate_effects} duplicated effect(s), {led.blocked} blocked, "
-                 f"{led.failed} failed, {led.never_claimed} never claimed, {led.resumed} resumed."
-                 f" Seed {report.seed}; {report.seconds:.0f}s on {report.broker} with ledger "
-                 f"{report.ledger}.")
+    verdict = (
+        click.style("PASS", fg="green", bold=True)
+        if report.ok
+        else click.style("FAIL", fg="red", bold=True)
+    )
+    lines.append(
+        f"{verdict}: ledgered run: {led.lost} lost after a claim, "
+        f"{led.duplicate_effects} duplicated effect(s), {led.blocked} blocked, "
+        f"{led.failed} failed, {led.never_claimed} never claimed, {led.resumed} resumed."
+        f" Seed {report.seed}; {report.seconds:.0f}s on {report.broker} with ledger "
+        f"{report.ledger}."
+    )
     if report.kept:
         lines.append(f"Data kept in {report.data_dir}.")
     return "\n".join(lines)
 
 
 @click.command("verify")
-@click.option("--tasks", type=click.IntRange(1, 100_000), default=500, show_default=True,
-              help="Orders per run (three effect steps each).")
-@click.option("--duration", type=click.FloatRange(1, 3600), default=60.0, show_default=True,
-              help="Longest the chaos loop runs, in seconds.")
+@click.option(
+    "--tasks",
+    type=click.IntRange(1, 100_000),
+    default=500,
+    show_default=True,
+    help="Orders per run (three effect steps each).",
+)
+@click.option(
+    "--duration",
+    type=click.FloatRange(1, 3600),
+    default=60.0,
+    show_default=True,
+    help="Longest the chaos loop runs, in seconds.",
+)
 @click.option("--seed", type=int, help="Seed of the random choices (printed when not given).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
-@click.option("--broker", envvar="CELERY_BROKER_URL", metavar="URL",
-              help="Broker URL (redis://...); default: filesystem:// in a temporary directory.")
-@click.option("--ledger", "ledger_url", metavar="URL",
-              help="Ledger URL; default: the group's --url / CELERY_LEDGER_URL, else SQLite "
-                   "in a temporary directory.")
-@click.option("--concurrency", type=click.IntRange(1, 8), default=2, show_default=True,
-              help="Pool processes per worker.")
+@click.option(
+    "--broker",
+    envvar="CELERY_BROKER_URL",
+    metavar="URL",
+    help="Broker URL (redis://...); default: filesystem:// in a temporary directory.",
+)
+@click.option(
+    "--ledger",
+    "ledger_url",
+    metavar="URL",
+    help="Ledger URL; default: the group's --url / CELERY_LEDGER_URL, else SQLite "
+    "in a temporary directory.",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 8),
+    default=2,
+    show_default=True,
+    help="Pool processes per worker.",
+)
 @click.option("--keep", is_flag=True, help="Keep the data directory and the ledger rows.")
 @click.pass_context
-def verify(ctx: click.Context, tasks: int, duration: float, seed: int | None, as_json: bool,
-           broker: str | None, ledger_url: str | None, concurrency: int, keep: bool) -> None:
+def verify(
+    ctx: click.Context,
+    tasks: int,
+    duration: float,
+    seed: int | None,
+    as_json: bool,
+    broker: str | None,
+    ledger_url: str | None,
+    concurrency: int,
+    keep: bool,
+) -> None:
     """Run synthetic orders under chaos; fail if the ledgered run lost or duplicated any."""
     if ledger_url is None and ctx.parent is not None:
         ledger_url = ctx.parent.params.get("url")
@@ -510,13 +595,22 @@ def verify(ctx: click.Context, tasks: int, duration: float, seed: int | None, as
         seed = random.SystemRandom().randrange(1, 2**31)
     phases = Phases(4, stream=sys.stderr if as_json else sys.stdout)
     if not as_json:
-        click.echo(f"celery-ledger verify: {tasks} orders per run under chaos for at most "
-                   f"{duration:.0f}s (reproduce the choices with --seed {seed})")
+        click.echo(
+            f"celery-ledger verify: {tasks} orders per run under chaos for at most "
+            f"{duration:.0f}s (reproduce the choices with --seed {seed})"
+        )
     try:
         with quiet_logging():
-            report = run_verify(tasks=tasks, duration=duration, seed=seed,
-                                concurrency=concurrency, broker=broker, ledger=ledger_url,
-                                keep=keep, phases=phases)
+            report = run_verify(
+                tasks=tasks,
+                duration=duration,
+                seed=seed,
+                concurrency=concurrency,
+                broker=broker,
+                ledger=ledger_url,
+                keep=keep,
+                phases=phases,
+            )
     except SignalStop as stop:
         click.echo(f"\ninterrupted ({stop}); every process verify started is stopped", err=True)
         sys.exit(128 + stop.signum)

@@ -74,13 +74,22 @@ def upgrade() -> None:
     )
 
     unauthorized = sa.text("attempts > authorized + 1")
-    op.create_index("ix_ledger_steps_unauthorized", "ledger_steps", ["key"],
-                    postgresql_where=unauthorized, sqlite_where=unauthorized)
+    op.create_index(
+        "ix_ledger_steps_unauthorized",
+        "ledger_steps",
+        ["key"],
+        postgresql_where=unauthorized,
+        sqlite_where=unauthorized,
+    )
 
     op.create_table(
         "ledger_events",
-        sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True,
-                  autoincrement=True),
+        sa.Column(
+            "id",
+            sa.BigInteger().with_variant(sa.Integer, "sqlite"),
+            primary_key=True,
+            autoincrement=True,
+        ),
         sa.Column("key", sa.String(64), nullable=False),
         sa.Column("task_id", sa.String(255)),
         sa.Column("fence", sa.BigInteger),
