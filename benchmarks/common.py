@@ -420,3 +420,13 @@ class CpuTally:
         for pid, (group, cpu) in self._snapshot().items():
             totals[group] += cpu - self._start.get(pid, 0.0)
         return totals
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into ``SystemExit`` so that ``finally`` and ``with`` blocks run: a benchmark
+    stopped by ``kill`` still stops its workers and drops its scratch databases."""
+
+    def _exit(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)

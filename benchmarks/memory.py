@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import REDIS_URL, Report, Worker, format_rows, memory_of, pg_database
+from common import REDIS_URL, Report, Worker, exit_on_sigterm, format_rows, memory_of, pg_database
 from throughput import drain
 
 BENCH = "memory"
@@ -112,6 +112,7 @@ def run(tasks: int = 2000, broker: str = REDIS_URL) -> Report:
 
 
 def main() -> None:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=2000)
     parser.add_argument("--broker", default=REDIS_URL)

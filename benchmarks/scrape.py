@@ -35,6 +35,9 @@ from ledger import LedgerStore  # noqa: E402
 from ledger.schema import entries, steps  # noqa: E402
 from worker.metrics import LedgerCollector  # noqa: E402
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+from common import exit_on_sigterm  # noqa: E402
+
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 TASKS = [f"shop.task_{i}" for i in range(10)]
 #: Out of every 10,000 entries: the rest are completed.
@@ -179,6 +182,7 @@ def run(url: str, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["postgres", "sqlite"], default="postgres")
     parser.add_argument(

@@ -24,7 +24,7 @@ import time
 import uuid
 from typing import Any
 
-from common import Report, StatementCounter, databases, format_rows, median
+from common import Report, StatementCounter, databases, exit_on_sigterm, format_rows, median
 
 from ledger import ClaimRequest, EntryStatus, Gate, LedgerStore, Owner
 from worker.attempt import Attempt
@@ -193,6 +193,7 @@ def run(
 
 
 def main() -> None:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["postgres", "sqlite", "both"], default="both")
     parser.add_argument("--tasks", type=int, default=50)

@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from common import Report, databases, format_rows, median
+from common import Report, databases, exit_on_sigterm, format_rows, median
 from sqlalchemy import event, text
 
 from ledger import LedgerStore
@@ -251,6 +251,7 @@ def run(
 
 
 def main() -> None:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["postgres", "sqlite", "both"], default="both")
     parser.add_argument("--rows", type=int, default=1_000_000, help="settled entries")

@@ -38,6 +38,7 @@ from common import (
     Report,
     StatementCounter,
     Worker,
+    exit_on_sigterm,
     format_rows,
     median,
     pg_database,
@@ -305,6 +306,7 @@ def run(
 
 
 def main() -> None:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=3)
