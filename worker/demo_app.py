@@ -332,14 +332,15 @@ def build_app(env: Mapping[str, str] | None = None) -> Celery:
 
 
 def register(app: Celery, db: EffectsDb) -> None:
-    """Register the three order tasks on ``app``."""
+    """Register the three order tasks on ``app``, and on ``app`` only (``shared=False``): the
+    demo's commands build one app per run in one process, each with its own effects table."""
     from worker.task import LedgerTask
 
-    @app.task(name=PLAIN)
+    @app.task(name=PLAIN, shared=False)
     def plain_order(run: str, order_id: str, amount: int, gap: float) -> dict[str, Any]:
         return run_order(_plain_step, db, run, order_id, amount, gap)
 
-    @app.task(name=PLAIN_ACKS_LATE, acks_late=True, reject_on_worker_lost=True)
+    @app.task(name=PLAIN_ACKS_LATE, acks_late=True, reject_on_worker_lost=True, shared=False)
     def plain_order_acks_late(run: str, order_id: str, amount: int, gap: float) -> dict[str, Any]:
         return run_order(_plain_step, db, run, order_id, amount, gap)
 
@@ -347,6 +348,7 @@ def register(app: Celery, db: EffectsDb) -> None:
         base=LedgerTask,
         bind=True,
         name=LEDGERED,
+        shared=False,
         key_from=("order_id",),
         reconciler=make_reconciler(db),
     )

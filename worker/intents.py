@@ -9,9 +9,10 @@ task like any interrupted entry (``LedgerStore.record_intent``).
 Two ways in, one record:
 
 - ``LedgerTask.apply_async`` (``delay``, signatures, canvas): the task knows its app;
-- ``app.send_task("name")``: Celery's ``before_task_publish`` signal, for a name that a ledger
-  app of this process has registered as a ``LedgerTask``. The signal does not say which app is
-  publishing; with several such apps, the current app is taken, or none (and no intent).
+- ``app.send_task("name")``: Celery's ``before_task_publish`` signal, for a name that the
+  publishing ledger app has registered as a ``LedgerTask``. The signal does not say which app
+  is publishing: it is the process's only ledger app, else the current app (the one created or
+  ``set_current()`` last), else the one finalized app that registers the name.
 
 A task sent by a name that no ledger app of the publishing process knows has no intent: only its
 class knows its key and side-effect class.
@@ -141,24 +142,33 @@ def on_before_task_publish(
 
 
 def _ledger_task(name: str) -> LedgerTask | None:
-    """The ``LedgerTask`` registered under ``name`` by the one ledger app of this process that
-    has it (or by the current app, when several do)."""
-    from celery import current_app
-
+    """The ``LedgerTask`` that the publishing app registers under ``name``, if any."""
     from worker.task import LedgerTask
 
-    found: dict[int, LedgerTask] = {}
-    for app in list(ledger_apps):
+    found = []
+    for app in _publishing_apps():
         try:
             tasks = app.tasks  # finalizes the app, as its own first use of tasks would
-        except RuntimeError:  # autofinalize=False and not finalized: it cannot be publishing
+        except RuntimeError:  # autofinalize=False and not finalized yet
             continue
         task = tasks.get(name)
         if isinstance(task, LedgerTask):
-            found[id(app)] = task
-    if len(found) == 1:
-        return next(iter(found.values()))
-    current = found.get(id(current_app._get_current_object()))
-    if current is None and found:
+            found.append(task)
+    if len(found) > 1:
         log.debug("no publish intent for %s: %d ledger apps register it", name, len(found))
-    return current
+    return found[0] if len(found) == 1 else None
+
+
+def _publishing_apps() -> list[Celery]:
+    """The ledger apps that may be publishing: the only one, or the current one, or (several,
+    none current) those already finalized. Another app is never finalized here: that would
+    bind other apps' shared tasks to it as a side effect of a publish."""
+    from celery import current_app
+
+    apps = list(ledger_apps)
+    if len(apps) <= 1:
+        return apps
+    current = current_app._get_current_object()
+    if any(app is current for app in apps):
+        return [current]
+    return [app for app in apps if app.finalized]
