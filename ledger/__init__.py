@@ -29,6 +29,7 @@ from ledger.values import (
     EventRecord,
     Interrupted,
     Owner,
+    Resuming,
     StepRecord,
 )
 
@@ -49,6 +50,7 @@ __all__ = [
     "Entry",
     "EventRecord",
     "Interrupted",
+    "Resuming",
     "Owner",
     "StepRecord",
     "RESUME_OWNER",

@@ -14,9 +14,9 @@ from sqlalchemy import Connection, Select, delete, func, select, update
 
 from ledger.dbclock import db_now, db_now_stable
 from ledger.schema import entries, events, steps
-from ledger.states import EntryStatus
+from ledger.states import EntryStatus, StepStatus
 from ledger.store import _RETURNED, HotPath
-from ledger.values import RESUME_OWNER, Interrupted
+from ledger.values import RESUME_OWNER, Interrupted, Resuming
 
 _RUNNING = EntryStatus.RUNNING.value
 _INTERRUPTED = EntryStatus.INTERRUPTED.value
@@ -147,14 +147,21 @@ class SweepQueries(HotPath):
 
     def begin_resume(
         self, key: str, fence: int, *, lease_seconds: float, actor: str = "sweep"
-    ) -> int | None:
-        """CAS ``interrupted -> running`` owned by the resume marker; return the new fence.
+    ) -> Resuming | None:
+        """CAS ``interrupted -> running`` owned by the resume marker, in one statement that
+        also returns what the winner re-sends (snapshot, completed replay rows).
 
-        Exactly one of any number of concurrent resumers gets a fence; the others get None.
-        The winner re-enqueues the task; the claim of that delivery takes over at once
+        Exactly one of any number of concurrent resumers gets a ``Resuming``; the others get
+        None. The winner re-enqueues the task; the claim of that delivery takes over at once
         (owner is ``RESUME_OWNER``). If the message is lost, the lease recovery holds here
         expires and the next sweep interrupts the entry again.
         """
+        completed = (
+            select(func.count())
+            .where(steps.c.key == key, steps.c.status == StepStatus.COMPLETED.value)
+            .scalar_subquery()
+            .label("completed_steps")
+        )
         upd = (
             update(entries)
             .where(entries.c.key == key, entries.c.fence == fence, entries.c.status == _INTERRUPTED)
@@ -167,11 +174,16 @@ class SweepQueries(HotPath):
                 lease_until=db_now() + lease_seconds,
                 updated_at=db_now(),
             )
-            .returning(*_RETURNED)
+            .returning(*_RETURNED, entries.c.task_name, entries.c.snapshot, completed)
         )
         with self._one_statement() as conn:
             rows = self._write_with_event(conn, upd, "resuming", actor)
-        return rows[0].fence if rows else None
+        if not rows:
+            return None
+        row = rows[0]
+        return Resuming(
+            row.task_name, row.task_id, row.fence, row.snapshot, int(row.completed_steps)
+        )
 
     def block(
         self,

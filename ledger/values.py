@@ -142,3 +142,17 @@ class Interrupted:
     interruptions: int = 0
     has_snapshot: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Resuming:
+    """An interrupted entry a resumer won (``begin_resume``): what it needs to re-send it."""
+
+    task_name: str
+    task_id: str
+    #: The fence the CAS moved the entry to (the resume marker holds it until a claim).
+    fence: int
+    #: The argument snapshot to re-send (None: nothing to re-send from).
+    snapshot: str | None
+    #: Replay rows already completed, which the resumed attempt will short-circuit.
+    completed_steps: int

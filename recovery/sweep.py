@@ -20,7 +20,7 @@ from typing import Any
 
 from kombu.utils.json import loads
 
-from ledger import Interrupted, LedgerStore, StepStatus
+from ledger import Interrupted, LedgerStore
 
 log = logging.getLogger(__name__)
 
@@ -87,22 +87,21 @@ def resume_entry(
             entry.key,
         )
         return "no-snapshot"
-    fence = store.begin_resume(entry.key, entry.fence, lease_seconds=lease_seconds, actor=actor)
-    if fence is None:
+    won = store.begin_resume(entry.key, entry.fence, lease_seconds=lease_seconds, actor=actor)
+    if won is None:
         return "lost-race"
-    full = store.get_entry(entry.key)
-    snapshot = loads(full.snapshot) if full.snapshot else {}
-    replay = sum(1 for s in store.load_steps(entry.key) if s.status is StepStatus.COMPLETED)
+    fence, replay = won.fence, won.completed_steps
+    snapshot = loads(won.snapshot) if won.snapshot else {}
     # ledger_redelivery: the entry exists, so the publisher records no publish intent.
     headers: dict[str, Any] = {"ledger_redelivery": True}
     if snapshot.get("ledger_key") is not None:
         headers["ledger_key"] = snapshot["ledger_key"]
-    options: dict[str, Any] = {"task_id": full.task_id, "headers": headers}
+    options: dict[str, Any] = {"task_id": won.task_id, "headers": headers}
     if snapshot.get("queue"):
         options["queue"] = snapshot["queue"]
     try:
         app.send_task(
-            full.task_name,
+            won.task_name,
             args=snapshot.get("args", []),
             kwargs=snapshot.get("kwargs", {}),
             **options,
@@ -112,7 +111,7 @@ def resume_entry(
             "resume of key=%s task_id=%s fence=%s could not be sent (%r); the next sweep "
             "after %ss retries it",
             entry.key,
-            full.task_id,
+            won.task_id,
             fence,
             exc,
             lease_seconds,
@@ -122,9 +121,9 @@ def resume_entry(
         "resumed key=%s task_id=%s fence=%s task=%s: %d completed step(s) will replay; "
         "by hand: celery-ledger resume %s",
         entry.key,
-        full.task_id,
+        won.task_id,
         fence,
-        full.task_name,
+        won.task_name,
         replay,
         entry.key,
     )

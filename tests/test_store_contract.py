@@ -264,7 +264,7 @@ def test_previous_boot_of_same_node_is_taken_over(store: LedgerStore) -> None:
 def test_resume_owner_is_taken_over_at_once(store: LedgerStore) -> None:
     fence = make_interrupted(store)
     resumed = store.begin_resume("key-1", fence, lease_seconds=LEASE_LONG)
-    assert resumed == fence + 1
+    assert resumed is not None and resumed.fence == fence + 1
     entry = store.get_entry("key-1")
     assert (entry.status, entry.owner) == (EntryStatus.RUNNING, RESUME_OWNER)
     assert entry.lease_until is not None and entry.lease_until > store.now()
@@ -645,7 +645,14 @@ def test_begin_resume_is_a_compare_and_set(store: LedgerStore) -> None:
     fence = make_interrupted(store)
     assert store.begin_resume("key-1", fence - 1, lease_seconds=LEASE_LONG) is None
     won = store.begin_resume("key-1", fence, lease_seconds=LEASE_LONG, actor="beat-1")
-    assert won == fence + 1
+    assert won is not None and won.fence == fence + 1
+    # What the winner re-sends comes back from the same statement.
+    entry = store.get_entry("key-1")
+    assert (won.task_name, won.task_id, won.snapshot) == (
+        entry.task_name,
+        entry.task_id,
+        entry.snapshot,
+    )
     assert store.begin_resume("key-1", fence, lease_seconds=LEASE_LONG, actor="beat-2") is None
     entry = store.get_entry("key-1")
     assert (entry.status, entry.fence, entry.owner, entry.owner_boot, entry.owner_pid) == (
@@ -661,9 +668,24 @@ def test_begin_resume_is_a_compare_and_set(store: LedgerStore) -> None:
     assert store.list_interrupted() == []
 
 
+def test_begin_resume_counts_the_completed_replay_rows(store: LedgerStore) -> None:
+    claim = store.claim(request(lease=LEASE_SHORT))
+    for seq, (name, status) in enumerate(
+        [("a", StepStatus.COMPLETED), ("b", StepStatus.COMPLETED), ("c", StepStatus.STARTED)], 1
+    ):
+        assert store.write_step("key-1", claim.fence, (name, "ih", 0), seq=seq, status=status)
+    store.claim(request("other-key"))  # another entry's rows are not counted
+    assert store.write_step("other-key", 1, ("a", "ih", 0), seq=1, status=StepStatus.COMPLETED)
+    wait_lease_expired(store, "key-1")
+    (marked,) = [i for i in store.interrupt_expired() if i.key == "key-1"]
+    won = store.begin_resume("key-1", marked.fence, lease_seconds=LEASE_LONG)
+    assert won is not None and won.completed_steps == 2
+
+
 def test_begin_resume_lease_lapses_back_to_the_sweep(store: LedgerStore) -> None:
     fence = make_interrupted(store)
-    assert store.begin_resume("key-1", fence, lease_seconds=LEASE_SHORT) == fence + 1
+    resumed = store.begin_resume("key-1", fence, lease_seconds=LEASE_SHORT)
+    assert resumed is not None and resumed.fence == fence + 1
     wait_lease_expired(store, "key-1")
     again = store.interrupt_expired()
     assert [(i.key, i.fence, i.interruptions) for i in again] == [("key-1", fence + 2, 2)]
@@ -982,8 +1004,10 @@ def test_threads_racing_begin_resume_get_exactly_one_fence(store: LedgerStore) -
         assert got is not None
         fences = _race(
             2,
-            lambda i, key=key, fence=got.fence: store.begin_resume(
-                key, fence, lease_seconds=LEASE_LONG, actor=f"beat-{i}"
+            lambda i, key=key, fence=got.fence: getattr(
+                store.begin_resume(key, fence, lease_seconds=LEASE_LONG, actor=f"beat-{i}"),
+                "fence",
+                None,
             ),
         )
         assert sorted(fences, key=lambda f: f is None) == [got.fence + 1, None], (rnd, fences)
