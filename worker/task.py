@@ -13,6 +13,7 @@ beside a live lease, BLOCK and CONFLICT raise without running anything.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -208,27 +209,19 @@ class LedgerTask(Task):
         """Send the task; with publish intents on, record it in the ledger first
         (``worker.intents``). An unreachable ledger never stops the publish."""
         headers = options.get("headers") or {}
-        if not intents.wanted(self, headers):
-            return super().apply_async(
-                args,
-                kwargs,
-                task_id=task_id,
-                producer=producer,
-                link=link,
-                link_error=link_error,
-                shadow=shadow,
-                **options,
+        publishing: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if intents.wanted(self, headers):
+            task_id = task_id or uuid()
+            intents.record(
+                self,
+                tuple(args or ()),
+                dict(kwargs or {}),
+                task_id,
+                ledger_key=headers.get("ledger_key"),
+                queue=options.get("queue"),
             )
-        task_id = task_id or uuid()
-        intents.record(
-            self,
-            tuple(args or ()),
-            dict(kwargs or {}),
-            task_id,
-            ledger_key=headers.get("ledger_key"),
-            queue=options.get("queue"),
-        )
-        with intents.recorded_by_apply_async(task_id):
+            publishing = intents.recorded_by_apply_async(task_id)
+        with publishing:
             return super().apply_async(
                 args,
                 kwargs,
