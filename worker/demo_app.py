@@ -533,9 +533,13 @@ class RunReport:
     #: Never completed and not parked (failed and blocked are reported apart). For a ledgered
     #: run: claimed by the ledger and never settled nor parked (the ledger's promise).
     lost: int = 0
-    #: Ledgered runs: sent, but no ledger entry at the end: the broker dropped the message
-    #: before any worker claimed it (``filesystem://`` forgets what a killed worker fetched).
+    #: Ledgered runs: sent, but never claimed by a worker: the broker dropped the message
+    #: before any claim (``filesystem://`` forgets what a killed worker fetched). The ledger
+    #: has no entry for it, or only its publish intent (``never_claimed_with_intent``).
     never_claimed: int = 0
+    #: Of ``never_claimed``, those recorded by their publish intent: the sweep re-sends them
+    #: once ``ledger_publish_intent_seconds`` pass, which a short run ends before.
+    never_claimed_with_intent: int = 0
     #: Messages still in the run's queue when it stopped (not yet consumed by anyone).
     queued_at_end: int = 0
     failed: int = 0
@@ -607,9 +611,17 @@ def tally(
         r.ledger_duplicate_executions = sum(o.unauthorized_reruns for o in outcomes.values())
         r.reconciler = reconciler_answers(db)
         settled = (EntryStatus.COMPLETED, EntryStatus.BLOCKED, EntryStatus.FAILED)
-        lost = [o for o, s in status.items() if s is not None and s not in settled]
-        never = [o for o, s in status.items() if s is None]
+        # An entry no attempt ever executed is a publish intent whose message the broker
+        # dropped: never claimed, like an order with no entry at all.
+        intent_only = {o for o, out in outcomes.items() if out.executions == 0}
+        lost = [
+            o
+            for o, s in status.items()
+            if s is not None and s not in settled and o not in intent_only
+        ]
+        never = [o for o, s in status.items() if s is None or o in intent_only]
         r.never_claimed = len(never)
+        r.never_claimed_with_intent = len(intent_only)
         r.never_claimed_orders = never[:20]
     r.lost = len(lost)
     r.lost_orders = lost[:20]

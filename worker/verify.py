@@ -515,10 +515,12 @@ def render(report: VerifyReport) -> str:
         lines.append(f"failed  {f['order_id']}: {f['error']}")
     if led.never_claimed:
         lines.append(
-            f"never claimed: {led.never_claimed} ledgered order(s) have no ledger "
-            f"entry ({led.queued_at_end} message(s) still queued): the broker dropped "
-            "them before any worker claimed them, which no task-side ledger can see "
-            "(filesystem:// forgets what a SIGKILLed worker had fetched)"
+            f"never claimed: {led.never_claimed} ledgered order(s) were never claimed "
+            f"by a worker ({led.queued_at_end} message(s) still queued): the broker dropped "
+            "them first (filesystem:// forgets what a SIGKILLed worker had fetched). "
+            f"{led.never_claimed_with_intent} of them have a publish intent in the ledger, "
+            "which the sweep re-sends once ledger_publish_intent_seconds pass (after this "
+            "run); the others have no entry, which no task-side ledger can see"
         )
     lines.append("")
     verdict = (
