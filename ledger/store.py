@@ -362,24 +362,8 @@ class HotPath(StoreCore):
         raise RuntimeError(f"claim of {req.key} did not converge")  # pragma: no cover
 
     def _insert_new(self, req: ClaimRequest) -> int | None:
-        rows = self._fast_with_event(
-            "claim",
-            lambda: sql.claim_insert(self.dialect),
-            {
-                "key": req.key,
-                "task_name": req.task_name,
-                "task_id": req.task_id,
-                "side_effect": req.side_effect,
-                "args_hash": req.args_hash,
-                "snapshot": req.snapshot,
-                "owner": req.owner.node,
-                "owner_boot": req.owner.boot,
-                "owner_pid": req.owner.pid,
-                "lease": req.lease_seconds,
-                "executions": 1,
-            },
-            "claimed",
-            req.owner.node,
+        rows = self._insert_entry(
+            req, req.owner.node, req.owner.boot, req.owner.pid, executions=1, event="claimed"
         )
         return int(rows[0][2]) if rows else None
 
@@ -392,7 +376,21 @@ class HotPath(StoreCore):
         worker had fetched), the lease expires and the sweep re-enqueues it like any
         interrupted entry. Returns False if the key already has an entry (nothing written).
         """
-        rows = self._fast_with_event(
+        return bool(self._insert_entry(req, RESUME_OWNER, None, None, executions=0, event="queued"))
+
+    def _insert_entry(
+        self,
+        req: ClaimRequest,
+        owner: str,
+        boot: str | None,
+        pid: int | None,
+        *,
+        executions: int,
+        event: str,
+    ) -> list[Any]:
+        """The claim's insert (``sql.claim_insert``): a new running entry, or no row if the
+        key exists. A claim owns it with one execution; a publish intent with none."""
+        return self._fast_with_event(
             "claim",
             lambda: sql.claim_insert(self.dialect),
             {
@@ -402,16 +400,15 @@ class HotPath(StoreCore):
                 "side_effect": req.side_effect,
                 "args_hash": req.args_hash,
                 "snapshot": req.snapshot,
-                "owner": RESUME_OWNER,
-                "owner_boot": None,
-                "owner_pid": None,
+                "owner": owner,
+                "owner_boot": boot,
+                "owner_pid": pid,
                 "lease": req.lease_seconds,
-                "executions": 0,
+                "executions": executions,
             },
-            "queued",
+            event,
             req.owner.node,
         )
-        return bool(rows)
 
     def _claim_existing_txn(self, conn: Connection, req: ClaimRequest) -> Claim | None:
         row = conn.execute(

@@ -35,9 +35,8 @@ from worker.orchestrate import (
     Phases,
     RunKind,
     Sandbox,
-    SignalStop,
     Workload,
-    quiet_logging,
+    run_to_report,
     safe_url,
     side_by_side,
 )
@@ -379,23 +378,18 @@ def demo(
             f"celery-ledger demo: {orders} orders per run (quote, reserve, charge, "
             f"receipt), {concurrency} pool processes per worker, 3 runs side by side"
         )
-    try:
-        with quiet_logging():
-            report = run_demo(
-                orders=orders,
-                concurrency=concurrency,
-                gap=gap,
-                broker=broker,
-                ledger=ledger_url,
-                keep=keep,
-                phases=phases,
-            )
-    except SignalStop as stop:
-        click.echo(f"\ninterrupted ({stop}); every process the demo started is stopped", err=True)
-        sys.exit(128 + stop.signum)
-    except KeyboardInterrupt:
-        click.echo("\ninterrupted; every process the demo started is stopped", err=True)
-        sys.exit(130)
+    report = run_to_report(
+        "the demo",
+        lambda: run_demo(
+            orders=orders,
+            concurrency=concurrency,
+            gap=gap,
+            broker=broker,
+            ledger=ledger_url,
+            keep=keep,
+            phases=phases,
+        ),
+    )
     if as_json:
         data = asdict(report)
         click.echo(json.dumps(data, indent=2, sort_keys=True))

@@ -32,12 +32,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import click
 from sqlalchemy.engine import make_url
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: The directory that holds the ``worker`` package: put on PYTHONPATH of every process, so a
 #: source checkout works as well as an installed package.
@@ -709,6 +711,20 @@ def quiet_logging() -> Iterator[None]:
         yield
     finally:
         root.setLevel(level)
+
+
+def run_to_report(what: str, run: Callable[[], T]) -> T:
+    """``run()`` with library logging quieted; on Ctrl-C or SIGTERM, exit the command the way
+    a shell expects (128 + signal) once every process it started is stopped."""
+    try:
+        with quiet_logging():
+            return run()
+    except SignalStop as stop:
+        click.echo(f"\ninterrupted ({stop}); every process {what} started is stopped", err=True)
+        sys.exit(128 + stop.signum)
+    except KeyboardInterrupt:
+        click.echo(f"\ninterrupted; every process {what} started is stopped", err=True)
+        sys.exit(130)
 
 
 def side_by_side(

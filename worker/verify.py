@@ -54,9 +54,8 @@ from worker.orchestrate import (
     Phases,
     RunKind,
     Sandbox,
-    SignalStop,
     Workload,
-    quiet_logging,
+    run_to_report,
     safe_url,
     side_by_side,
 )
@@ -601,24 +600,19 @@ def verify(
             f"celery-ledger verify: {tasks} orders per run under chaos for at most "
             f"{duration:.0f}s (reproduce the choices with --seed {seed})"
         )
-    try:
-        with quiet_logging():
-            report = run_verify(
-                tasks=tasks,
-                duration=duration,
-                seed=seed,
-                concurrency=concurrency,
-                broker=broker,
-                ledger=ledger_url,
-                keep=keep,
-                phases=phases,
-            )
-    except SignalStop as stop:
-        click.echo(f"\ninterrupted ({stop}); every process verify started is stopped", err=True)
-        sys.exit(128 + stop.signum)
-    except KeyboardInterrupt:
-        click.echo("\ninterrupted; every process verify started is stopped", err=True)
-        sys.exit(130)
+    report = run_to_report(
+        "verify",
+        lambda: run_verify(
+            tasks=tasks,
+            duration=duration,
+            seed=seed,
+            concurrency=concurrency,
+            broker=broker,
+            ledger=ledger_url,
+            keep=keep,
+            phases=phases,
+        ),
+    )
     if as_json:
         click.echo(json.dumps(asdict(report), indent=2, sort_keys=True))
     else:
