@@ -8,15 +8,25 @@ settle, step writes and lease renewal (once or more per task) therefore run here
 else (the claim's slow path, sweeps, operators) keeps SQLAlchemy, whose statements these are:
 they are built with SQLAlchemy Core in ``ledger.statements`` and compiled for the dialect once.
 
-Each unit of work checks a raw connection out of the store's pool and returns it (a thread
-pool of any size shares the pool; nothing is pinned to a thread). On PostgreSQL those
-connections are in autocommit, so a one-statement write is one round trip; on SQLite each unit
-is an explicit ``BEGIN IMMEDIATE`` ... ``COMMIT``.
+The fast path owns its connections: it takes each one from the engine once (so it is set up
+like any other: connect arguments, SQLite pragmas), detaches it from the pool and keeps it on a
+free list between units of work. A unit of work pops a connection and pushes it back, with no
+pool checkout, reset-on-return or event dispatch per statement (measured: 0.06 ms of client CPU
+per statement on this machine, a tenth of the claim's). Nothing is pinned to a thread, so a
+thread pool of any size shares the list; at most ``keep`` connections wait on it, any beyond
+are closed when returned. A connection that failed, or whose unit raised, is closed, not kept.
+On PostgreSQL the connections are in autocommit, so a one-statement write is one round trip; on
+SQLite each unit is an explicit ``BEGIN IMMEDIATE`` ... ``COMMIT``.
+
+After ``fork()`` the store builds a new fast path and forgets the old one without closing its
+connections (they are the parent's sessions; psycopg does not end a session from a process that
+did not open it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -48,9 +58,13 @@ class Compiled:
 class FastPath:
     """A process's hot-path statements, compiled once, and raw cursors to run them on."""
 
-    def __init__(self, engine: Engine, *, sqlite: bool) -> None:
+    def __init__(self, engine: Engine, *, sqlite: bool, keep: int = 2) -> None:
         self.engine = engine
         self._sqlite = sqlite
+        #: Idle DBAPI connections, last in first out (list.pop/append are atomic).
+        self._idle: list[Any] = []
+        self._keep = keep
+        self._pid = os.getpid()
         self._compiled: dict[Any, Compiled] = {}
         #: Called with each SQL string sent (benchmarks count round trips with it); empty in
         #: production, where the cursor is handed out as it is.
@@ -69,28 +83,37 @@ class FastPath:
             found = self._compiled[key] = Compiled(build(), self.engine)
         return found
 
+    def _connect(self) -> Any:
+        try:
+            return self._idle.pop()
+        except IndexError:
+            pass
+        try:
+            fairy = self.engine.raw_connection()
+        except Exception as exc:  # SQLAlchemy wraps the driver's connect errors
+            raise LedgerUnavailable(f"ledger database unavailable: {exc}") from exc
+        fairy.detach()  # ours from now on: closed by this class, never returned to the pool
+        return fairy.dbapi_connection
+
     @contextmanager
     def cursor(self) -> Iterator[Any]:
         """A cursor for one atomic unit of work (one statement on PostgreSQL).
 
         Raises:
-            LedgerUnavailable: the database cannot be reached; the connection is dropped and
+            LedgerUnavailable: the database cannot be reached; the connection is closed and
                 the next call connects again.
         """
-        try:
-            conn = self.engine.raw_connection()
-        except Exception as exc:  # SQLAlchemy wraps the driver's connect errors
-            raise LedgerUnavailable(f"ledger database unavailable: {exc}") from exc
+        conn = self._connect()
         cur = conn.cursor() if not self.listeners else _Observed(conn.cursor(), self.listeners)
+        reuse = False
         try:
             if self._sqlite:
                 cur.execute("BEGIN IMMEDIATE")
             yield cur
             if self._sqlite:
                 cur.execute("COMMIT")
+            reuse = True
         except self._unavailable as exc:
-            with contextlib.suppress(Exception):  # it is broken already; drop it
-                conn.invalidate()
             raise LedgerUnavailable(f"ledger database unavailable: {exc}") from exc
         except BaseException:
             if self._sqlite:  # on PostgreSQL (autocommit) there is nothing to roll back
@@ -98,8 +121,22 @@ class FastPath:
                     cur.execute("ROLLBACK")
             raise
         finally:
-            cur.close()
-            conn.close()  # back to the pool (an invalidated one is discarded)
+            with contextlib.suppress(Exception):  # a broken one is closed below anyway
+                cur.close()
+            if reuse and len(self._idle) < self._keep:
+                self._idle.append(conn)
+            else:
+                with contextlib.suppress(Exception):  # it may be broken already
+                    conn.close()
+
+    def close(self) -> None:
+        """Close the idle connections (in the process that opened them only)."""
+        if self._pid != os.getpid():
+            self._idle = []
+            return
+        while self._idle:
+            with contextlib.suppress(Exception):
+                self._idle.pop().close()
 
 
 class _Observed:

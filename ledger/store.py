@@ -139,8 +139,10 @@ class StoreCore:
     def dispose(self) -> None:
         """Close this process's connections (the store reopens on next use)."""
         if self._engine is not None and self._pid == os.getpid():
-            if self._fast is not None and self._fast.engine is not self._engine:
-                self._fast.engine.dispose()
+            if self._fast is not None:
+                self._fast.close()
+                if self._fast.engine is not self._engine:
+                    self._fast.engine.dispose()
             self._engine.dispose()
         self._fast = None
         self._engine = None

@@ -1098,6 +1098,74 @@ def test_unreachable_database_raises_ledger_unavailable() -> None:
         store.dispose()
 
 
+def _pool_events(store: LedgerStore, name: str) -> list[object]:
+    """Record each ``connect`` (new DBAPI connection) or ``checkout`` (taken from the pool)
+    of the hot path's engine from now on."""
+    from sqlalchemy import event
+
+    seen: list[object] = []
+    event.listen(store.fast.engine, name, lambda conn, *_: seen.append(conn))
+    return seen
+
+
+def test_hot_path_keeps_its_connection_between_tasks(store: LedgerStore) -> None:
+    store.ensure_ready()
+    taken = _pool_events(store, "checkout")
+    for i in range(20):
+        claim = store.claim(request(f"key-{i}", task_id=f"tid-{i}"))
+        assert claim.gate is Gate.RUN
+        assert store.settle(claim.key, claim.fence, EntryStatus.COMPLETED, result="1")
+    assert len(taken) == 1, "40 writes in one thread should take one connection, once"
+
+
+def test_hot_path_connection_ended_by_the_server_fails_once_and_loses_nothing(
+    pg_url: str,
+) -> None:
+    import psycopg
+
+    store = LedgerStore(pg_url)
+    try:
+        claim = store.claim(request())
+        assert claim.gate is Gate.RUN
+        opened = _pool_events(store, "connect")
+        with psycopg.connect(pg_url, autocommit=True) as admin:
+            ended = admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            ).fetchall()
+        assert ended, "the store's connections should have been there to end"
+        store.engine.dispose()  # the slow path's pooled connection ended too; not under test
+        with pytest.raises(LedgerUnavailable, match="ledger database unavailable"):
+            store.settle("key-1", claim.fence, EntryStatus.COMPLETED, result="1")
+        # The write never reached the database: the entry is still running, and the next
+        # call connects again and settles it.
+        assert store.get_entry("key-1").status is EntryStatus.RUNNING
+        assert store.settle("key-1", claim.fence, EntryStatus.COMPLETED, result="1")
+        assert store.get_entry("key-1").status is EntryStatus.COMPLETED
+        assert len(opened) == 1
+    finally:
+        store.dispose()
+
+
+def test_forked_child_opens_its_own_connection_and_leaves_the_parents(store: LedgerStore) -> None:
+    first = store.claim(request("parent-1", task_id="tid-p1"))
+    assert first.gate is Gate.RUN  # the parent's hot-path connection now waits, idle
+    pid = os.fork()
+    if pid == 0:  # the child: its own connection, then exit without running atexit hooks
+        code = 1
+        try:
+            child = store.claim(request("child-1", task_id="tid-c1"))
+            ok = store.settle(child.key, child.fence, EntryStatus.COMPLETED, result="2")
+            code = 0 if child.gate is Gate.RUN and ok else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # The parent's connection still works: the child neither used nor ended it.
+    assert store.settle("parent-1", first.fence, EntryStatus.COMPLETED, result="1")
+    assert store.get_entry("child-1").status is EntryStatus.COMPLETED
+
+
 def test_prune_skips_an_entry_being_released(pg_url: str) -> None:
     """A release un-settles a failed entry; a concurrent prune must not strip its steps.
 
