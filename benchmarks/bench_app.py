@@ -4,7 +4,12 @@ One task name, ``bench_app.noop``, built two ways from the environment:
 
 - ``BENCH_MODE=plain``: plain Celery. This module then imports nothing of celery-ledger (not
   even SQLAlchemy), so the memory comparison is against a project that does not use the ledger;
-- ``BENCH_MODE=ledger``: the same body on ``LedgerTask`` with a PostgreSQL (or SQLite) ledger.
+- ``BENCH_MODE=ledger``: the same body on ``LedgerTask`` with a PostgreSQL (or SQLite) ledger;
+- ``BENCH_MODE=floor``: plain Celery whose body makes the two writes any durable claim-then-settle
+  design needs, and nothing else: one autocommit ``INSERT`` of the task id before the work and
+  one ``UPDATE`` of that row after it, on a psycopg connection each pool process keeps (no
+  SQLAlchemy, no ledger, no fencing, no events). It is not a ledger; it measures what two
+  PostgreSQL commits per task cost on this machine, the least a ledgered task can cost.
 
 ``BENCH_FREEZE=1`` gives the plain mode the same ``gc.freeze()`` before each fork that a ledger
 app does by default (``ledger_freeze_gc_before_fork``), written out here so that the plain app
@@ -51,12 +56,26 @@ def make_app(mode: str, *, broker: str, queue: str, ledger_url: str | None = Non
             "bench_app", broker_url=broker, result_backend=broker, ledger_url=ledger_url, **conf
         )
         base = LedgerTask
-    elif mode == "plain":
+    elif mode in ("plain", "floor"):
         app = Celery("bench_app", broker=broker, backend=broker)
         app.conf.update(conf)
         base = Task
     else:
-        raise ValueError(f"BENCH_MODE must be plain or ledger, not {mode!r}")
+        raise ValueError(f"BENCH_MODE must be plain, floor or ledger, not {mode!r}")
+    if mode == "floor":
+        if not ledger_url:
+            raise ValueError("BENCH_MODE=floor needs BENCH_LEDGER_URL (a PostgreSQL database)")
+        floor = FloorWrites(ledger_url)
+
+        @app.task(name="bench_app.noop", shared=False, acks_late=True, reject_on_worker_lost=True)
+        def noop_floor(i: int) -> int:
+            task_id = noop_floor.request.id
+            floor.write(FLOOR_CLAIM, task_id)
+            result = i
+            floor.write(FLOOR_SETTLE, task_id)
+            return result
+
+        return app
 
     # shared=False: a second app built in the same process (the benchmark's one-process
     # measurement) must not inherit this app's task under the same name.
@@ -67,6 +86,32 @@ def make_app(mode: str, *, broker: str, queue: str, ledger_url: str | None = Non
         return i
 
     return app
+
+
+FLOOR_TABLE = "bench_floor"
+FLOOR_DDL = (
+    f"CREATE TABLE IF NOT EXISTS {FLOOR_TABLE} (task_id text PRIMARY KEY, done boolean NOT NULL)"
+)
+FLOOR_CLAIM = f"INSERT INTO {FLOOR_TABLE} (task_id, done) VALUES (%s, false)"
+FLOOR_SETTLE = f"UPDATE {FLOOR_TABLE} SET done = true WHERE task_id = %s"
+
+
+class FloorWrites:
+    """One autocommit psycopg connection per process (opened after fork), statements prepared
+    on first use: the cheapest way for Python to make one durable PostgreSQL write."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.replace("postgresql+psycopg://", "postgresql://")
+        self._conn: Any = None
+        self._pid = -1
+
+    def write(self, statement: str, task_id: str) -> None:
+        if self._pid != os.getpid():
+            import psycopg
+
+            self._conn = psycopg.connect(self.url, autocommit=True, prepare_threshold=0)
+            self._pid = os.getpid()
+        self._conn.execute(statement, (task_id,))
 
 
 def freeze_before_fork() -> None:

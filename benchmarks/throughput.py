@@ -9,7 +9,12 @@ ledgered run uses a PostgreSQL ledger in a scratch database created and dropped 
 
 Each round pre-fills a fresh queue with N tasks, then starts a worker and lets it drain the
 queue. Throughput is ``(N - 1) / (last date_done - first date_done)`` from the result
-backend, so worker start-up is not counted. Rounds alternate which mode goes first.
+backend, so worker start-up is not counted. Rounds alternate the order of the modes.
+
+A third mode, ``floor``, is plain Celery plus the two PostgreSQL writes any durable
+claim-then-settle design must make per task (an ``INSERT`` before the body, an ``UPDATE`` after,
+on a bare psycopg connection; see ``bench_app``). ``floor/plain`` is the most a ledgered task can
+reach on this machine whatever the ledger's own code does; ``ledger/floor`` is what that code costs.
 
 Then, in this process (no worker), ``task.apply()`` of the ledgered task with SQLAlchemy
 ``before_cursor_execute`` counting: statements and round trips per task on the hot path. The
@@ -48,6 +53,16 @@ from common import (
 
 BENCH = "throughput"
 TASK = "bench_app.noop"
+#: bench_app modes drained each round, in this order on even rounds and reversed on odd ones.
+MODES = ("plain", "floor", "ledger")
+
+
+def _create_floor_table(url: str) -> None:
+    import psycopg
+    from bench_app import FLOOR_DDL
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(FLOOR_DDL)
 
 
 def _redis(url: str) -> Any:
@@ -222,8 +237,8 @@ def run(
     concurrency: int = 2,
 ) -> Report:
     report = Report()
-    rates: dict[str, list[float]] = {"plain": [], "ledger": []}
-    cpu: dict[str, list[dict[str, float]]] = {"plain": [], "ledger": []}
+    rates: dict[str, list[float]] = {mode: [] for mode in MODES}
+    cpu: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     pg_per_task: list[dict[str, float]] = []
     with pg_database() as ledger_url, tempfile.TemporaryDirectory(prefix="cl_tp_") as tmp:
         from ledger import LedgerStore
@@ -231,8 +246,9 @@ def run(
         store = LedgerStore(ledger_url)
         store.ensure_ready()  # migrate once here, not in the first claim of the worker
         store.dispose()
+        _create_floor_table(ledger_url)
         for r in range(rounds):
-            order = ("plain", "ledger") if r % 2 == 0 else ("ledger", "plain")
+            order = MODES if r % 2 == 0 else MODES[::-1]
             for mode in order:
                 out = drain(
                     mode,
@@ -240,11 +256,11 @@ def run(
                     broker=broker,
                     tmp=Path(tmp),
                     concurrency=concurrency,
-                    ledger_url=ledger_url if mode == "ledger" else None,
+                    ledger_url=ledger_url if mode != "plain" else None,
                 )
                 rates[mode].append(out["rate"])
                 cpu[mode].append(out["cpu_ms"])
-                if "pg" in out:
+                if "pg" in out and mode == "ledger":
                     pg_per_task.append(out["pg"])
                 print(
                     f"  round {r + 1} {mode}: {out['rate']:.0f} tasks/s "
@@ -254,12 +270,27 @@ def run(
         hot = count_hot_path(ledger_url, broker)
         if profile:
             report.text["throughput profile"] = profile_hot_path(ledger_url, broker)
-    plain, ledger = median(rates["plain"]), median(rates["ledger"])
+    plain, floor, ledger = (median(rates[mode]) for mode in MODES)
     note = f"median of {rounds}, {tasks} tasks, -c {concurrency}"
     report.add(BENCH, "plain celery (acks_late)", plain, "tasks/s", note=note)
     report.add(BENCH, "LedgerTask (PostgreSQL)", ledger, "tasks/s", note=note)
     report.add(BENCH, "ratio ledger/plain", ledger / plain, "x", target=">= 0.80")
-    for mode in ("plain", "ledger"):
+    report.add(
+        BENCH,
+        "two-commit floor (bare psycopg)",
+        floor,
+        "tasks/s",
+        note="plain celery + 1 INSERT before, 1 UPDATE after; no ledger",
+    )
+    report.add(
+        BENCH,
+        "ratio floor/plain",
+        floor / plain,
+        "x",
+        note="the most any claim-then-settle on PostgreSQL reaches here",
+    )
+    report.add(BENCH, "ratio ledger/floor", ledger / floor, "x", note="what the ledger adds")
+    for mode in MODES:
         for group in CpuTally.GROUPS:
             if mode == "plain" and group == "postgres":
                 continue
