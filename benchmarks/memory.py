@@ -18,7 +18,10 @@ Four variants, because a ledger app by default freezes the garbage collector bef
   keeps the ``celery ledger`` sub-command from loading the ledger into every ``celery`` command);
 - ``plain+freeze``: the same, with the same ``gc.freeze()`` idiom (``bench_app``);
 - ``ledger``: ``LedgerTask`` with its defaults;
-- ``ledger-nofreeze``: ``LedgerTask`` with ``ledger_freeze_gc_before_fork`` off.
+- ``ledger-nofreeze``: ``LedgerTask`` with ``ledger_freeze_gc_before_fork`` off;
+- ``floor``: plain Celery whose task writes to PostgreSQL through bare psycopg (``bench_app``'s
+  ``floor`` mode): what a pool process pays for a PostgreSQL driver alone, with no SQLAlchemy
+  and no ledger.
 
 ``ledger / plain`` is what a Celery user sees when adopting the ledger; ``ledger /
 plain+freeze`` is what the ledger's own modules (SQLAlchemy, psycopg, the ledger) cost.
@@ -32,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from common import REDIS_URL, Report, Worker, exit_on_sigterm, format_rows, memory_of, pg_database
-from throughput import drain
+from throughput import _create_floor_table, drain
 
 BENCH = "memory"
 
@@ -42,6 +45,7 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "plain+freeze": ("plain", {"BENCH_FREEZE": "1"}),
     "ledger": ("ledger", {}),
     "ledger-nofreeze": ("ledger", {"CELERY_LEDGER_FREEZE_GC_BEFORE_FORK": "0"}),
+    "floor": ("floor", {}),
 }
 KINDS = ("rss", "pss", "uss")
 
@@ -66,6 +70,7 @@ def run(tasks: int = 2000, broker: str = REDIS_URL) -> Report:
         store = LedgerStore(ledger_url)
         store.ensure_ready()
         store.dispose()
+        _create_floor_table(ledger_url)
         for variant, (mode, env) in VARIANTS.items():
             out = drain(
                 mode,
@@ -73,7 +78,7 @@ def run(tasks: int = 2000, broker: str = REDIS_URL) -> Report:
                 broker=broker,
                 tmp=Path(tmp),
                 extra_env=env,
-                ledger_url=ledger_url if mode == "ledger" else None,
+                ledger_url=ledger_url if mode != "plain" else None,
                 on_drained=_children_memory,
             )
             measured[variant] = out["extra"]
@@ -103,6 +108,13 @@ def run(tasks: int = 2000, broker: str = REDIS_URL) -> Report:
             ledger / measured["plain+freeze"][kind],
             "x",
             note="what the ledger's own modules cost",
+        )
+        report.add(
+            BENCH,
+            f"{label} ratio floor/plain",
+            measured["floor"][kind] / measured["plain"][kind],
+            "x",
+            note="a bare psycopg connection, no SQLAlchemy, no ledger",
         )
     for variant in ("plain", "ledger"):
         report.add(

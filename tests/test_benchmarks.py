@@ -24,6 +24,9 @@ EXPECTED = [
     ("throughput", "plain celery (acks_late)"),
     ("throughput", "LedgerTask (PostgreSQL)"),
     ("throughput", "ratio ledger/plain"),
+    ("throughput", "two-commit floor (bare psycopg)"),
+    ("throughput", "ratio floor/plain"),
+    ("throughput", "ratio ledger/floor"),
     ("throughput", "statements per task"),
     ("throughput", "round trips per task"),
     ("throughput", "pg transactions per task"),
@@ -55,6 +58,7 @@ EXPECTED = [
     ("memory", "RSS per pool process, ledger"),
     ("memory", "PSS ratio ledger/plain"),
     ("memory", "USS ratio ledger/plain"),
+    ("memory", "RSS ratio floor/plain"),
     ("scrape", "stats() uncached"),
     ("scrape", "scrape from the cache"),
 ]
