@@ -96,6 +96,14 @@ FLOOR_CLAIM = f"INSERT INTO {FLOOR_TABLE} (task_id, done) VALUES (%s, false)"
 FLOOR_SETTLE = f"UPDATE {FLOOR_TABLE} SET done = true WHERE task_id = %s"
 
 
+def create_floor_table(url: str) -> None:
+    """Create the floor mode's table in ``url`` (the benchmark's scratch database)."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(FLOOR_DDL)
+
+
 class FloorWrites:
     """One autocommit psycopg connection per process (opened after fork), statements prepared
     on first use: the cheapest way for Python to make one durable PostgreSQL write."""

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from common import REDIS_URL, Report, Worker, exit_on_sigterm, format_rows, memory_of, pg_database
-from throughput import _create_floor_table, drain
+from throughput import drain
 
 BENCH = "memory"
 
@@ -70,7 +70,9 @@ def run(tasks: int = 2000, broker: str = REDIS_URL) -> Report:
         store = LedgerStore(ledger_url)
         store.ensure_ready()
         store.dispose()
-        _create_floor_table(ledger_url)
+        from bench_app import create_floor_table
+
+        create_floor_table(ledger_url)
         for variant, (mode, env) in VARIANTS.items():
             out = drain(
                 mode,

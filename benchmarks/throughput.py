@@ -57,14 +57,6 @@ TASK = "bench_app.noop"
 MODES = ("plain", "floor", "ledger")
 
 
-def _create_floor_table(url: str) -> None:
-    import psycopg
-    from bench_app import FLOOR_DDL
-
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(FLOOR_DDL)
-
-
 def _redis(url: str) -> Any:
     import redis
 
@@ -246,7 +238,9 @@ def run(
         store = LedgerStore(ledger_url)
         store.ensure_ready()  # migrate once here, not in the first claim of the worker
         store.dispose()
-        _create_floor_table(ledger_url)
+        from bench_app import create_floor_table
+
+        create_floor_table(ledger_url)
         for r in range(rounds):
             order = MODES if r % 2 == 0 else MODES[::-1]
             for mode in order:
