@@ -48,7 +48,7 @@ def make_app(mode: str, *, broker: str, queue: str, ledger_url: str | None = Non
     conf = {**COMMON_CONF, "task_default_queue": queue}
     base: type[Task]
     if mode == "ledger":
-        from worker import LedgerTask, create_app
+        from celery_ledger import LedgerTask, create_app
 
         if not ledger_url:
             raise ValueError("BENCH_MODE=ledger needs BENCH_LEDGER_URL")
@@ -123,7 +123,8 @@ class FloorWrites:
 
 
 def freeze_before_fork() -> None:
-    """The plain-mode copy of ``worker.app._on_before_fork`` (collect, freeze, fork, unfreeze)."""
+    """The plain-mode copy of ``celery_ledger.app._on_before_fork`` (collect, freeze, fork,
+    unfreeze)."""
     import gc
 
     from celery import signals

@@ -24,8 +24,6 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 from sqlalchemy import Engine, event  # noqa: E402
 
@@ -161,7 +159,8 @@ class StatementCounter:
 
     def __init__(self, engine: Engine, fast: Any = None) -> None:
         self.engine = engine
-        #: The store's hot path (``ledger.fastpath.FastPath``), which bypasses engine events.
+        #: The store's hot path (``celery_ledger.ledger.fastpath.FastPath``), which bypasses
+        #: engine events.
         self.fast = fast
         self.statements: list[str] = []
         self.begins = 0
@@ -264,9 +263,7 @@ class Worker:
         self.env = {
             **os.environ,
             **env,
-            "PYTHONPATH": os.pathsep.join(
-                [str(BENCH), str(REPO), os.environ.get("PYTHONPATH", "")]
-            ),
+            "PYTHONPATH": os.pathsep.join([str(BENCH), os.environ.get("PYTHONPATH", "")]),
         }
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None

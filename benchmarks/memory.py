@@ -14,8 +14,9 @@ each pool process while the worker is still up:
 Four variants, because a ledger app by default freezes the garbage collector before each fork
 (``ledger_freeze_gc_before_fork``), which also saves memory of Celery's own:
 
-- ``plain``: plain Celery as shipped. It imports nothing of celery-ledger (``worker.plugin``
-  keeps the ``celery ledger`` sub-command from loading the ledger into every ``celery`` command);
+- ``plain``: plain Celery as shipped. It imports nothing of celery-ledger
+  (``celery_ledger.cli.plugin`` keeps the ``celery ledger`` sub-command from loading the ledger into
+  every ``celery`` command);
 - ``plain+freeze``: the same, with the same ``gc.freeze()`` idiom (``bench_app``);
 - ``ledger``: ``LedgerTask`` with its defaults;
 - ``ledger-nofreeze``: ``LedgerTask`` with ``ledger_freeze_gc_before_fork`` off;
@@ -65,7 +66,7 @@ def run(tasks: int = 2000, broker: str = REDIS_URL) -> Report:
     report = Report()
     measured: dict[str, dict[str, Any]] = {}
     with pg_database() as ledger_url, tempfile.TemporaryDirectory(prefix="cl_mem_") as tmp:
-        from ledger import LedgerStore
+        from celery_ledger.ledger import LedgerStore
 
         store = LedgerStore(ledger_url)
         store.ensure_ready()

@@ -26,14 +26,13 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from sqlalchemy import insert, text  # noqa: E402
 
-from ledger import LedgerStore  # noqa: E402
-from ledger.schema import entries, steps  # noqa: E402
-from worker.metrics import LedgerCollector  # noqa: E402
+from celery_ledger.ledger import LedgerStore  # noqa: E402
+from celery_ledger.ledger.schema import entries, steps  # noqa: E402
+from celery_ledger.metrics import LedgerCollector  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from common import exit_on_sigterm  # noqa: E402

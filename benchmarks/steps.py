@@ -3,7 +3,7 @@
     python benchmarks/steps.py                 # PostgreSQL (scratch db) and SQLite (temp file)
     python benchmarks/steps.py --tasks 10 --backend sqlite
 
-Drives ``worker.attempt.Attempt`` and the store directly in this one process (no worker, no
+Drives ``celery_ledger.attempt.Attempt`` and the store directly in this one process (no worker, no
 broker): the store calls are exactly the ones a worker's pool process makes, without Celery's
 delivery around them, so the figures are the ledger's own cost per step.
 
@@ -26,9 +26,9 @@ from typing import Any
 
 from common import Report, StatementCounter, databases, exit_on_sigterm, format_rows, median
 
-from ledger import ClaimRequest, EntryStatus, Gate, LedgerStore, Owner
-from worker.attempt import Attempt
-from worker.settings import LedgerSettings
+from celery_ledger.attempt import Attempt
+from celery_ledger.ledger import ClaimRequest, EntryStatus, Gate, LedgerStore, Owner
+from celery_ledger.settings import LedgerSettings
 
 BENCH = "steps"
 STEPS = 10

@@ -31,8 +31,8 @@ from typing import Any
 from common import Report, databases, exit_on_sigterm, format_rows, median
 from sqlalchemy import event, text
 
-from ledger import LedgerStore
-from recovery import run_sweep
+from celery_ledger.ledger import LedgerStore
+from celery_ledger.recovery import run_sweep
 
 BENCH = "sweep"
 SMALL = 1000

@@ -168,7 +168,7 @@ def count_hot_path(ledger_url: str, broker: str, n: int = 200) -> dict[str, floa
     """Statements per ledgered task, counted in this process through ``task.apply()``."""
     from bench_app import make_app
 
-    from worker import runtime
+    from celery_ledger import runtime
 
     app = make_app("ledger", broker=broker, queue="unused", ledger_url=ledger_url)
     task = app.tasks[TASK]
@@ -190,7 +190,7 @@ def profile_hot_path(ledger_url: str, broker: str, n: int = 500) -> str:
     """cProfile of ``n`` eager ledgered tasks: where the in-process time goes."""
     from bench_app import make_app
 
-    from worker import runtime
+    from celery_ledger import runtime
 
     app = make_app("ledger", broker=broker, queue="unused", ledger_url=ledger_url)
     task = app.tasks[TASK]
@@ -233,7 +233,7 @@ def run(
     cpu: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     pg_per_task: list[dict[str, float]] = []
     with pg_database() as ledger_url, tempfile.TemporaryDirectory(prefix="cl_tp_") as tmp:
-        from ledger import LedgerStore
+        from celery_ledger.ledger import LedgerStore
 
         store = LedgerStore(ledger_url)
         store.ensure_ready()  # migrate once here, not in the first claim of the worker

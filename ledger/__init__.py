@@ -3,7 +3,7 @@
 Knows nothing of Celery; a reader can test it with SQLAlchemy alone.
 """
 
-from ledger.errors import (
+from celery_ledger.ledger.errors import (
     EntryNotFound,
     Fenced,
     IdentityError,
@@ -18,10 +18,10 @@ from ledger.errors import (
     SchemaError,
     SchemaTooNew,
 )
-from ledger.identity import canonical_json, entry_key, input_hash, provider_key
-from ledger.operator import BODY_STEP, LedgerStats, OperatorQueries, Release
-from ledger.states import EntryStatus, Gate, SideEffect, StepStatus, Verdict
-from ledger.values import (
+from celery_ledger.ledger.identity import canonical_json, entry_key, input_hash, provider_key
+from celery_ledger.ledger.operator import BODY_STEP, LedgerStats, OperatorQueries, Release
+from celery_ledger.ledger.states import EntryStatus, Gate, SideEffect, StepStatus, Verdict
+from celery_ledger.ledger.values import (
     RESUME_OWNER,
     Claim,
     ClaimRequest,
@@ -35,8 +35,8 @@ from ledger.values import (
 
 
 class LedgerStore(OperatorQueries):
-    """The ledger store: hot path (``ledger.store``), sweeps (``ledger.sweeps``) and operator
-    queries (``ledger.operator``) over one engine per process."""
+    """The ledger store: hot path (``store``), sweeps (``sweeps``) and operator queries
+    (``operator``) over one engine per process."""
 
 
 __all__ = [

@@ -6,7 +6,8 @@ CPU per task, through a bare psycopg cursor 0.19 ms. A Celery worker keeps its c
 its own work, so every CPU millisecond the ledger spends per task is throughput lost. Claim,
 settle, step writes and lease renewal (once or more per task) therefore run here; everything
 else (the claim's slow path, sweeps, operators) keeps SQLAlchemy, whose statements these are:
-they are built with SQLAlchemy Core in ``ledger.statements`` and compiled for the dialect once.
+they are built with SQLAlchemy Core in ``celery_ledger.ledger.statements`` and compiled for the
+dialect once.
 
 The fast path owns its connections: it takes each one from the engine once (so it is set up
 like any other: connect arguments, SQLite pragmas), detaches it from the pool and keeps it on a
@@ -33,7 +34,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from ledger.errors import LedgerUnavailable
+from celery_ledger.ledger.errors import LedgerUnavailable
 
 
 class Compiled:

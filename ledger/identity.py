@@ -7,7 +7,7 @@ import json
 import math
 from typing import Any
 
-from ledger.errors import IdentityError
+from celery_ledger.ledger.errors import IdentityError
 
 __all__ = ["canonical_json", "entry_key", "input_hash", "provider_key"]
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection, Engine, inspect, text
 
-from ledger.errors import SchemaTooNew
-from ledger.schema import SCHEMA_REVISION
+from celery_ledger.ledger.errors import SchemaTooNew
+from celery_ledger.ledger.schema import SCHEMA_REVISION
 
 if TYPE_CHECKING:
     from alembic.config import Config

@@ -7,12 +7,12 @@ from typing import Any
 
 from sqlalchemy import case, func, or_, select, update
 
-from ledger.dbclock import db_now, db_now_stable
-from ledger.errors import EntryNotFound, ReleaseRefused
-from ledger.schema import entries, events, steps
-from ledger.states import EntryStatus, SideEffect, StepStatus, Verdict
-from ledger.sweeps import SweepQueries
-from ledger.values import Entry, EventRecord
+from celery_ledger.ledger.dbclock import db_now, db_now_stable
+from celery_ledger.ledger.errors import EntryNotFound, ReleaseRefused
+from celery_ledger.ledger.schema import entries, events, steps
+from celery_ledger.ledger.states import EntryStatus, SideEffect, StepStatus, Verdict
+from celery_ledger.ledger.sweeps import SweepQueries
+from celery_ledger.ledger.values import Entry, EventRecord
 
 #: Statuses an operator may release. Never completed (it has a result), never failed with a
 #: live attempt; a running entry only once its lease expired.

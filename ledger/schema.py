@@ -1,8 +1,8 @@
 """The ledger's tables. Data only: every rule about them lives in the store.
 
-Times are seconds since the epoch as floats, read from the database clock (``ledger.dbclock``),
-so that leases compare on one clock whichever host wrote them and both SQLite and PostgreSQL
-index them the same way.
+Times are seconds since the epoch as floats, read from the database clock
+(``celery_ledger.ledger.dbclock``), so that leases compare on one clock whichever host wrote them
+and both SQLite and PostgreSQL index them the same way.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ from sqlalchemy import Float, Integer, String, Text, bindparam, insert, literal,
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
-from ledger.dbclock import db_now
-from ledger.schema import entries, events, steps
-from ledger.states import EntryStatus, StepStatus
+from celery_ledger.ledger.dbclock import db_now
+from celery_ledger.ledger.schema import entries, events, steps
+from celery_ledger.ledger.states import EntryStatus, StepStatus
 
 _EVENT_COLS = ["key", "task_id", "fence", "event", "status", "actor", "detail", "at"]
 RETURNED = (entries.c.key, entries.c.task_id, entries.c.fence, entries.c.status)

@@ -7,8 +7,8 @@ Contract of every public method:
   rowcount. A lost race (another attempt took over) returns ``False``/a gate; it never raises;
 - ``LedgerUnavailable`` is raised when the database cannot be reached.
 
-Sweep queries and operator queries live in ``ledger.sweeps`` and ``ledger.operator`` as mixins
-of the same class, so that each module stays one idea.
+Sweep queries and operator queries live in ``celery_ledger.ledger.sweeps`` and
+``celery_ledger.ledger.operator`` as mixins of the same class, so that each module stays one idea.
 """
 
 from __future__ import annotations
@@ -26,21 +26,21 @@ from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.sql.dml import ReturningInsert, ReturningUpdate
 
-from ledger import statements as sql
-from ledger.dbclock import db_now
-from ledger.engine import READ_ONLY, is_sqlite, make_engine, normalize_url
-from ledger.errors import LedgerUnavailable, SchemaError
-from ledger.fastpath import FastPath
-from ledger.migrate import (
+from celery_ledger.ledger import statements as sql
+from celery_ledger.ledger.dbclock import db_now
+from celery_ledger.ledger.engine import READ_ONLY, is_sqlite, make_engine, normalize_url
+from celery_ledger.ledger.errors import LedgerUnavailable, SchemaError
+from celery_ledger.ledger.fastpath import FastPath
+from celery_ledger.ledger.migrate import (
     current_revision,
     ensure_schema,
     head_revision,
     pending_revisions,
     schema_is_current,
 )
-from ledger.schema import entries, events, steps
-from ledger.states import EntryStatus, Gate, StepStatus
-from ledger.values import RESUME_OWNER, Claim, ClaimRequest, StepRecord
+from celery_ledger.ledger.schema import entries, events, steps
+from celery_ledger.ledger.states import EntryStatus, Gate, StepStatus
+from celery_ledger.ledger.values import RESUME_OWNER, Claim, ClaimRequest, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class StoreCore:
 
     @property
     def fast(self) -> FastPath:
-        """This process's hot-path connections (see ``ledger.fastpath``)."""
+        """This process's hot-path connections (see ``celery_ledger.ledger.fastpath``)."""
         self.engine  # noqa: B018 - builds the engine (and the fast path) for this process
         assert self._fast is not None
         return self._fast

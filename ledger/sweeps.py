@@ -12,11 +12,11 @@ from typing import Any
 
 from sqlalchemy import Connection, Select, delete, func, select, update
 
-from ledger.dbclock import db_now, db_now_stable
-from ledger.schema import entries, events, steps
-from ledger.states import EntryStatus, StepStatus
-from ledger.store import _RETURNED, HotPath
-from ledger.values import RESUME_OWNER, Interrupted, Resuming
+from celery_ledger.ledger.dbclock import db_now, db_now_stable
+from celery_ledger.ledger.schema import entries, events, steps
+from celery_ledger.ledger.states import EntryStatus, StepStatus
+from celery_ledger.ledger.store import _RETURNED, HotPath
+from celery_ledger.ledger.values import RESUME_OWNER, Interrupted, Resuming
 
 _RUNNING = EntryStatus.RUNNING.value
 _INTERRUPTED = EntryStatus.INTERRUPTED.value

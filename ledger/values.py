@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ledger.states import EntryStatus, Gate, StepStatus
+from celery_ledger.ledger.states import EntryStatus, Gate, StepStatus
 
 #: Owner name written by recovery when it re-enqueues an entry: the next claim of that entry
 #: takes it over at once instead of waiting for the lease recovery holds for it.

@@ -1,7 +1,8 @@
-"""Recovery: sweeps, resume and reconcilers. Uses ``ledger`` and a Celery app it is given."""
+"""Recovery: sweeps, resume and reconcilers. Uses ``celery_ledger.ledger`` and a Celery app it is
+given."""
 
-from recovery.reconcile import AmbiguousStep, Reconciled, Reconciler, ask
-from recovery.sweep import SweepReport, boot_sweep, resume_entry, run_sweep
+from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciled, Reconciler, ask
+from celery_ledger.recovery.sweep import SweepReport, boot_sweep, resume_entry, run_sweep
 
 __all__ = [
     # Sweeps

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ledger import Verdict
+from celery_ledger.ledger import Verdict
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from kombu.utils.json import loads
 
-from ledger import Interrupted, LedgerStore
+from celery_ledger.ledger import Interrupted, LedgerStore
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 @pytest.fixture
 def store(ledger_url: str) -> Iterator[object]:
-    from ledger import LedgerStore
+    from celery_ledger.ledger import LedgerStore
 
     s = LedgerStore(ledger_url)
     try:

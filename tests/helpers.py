@@ -6,8 +6,8 @@ from typing import Any
 
 from sqlalchemy import text
 
-from ledger import LedgerStore, entry_key
-from ledger.engine import READ_ONLY, make_engine
+from celery_ledger.ledger import LedgerStore, entry_key
+from celery_ledger.ledger.engine import READ_ONLY, make_engine
 
 
 def effect_counts(effects_url: str, tag: str | None = None) -> dict[tuple[str, str], int]:

@@ -57,7 +57,7 @@ class CeleryProcess:
 
     def start(self) -> CeleryProcess:
         env = {**os.environ, **self.env}
-        env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             self.args,

@@ -6,11 +6,11 @@ import pytest
 from celery import Celery
 from kombu.exceptions import EncodeError
 
+from celery_ledger import LedgerTask
+from celery_ledger.ledger import EntryStatus, LedgerStore, StepStatus
 from helpers import effect_counts, key_of
-from ledger import EntryStatus, LedgerStore, StepStatus
 from procs import processes, test_env, wait_for
 from test_delivery import client_app
-from worker import LedgerTask
 
 pytestmark = pytest.mark.processes
 
@@ -85,7 +85,7 @@ def test_ledger_unreachable_at_settle_leaves_entry_for_recovery(tmp_path, redis,
     """The ledger goes away while the body runs: settle retries within its bound, then leaves
     the entry running; the lease expires, beat's sweep resumes it, steps replay, and the task
     completes with every effect exactly once."""
-    from worker.tcpproxy import TcpProxy
+    from celery_ledger.harness.tcpproxy import TcpProxy
 
     LedgerStore(pg_url).ensure_ready()  # schema, while reachable
     pg_port = int(pg_url.split("@", 1)[1].split("/", 1)[0].split(":")[1])

@@ -1,7 +1,7 @@
 """The operator CLI (issue 5): click's runner, real subprocesses, and the full story.
 
-Runner tests drive ``worker.cli.main`` in-process against SQLite and PostgreSQL, with the
-ledger's state built through the store the way a worker builds it (claim, started step,
+Runner tests drive ``celery_ledger.cli.main.main`` in-process against SQLite and PostgreSQL,
+with the ledger's state built through the store the way a worker builds it (claim, started step,
 external ref, settle). Subprocess tests run the installed ``celery-ledger`` console script and
 ``celery -A tests_app ledger``. The full story runs a real worker on the embedded default
 (filesystem broker): a pool process is SIGKILLed after the ``started`` row of ``charge``; the
@@ -25,8 +25,9 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import text
 
-from helpers import effect_counts
-from ledger import (
+from celery_ledger.cli.main import main
+from celery_ledger.codec import decode, encode
+from celery_ledger.ledger import (
     RESUME_OWNER,
     ClaimRequest,
     EntryStatus,
@@ -35,10 +36,9 @@ from ledger import (
     StepStatus,
     entry_key,
 )
-from ledger.engine import make_engine
-from procs import REPO, TESTS, processes, test_env, wait_for
-from worker.cli import main
-from worker.codec import decode, encode
+from celery_ledger.ledger.engine import make_engine
+from helpers import effect_counts
+from procs import TESTS, processes, test_env, wait_for
 
 BIN = Path(sys.executable).parent
 NODE = "celery@host-a"
@@ -565,7 +565,7 @@ def test_migrate_plan_changes_nothing_then_migrate_applies(cli: Any, pg_url: str
 
 def run(args: list[str], env: dict[str, str], *, code: int = 0) -> subprocess.CompletedProcess:
     """``celery-ledger ...`` or ``celery -A tests_app ledger ...`` as a real process."""
-    full = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
+    full = {**os.environ, **env, "PYTHONPATH": str(TESTS)}
     proc = subprocess.run(args, env=full, cwd=TESTS, capture_output=True, text=True, timeout=90)
     assert proc.returncode == code, (args, proc.returncode, proc.stdout, proc.stderr)
     return proc

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
+from celery_ledger.ledger import EntryStatus, LedgerStore
 from helpers import business_key, effect_counts, event_names, key_of
-from ledger import EntryStatus, LedgerStore
 from procs import processes, test_env, wait_for
 
 pytestmark = pytest.mark.processes
@@ -124,7 +124,7 @@ def test_business_key_with_different_arguments_conflicts(tmp_path):
 def test_ledger_unreachable_at_claim_runs_nothing_then_completes_once(tmp_path, pg_url):
     """The ledger is down when the task arrives: the body does not run; it is redelivered
     with backoff and completes exactly once when the ledger is back."""
-    from worker.tcpproxy import TcpProxy
+    from celery_ledger.harness.tcpproxy import TcpProxy
 
     LedgerStore(pg_url).ensure_ready()  # create the schema while the database is reachable
     host_port = pg_url.split("@", 1)[1].split("/", 1)[0]

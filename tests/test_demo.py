@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from sqlalchemy import inspect, text
 
-from ledger.engine import make_engine
+from celery_ledger.ledger.engine import make_engine
 from procs import wait_for
 
 pytestmark = pytest.mark.processes

@@ -206,7 +206,7 @@ def serve_standalone(tmp_path: Path, url: str) -> str:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            env=dict(os.environ),
         )
     try:
         scraper = FlowerClient(port, auth=None)

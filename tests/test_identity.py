@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from ledger import IdentityError, canonical_json, entry_key, input_hash, provider_key
+from celery_ledger.ledger import IdentityError, canonical_json, entry_key, input_hash, provider_key
 
 # -- canonical_json -----------------------------------------------------------------------
 

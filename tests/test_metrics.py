@@ -15,9 +15,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ledger import ClaimRequest, EntryStatus, Gate, LedgerStore, Owner, StepStatus
+from celery_ledger.ledger import ClaimRequest, EntryStatus, Gate, LedgerStore, Owner, StepStatus
+from celery_ledger.metrics import LedgerCollector
 from procs import wait_for
-from worker.metrics import LedgerCollector
 
 OWNER = Owner(node="celery@test", boot="b1", pid=1)
 OTHER = Owner(node="celery@other", boot="b2", pid=2)
@@ -151,7 +151,7 @@ def http_get(url: str) -> str:
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-c", "from worker.cli import main; main()", *args]
+    return [sys.executable, "-c", "from celery_ledger.cli.main import main; main()", *args]
 
 
 @pytest.mark.processes

@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
+from celery_ledger.attempt import input_hash_of
+from celery_ledger.codec import canonical_arguments
+from celery_ledger.ledger import ClaimRequest, EntryStatus, LedgerStore, Owner, StepStatus
+from celery_ledger.recovery import run_sweep
 from helpers import business_key, effect_counts, event_names, key_of
-from ledger import ClaimRequest, EntryStatus, LedgerStore, Owner, StepStatus
 from procs import processes, test_env, wait_for
-from recovery import run_sweep
 from test_delivery import client_app
-from worker.attempt import input_hash_of
-from worker.codec import canonical_arguments
 
 pytestmark = pytest.mark.processes
 
@@ -252,7 +252,7 @@ def test_message_lost_before_any_claim_is_resent_from_its_publish_intent(tmp_pat
     runs once."""
     from pathlib import Path
 
-    from worker import LedgerTask, create_app
+    from celery_ledger import LedgerTask, create_app
 
     ledger = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
     env = test_env(tmp_path, broker=None, ledger_url=ledger, CELERY_LEDGER_SWEEP_INTERVAL="1")
@@ -295,7 +295,7 @@ def test_send_task_records_an_intent_only_for_a_ledger_task_it_knows(tmp_path):
     """By name, the publisher records an intent when a ledger app of its process registers
     the name as a LedgerTask; an unknown name, or a plain task, gets none; one publish writes
     one ``queued`` event, whichever way in."""
-    from worker import LedgerTask, create_app
+    from celery_ledger import LedgerTask, create_app
 
     ledger = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
     producer = create_app("producer", data_dir=tmp_path / "data", ledger_url=ledger)

@@ -7,10 +7,15 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import Engine, inspect, text
 
-from ledger import ClaimRequest, Gate, LedgerStore, Owner, SchemaError, SchemaTooNew
-from ledger.engine import make_engine
-from ledger.migrate import VERSION_TABLE, current_revision, head_revision, pending_revisions
-from ledger.schema import SCHEMA_REVISION, metadata
+from celery_ledger.ledger import ClaimRequest, Gate, LedgerStore, Owner, SchemaError, SchemaTooNew
+from celery_ledger.ledger.engine import make_engine
+from celery_ledger.ledger.migrate import (
+    VERSION_TABLE,
+    current_revision,
+    head_revision,
+    pending_revisions,
+)
+from celery_ledger.ledger.schema import SCHEMA_REVISION, metadata
 
 LEDGER_TABLES = {"ledger_entries", "ledger_steps", "ledger_events"}
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+from celery_ledger.ledger import EntryStatus, LedgerStore, StepStatus
 from helpers import business_key, effect_counts, event_names, key_of
-from ledger import EntryStatus, LedgerStore, StepStatus
 from procs import processes, test_env, wait_for
 from test_delivery import client_app
 

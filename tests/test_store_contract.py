@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from ledger import (
+from celery_ledger.ledger import (
     BODY_STEP,
     RESUME_OWNER,
     Claim,

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from sqlalchemy import inspect, text
 
-from ledger.engine import make_engine
+from celery_ledger.ledger.engine import make_engine
 
 pytestmark = pytest.mark.processes
 

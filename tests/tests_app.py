@@ -14,8 +14,8 @@ from typing import Any
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, insert
 from sqlalchemy.exc import DBAPIError
 
-from ledger.engine import make_engine
-from worker import LedgerTask, Reconciled, create_app
+from celery_ledger import LedgerTask, Reconciled, create_app
+from celery_ledger.ledger.engine import make_engine
 
 app = create_app("tests_app")
 app.conf.task_default_queue = os.environ.get("TEST_QUEUE", "celery")

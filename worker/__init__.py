@@ -1,8 +1,14 @@
-"""The Celery side of celery-ledger: the task base class, the app wiring, the CLI.
+"""celery-ledger: durable, fenced, at-most-once side effects and crash recovery for Celery.
+
+``celery_ledger`` is the Celery side (the task base class, the app wiring, signals, Flower
+glue; the repository's ``worker/``). Its subpackages: ``celery_ledger.ledger`` (the store,
+no Celery), ``celery_ledger.recovery`` (sweeps, resume, reconcilers), ``celery_ledger.cli``
+(the operator CLI) and ``celery_ledger.harness`` (``demo`` and ``verify``).
 
 The names below are imported on first access (PEP 562), not with the package: Celery imports
-``worker.plugin`` (the ``celery ledger`` sub-command) into every ``celery`` command line, and
-that must not drag the ledger, SQLAlchemy and psycopg into workers that do not use them.
+``celery_ledger.cli.plugin`` (the ``celery ledger`` sub-command) into every ``celery`` command
+line, and that must not drag the ledger, SQLAlchemy and psycopg into workers that do not use
+them.
 """
 
 from __future__ import annotations
@@ -11,23 +17,23 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from recovery.reconcile import AmbiguousStep, Reconciled
-    from worker.app import create_app, install, sweep_now
-    from worker.settings import LedgerSettings
-    from worker.task import LedgerTask
+    from celery_ledger.app import create_app, install, sweep_now
+    from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciled
+    from celery_ledger.settings import LedgerSettings
+    from celery_ledger.task import LedgerTask
 
 #: Public name -> the module that defines it.
 _EXPORTS = {
     # Tasks
-    "LedgerTask": "worker.task",
+    "LedgerTask": "celery_ledger.task",
     # Reconcilers
-    "AmbiguousStep": "recovery.reconcile",
-    "Reconciled": "recovery.reconcile",
+    "AmbiguousStep": "celery_ledger.recovery.reconcile",
+    "Reconciled": "celery_ledger.recovery.reconcile",
     # App wiring
-    "create_app": "worker.app",
-    "install": "worker.app",
-    "sweep_now": "worker.app",
-    "LedgerSettings": "worker.settings",
+    "create_app": "celery_ledger.app",
+    "install": "celery_ledger.app",
+    "sweep_now": "celery_ledger.app",
+    "LedgerSettings": "celery_ledger.settings",
 }
 
 __all__ = [
@@ -44,7 +50,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'worker' has no attribute {name!r}")
+        raise AttributeError(f"module 'celery_ledger' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

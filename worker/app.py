@@ -6,7 +6,7 @@ the sweep task, the beat entry ``celery-ledger-sweep``, and the worker/beat sign
 default (SQLite ledger, ``filesystem://`` broker, SQLite results under one data directory) or
 on whatever ``CELERY_BROKER_URL`` / ``CELERY_RESULT_BACKEND`` / ``CELERY_LEDGER_URL`` name.
 
-``celery -A worker.app worker`` works: ``app`` is built on first attribute access (PEP 562),
+``celery -A celery_ledger.app worker`` works: ``app`` is built on first attribute access (PEP 562),
 never at import time.
 """
 
@@ -20,10 +20,10 @@ from typing import Any
 
 from celery import Celery, signals
 
-from ledger import LedgerError
-from recovery import SweepReport, boot_sweep, run_sweep
-from worker import intents, runtime
-from worker.settings import DEFAULT_DATA_DIR
+from celery_ledger import intents, runtime
+from celery_ledger.ledger import LedgerError
+from celery_ledger.recovery import SweepReport, boot_sweep, run_sweep
+from celery_ledger.settings import DEFAULT_DATA_DIR
 
 log = logging.getLogger(__name__)
 
@@ -226,16 +226,13 @@ _default_app: Celery | None = None
 
 
 def __getattr__(name: str) -> Any:
+    """``celery -A celery_ledger.app``: the embedded default app, built on first access.
+
+    It registers the sweep and nothing else; the README's example tasks live in
+    ``celery_ledger.harness.examples`` (``celery -A celery_ledger.harness.examples``)."""
     global _default_app
     if name in ("app", "celery"):
         if _default_app is None:
             _default_app = create_app()
-            _register_demo_tasks(_default_app)
         return _default_app
     raise AttributeError(name)
-
-
-def _register_demo_tasks(app: Celery) -> None:
-    from worker.examples import register
-
-    register(app)

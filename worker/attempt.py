@@ -22,7 +22,9 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from ledger import (
+from celery_ledger.codec import canonical_arguments, decode, encode
+from celery_ledger.crashpoints import crash_point
+from celery_ledger.ledger import (
     Fenced,
     LedgerStore,
     LedgerUnavailable,
@@ -33,12 +35,10 @@ from ledger import (
     input_hash,
     provider_key,
 )
-from worker.codec import canonical_arguments, decode, encode
-from worker.crashpoints import crash_point
-from worker.settings import LedgerSettings
+from celery_ledger.settings import LedgerSettings
 
 if TYPE_CHECKING:
-    from worker.task import LedgerTask
+    from celery_ledger.task import LedgerTask
 
 log = logging.getLogger(__name__)
 

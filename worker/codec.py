@@ -12,8 +12,8 @@ from typing import Any
 
 from kombu.utils.json import dumps, loads
 
-from ledger import PayloadNotSerializable, PayloadTooLarge, canonical_json
-from ledger.errors import IdentityError
+from celery_ledger.ledger import PayloadNotSerializable, PayloadTooLarge, canonical_json
+from celery_ledger.ledger.errors import IdentityError
 
 
 def encode(value: Any, *, limit: int, what: str) -> str:

@@ -22,7 +22,7 @@ import os
 import signal
 from pathlib import Path
 
-from worker.settings import LedgerSettings
+from celery_ledger.settings import LedgerSettings
 
 
 def crash_point(settings: LedgerSettings, name: str) -> None:

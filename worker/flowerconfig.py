@@ -21,12 +21,12 @@ import os as _os
 
 from tornado.options import options as _flower_options
 
-from worker.metrics import DEFAULT_TTL_SECONDS, install_in_flower
+from celery_ledger.metrics import DEFAULT_TTL_SECONDS, install_in_flower
 
 install_in_flower(ttl=float(_os.environ.get("CELERY_LEDGER_METRICS_TTL", DEFAULT_TTL_SECONDS)))
 
 if not (_flower_options.basic_auth or _flower_options.auth or _flower_options.auth_provider):
-    _logging.getLogger("worker.flowerconfig").warning(
+    _logging.getLogger("celery_ledger.flowerconfig").warning(
         "Flower starts without authentication: anyone who reaches its port sees every task's "
         "arguments and results; set FLOWER_BASIC_AUTH or --basic-auth"
     )

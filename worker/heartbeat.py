@@ -13,10 +13,10 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from ledger import LedgerError
+from celery_ledger.ledger import LedgerError
 
 if TYPE_CHECKING:
-    from worker.attempt import Attempt
+    from celery_ledger.attempt import Attempt
 
 log = logging.getLogger(__name__)
 

@@ -25,21 +25,22 @@ import logging
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from ledger import ClaimRequest
-from worker import runtime
-from worker.codec import encode
+from celery_ledger import runtime
+from celery_ledger.codec import encode
+from celery_ledger.ledger import ClaimRequest
 
 if TYPE_CHECKING:
     from celery import Celery
 
-    from worker.task import LedgerTask
+    from celery_ledger.task import LedgerTask
 
 log = logging.getLogger(__name__)
 
 #: Snapshots larger than this are refused at publish (the claim enforces the same bound).
 SNAPSHOT_LIMIT = 16 * 1024 * 1024
 
-#: Ledger apps of this process (``worker.app.install``), for the signal to find a task's class.
+#: Ledger apps of this process (``celery_ledger.app.install``), for the signal to find a
+#: task's class.
 ledger_apps: weakref.WeakSet[Celery] = weakref.WeakSet()
 
 #: Task id whose intent ``LedgerTask.apply_async`` recorded while it publishes, so the signal
@@ -143,7 +144,7 @@ def on_before_task_publish(
 
 def _ledger_task(name: str) -> LedgerTask | None:
     """The ``LedgerTask`` that the publishing app registers under ``name``, if any."""
-    from worker.task import LedgerTask
+    from celery_ledger.task import LedgerTask
 
     found = []
     for app in _publishing_apps():

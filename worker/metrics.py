@@ -7,7 +7,8 @@ gauges. Two ways to serve it:
   ``install_in_flower()``, which registers the collector in prometheus_client's default
   ``REGISTRY``; Flower's ``/metrics`` renders that registry, so its page carries the ledger's
   gauges next to ``flower_events_total``;
-- alone: ``celery-ledger metrics --port 9808`` serves only the ledger's gauges.
+- alone: ``celery-ledger metrics --port 9808`` (``celery_ledger.cli.metrics``) serves only the
+  ledger's gauges.
 
 A scrape never loads the database: the aggregates are computed by a handful of indexed
 queries at most once per ``ttl`` seconds (one computation at a time, however many scrapers),
@@ -27,10 +28,10 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import click
-from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, make_wsgi_app
+from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from ledger import EntryStatus, LedgerStats, OperatorQueries
+from celery_ledger.ledger import EntryStatus, LedgerStats, OperatorQueries
 
 log = logging.getLogger(__name__)
 
@@ -211,8 +212,8 @@ def install_in_flower(
         registry.unregister(_flower_collector)
 
     def store() -> OperatorQueries:
-        from ledger import LedgerStore
-        from worker.runtime import settings_for
+        from celery_ledger.ledger import LedgerStore
+        from celery_ledger.runtime import settings_for
 
         return LedgerStore(settings_for(app or _current_celery_app()).url, migrate=False)
 
@@ -251,51 +252,3 @@ def serve(collector: LedgerCollector, *, address: str, port: int) -> WSGIServer:
     registry = CollectorRegistry(auto_describe=True)
     registry.register(collector)
     return make_server(address, port, make_wsgi_app(registry), _Server, handler_class=_QuietHandler)
-
-
-@click.command("metrics")
-@click.option(
-    "--port",
-    type=int,
-    default=DEFAULT_PORT,
-    show_default=True,
-    help="Port to serve /metrics on (0: any free port).",
-)
-@click.option(
-    "--address",
-    default="127.0.0.1",
-    show_default=True,
-    help="Address to bind (0.0.0.0 inside a container).",
-)
-@click.option(
-    "--ttl",
-    type=float,
-    default=DEFAULT_TTL_SECONDS,
-    show_default=True,
-    envvar="CELERY_LEDGER_METRICS_TTL",
-    help="Seconds one computation of the aggregates is served.",
-)
-@click.option("--once", is_flag=True, help="Print the metrics once and exit.")
-@click.pass_obj
-def metrics_command(obj: Any, port: int, address: str, ttl: float, once: bool) -> None:
-    """Serve the ledger's Prometheus gauges without Flower."""
-    collector = LedgerCollector(lambda: obj.store, ttl=ttl)
-    if once:
-        registry = CollectorRegistry(auto_describe=True)
-        registry.register(collector)
-        click.echo(generate_latest(registry).decode(), nl=False)
-        return
-    server = serve(collector, address=address, port=port)
-    click.echo(
-        f"celery-ledger metrics on http://{address}:{server.server_port}/metrics (ttl {ttl:g}s)",
-        err=True,
-    )
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-
-
-COMMANDS = [metrics_command]

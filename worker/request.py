@@ -16,8 +16,8 @@ from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import WorkerLostError
 from celery.worker.request import Request
 
-from ledger import LedgerError
-from worker import runtime
+from celery_ledger import runtime
+from celery_ledger.ledger import LedgerError
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import threading
 import uuid
 from typing import Any
 
-from ledger import LedgerStore, Owner
-from worker.settings import LedgerSettings
+from celery_ledger.ledger import LedgerStore, Owner
+from celery_ledger.settings import LedgerSettings
 
 _boot_id: str | None = None
 _boot_lock = threading.Lock()

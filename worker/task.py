@@ -24,7 +24,12 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 from celery.utils import uuid
 
-from ledger import (
+from celery_ledger import intents, runtime
+from celery_ledger.attempt import Attempt, current_attempt
+from celery_ledger.codec import canonical_arguments, decode, encode
+from celery_ledger.crashpoints import crash_point
+from celery_ledger.heartbeat import heartbeat
+from celery_ledger.ledger import (
     BODY_STEP,
     Claim,
     ClaimRequest,
@@ -41,12 +46,7 @@ from ledger import (
     Verdict,
     entry_key,
 )
-from recovery.reconcile import AmbiguousStep, Reconciler, ask
-from worker import intents, runtime
-from worker.attempt import Attempt, current_attempt
-from worker.codec import canonical_arguments, decode, encode
-from worker.crashpoints import crash_point
-from worker.heartbeat import heartbeat
+from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciler, ask
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class LedgerTask(Task):
     # ack after the body, and requeue when the pool process running it dies.
     acks_late = True
     reject_on_worker_lost = True
-    Request = "worker.request:LedgerRequest"
+    Request = "celery_ledger.request:LedgerRequest"
 
     _signature_cache: inspect.Signature | None = None
 
@@ -207,7 +207,7 @@ class LedgerTask(Task):
         **options: Any,
     ) -> Any:
         """Send the task; with publish intents on, record it in the ledger first
-        (``worker.intents``). An unreachable ledger never stops the publish."""
+        (``celery_ledger.intents``). An unreachable ledger never stops the publish."""
         headers = options.get("headers") or {}
         publishing: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if intents.wanted(self, headers):
@@ -698,7 +698,7 @@ def _sha256(text: str) -> str:
 
 
 def _provider_key(key: str, ident: tuple[str, str, int]) -> str:
-    from ledger import provider_key
+    from celery_ledger.ledger import provider_key
 
     return provider_key(key, ident[0], ident[2])
 

@@ -1,14 +1,15 @@
 """Alembic environment for the ledger schema.
 
-The store runs migrations through ``ledger.migrate``, which hands over a connection that is
-already inside a transaction holding the migration lock; this file only wires that connection.
+The store runs migrations through ``celery_ledger.ledger.migrate``, which hands over a connection
+that is already inside a transaction holding the migration lock; this file only wires that
+connection.
 """
 
 from __future__ import annotations
 
 from alembic import context
 
-from ledger.schema import metadata
+from celery_ledger.ledger.schema import metadata
 
 connection = context.config.attributes.get("connection")
 if connection is None:  # pragma: no cover - the CLI always passes one

@@ -9,10 +9,10 @@ three ways, so the only difference between the columns of the demo's table is th
 - ``plain_order_acks_late``: a plain task with ``acks_late`` and ``reject_on_worker_lost``;
 - ``ledgered_order``: a ``LedgerTask`` keyed by ``order_id`` whose steps go through ``self.step``.
 
-``celery -A worker.demo_app worker`` builds the app on first attribute access (PEP 562) from the
-``CELERY_LEDGER_DEMO_*`` environment variables the demo sets for each process, never at import.
-The counting half (``effect_counts``, ``ledger_outcomes``, ``drop_namespace``) is used by the
-commands, which import this module without building an app.
+``celery -A celery_ledger.harness.demo_app worker`` builds the app on first attribute access
+(PEP 562) from the ``CELERY_LEDGER_DEMO_*`` environment variables the demo sets for each process,
+never at import. The counting half (``effect_counts``, ``ledger_outcomes``, ``drop_namespace``) is
+used by the commands, which import this module without building an app.
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import DBAPIError
 
-from ledger import BODY_STEP, EntryStatus, StepStatus, entry_key
-from ledger.engine import READ_ONLY, make_engine
-from ledger.schema import entries, events, steps
-from recovery.reconcile import AmbiguousStep, Reconciled
-from worker.codec import decode
+from celery_ledger.codec import decode
+from celery_ledger.ledger import BODY_STEP, EntryStatus, StepStatus, entry_key
+from celery_ledger.ledger.engine import READ_ONLY, make_engine
+from celery_ledger.ledger.schema import entries, events, steps
+from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciled
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ def redis_keyprefix(namespace: str, queue: str = "") -> str:
 
 def build_app(env: Mapping[str, str] | None = None) -> Celery:
     """The demo's app: the embedded default, or the broker and ledger the environment names."""
-    from worker.app import create_app  # here: building the app is what needs Celery wiring
+    from celery_ledger.app import create_app  # here: building the app is what needs Celery wiring
 
     cfg = DemoConfig.from_env(os.environ if env is None else env)
     app = create_app(
@@ -334,7 +334,7 @@ def build_app(env: Mapping[str, str] | None = None) -> Celery:
 def register(app: Celery, db: EffectsDb) -> None:
     """Register the three order tasks on ``app``, and on ``app`` only (``shared=False``): the
     demo's commands build one app per run in one process, each with its own effects table."""
-    from worker.task import LedgerTask
+    from celery_ledger.task import LedgerTask
 
     @app.task(name=PLAIN, shared=False)
     def plain_order(run: str, order_id: str, amount: int, gap: float) -> dict[str, Any]:

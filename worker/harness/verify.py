@@ -45,11 +45,10 @@ from typing import Any
 import click
 from sqlalchemy.engine import make_url
 
-from ledger.engine import is_sqlite, make_engine
-from worker import demo_app
-from worker.demo import prepare
-from worker.demo_app import RunReport
-from worker.orchestrate import (
+from celery_ledger.harness import demo_app
+from celery_ledger.harness.demo import prepare
+from celery_ledger.harness.demo_app import RunReport
+from celery_ledger.harness.orchestrate import (
     Orchestra,
     Phases,
     RunKind,
@@ -59,7 +58,8 @@ from worker.orchestrate import (
     safe_url,
     side_by_side,
 )
-from worker.tcpproxy import TcpProxy
+from celery_ledger.harness.tcpproxy import TcpProxy
+from celery_ledger.ledger.engine import is_sqlite, make_engine
 
 log = logging.getLogger(__name__)
 
@@ -352,7 +352,7 @@ def run_verify(
     outage: LedgerOutage = NoOutage("not started")
     gaps = [rng.choice(GAPS) for _ in range(tasks)]
     try:
-        with Orchestra("worker.demo_app", box.data_dir / "logs") as orch:
+        with Orchestra("celery_ledger.harness.demo_app", box.data_dir / "logs") as orch:
             prepare(box)
             outage = outage_for(box)
             if outage.unavailable:

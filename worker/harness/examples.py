@@ -1,4 +1,7 @@
-"""Example ledgered tasks registered on the default app (``celery -A worker.app``).
+"""The README's example app: ``celery -A celery_ledger.harness.examples worker -B``.
+
+The embedded default app (``create_app()``) with the example tasks registered; the default app
+``celery_ledger.app`` itself registers none.
 
 ``place_order`` is the README's example: three effect steps whose effects are appended to a
 plain table without unique constraints (``effects``), so a duplicate would show as two rows.
@@ -13,7 +16,7 @@ from typing import Any
 from celery import Celery
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, create_engine, insert
 
-from worker.task import LedgerTask
+from celery_ledger.task import LedgerTask
 
 effects_metadata = MetaData()
 effects = Table(
@@ -32,7 +35,7 @@ def effects_engine(url: str) -> Any:
     """One engine per process for the effects table (created on first use)."""
     import os
 
-    from ledger.engine import make_engine
+    from celery_ledger.ledger.engine import make_engine
 
     k = f"{os.getpid()}:{url}"
     if k not in _engines:
@@ -49,7 +52,7 @@ def record_effect(url: str, order_id: str, effect: str) -> str:
 
 
 def register(app: Celery) -> None:
-    from worker.runtime import settings_for
+    from celery_ledger.runtime import settings_for
 
     @app.task(
         base=LedgerTask,
@@ -66,3 +69,19 @@ def register(app: Celery) -> None:
         charge = self.step("charge", record_effect, url, order_id, "charge")
         receipt = self.step("receipt", record_effect, url, order_id, "receipt")
         return {"order_id": order_id, "amount": amount, "steps": [reservation, charge, receipt]}
+
+
+_app: Celery | None = None
+
+
+def __getattr__(name: str) -> Any:
+    """``app`` (and ``celery``): built on first access, never at import time."""
+    global _app
+    if name in ("app", "celery"):
+        if _app is None:
+            from celery_ledger.app import create_app
+
+            _app = create_app()
+            register(_app)
+        return _app
+    raise AttributeError(name)

@@ -24,7 +24,7 @@ class LazyGroup(click.Group):
     def _load(self) -> None:
         if not self._loaded:
             self._loaded = True
-            from worker.cli import add_commands
+            from celery_ledger.cli.main import add_commands
 
             add_commands(self)
 
@@ -42,7 +42,7 @@ class LazyGroup(click.Group):
 @click.pass_context
 def celery_ledger_command(ctx: click.Context, url: str | None) -> None:
     """Operate the celery-ledger ledger of this app."""
-    from worker.cli import LedgerContext
+    from celery_ledger.cli.main import LedgerContext
 
     celery_ctx = ctx.find_root().obj  # celery's CLIContext carries the -A app
     ctx.obj = LedgerContext(url, None, getattr(celery_ctx, "app", None))

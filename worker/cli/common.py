@@ -26,7 +26,7 @@ from click.core import ParameterSource
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 
-from ledger import (
+from celery_ledger.ledger import (
     RESUME_OWNER,
     Entry,
     EntryNotFound,
@@ -36,8 +36,8 @@ from ledger import (
     SchemaError,
     SchemaTooNew,
 )
-from ledger.engine import is_sqlite, make_engine, normalize_url
-from ledger.migrate import pending_revisions
+from celery_ledger.ledger.engine import is_sqlite, make_engine, normalize_url
+from celery_ledger.ledger.migrate import pending_revisions
 
 STATUS_COLOURS = {
     "running": "cyan",
@@ -121,7 +121,7 @@ def load_app(ctx: click.Context) -> Any:
 
 
 def load_settings(ctx: click.Context) -> Any:
-    from worker.runtime import settings_for
+    from celery_ledger.runtime import settings_for
 
     return settings_for(load_app(ctx))
 

@@ -15,15 +15,7 @@ import click
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 
-from ledger import (
-    RESUME_OWNER,
-    LedgerStore,
-    SchemaTooNew,
-    SideEffect,
-)
-from ledger.engine import is_sqlite, make_engine, normalize_url
-from ledger.migrate import current_revision, ensure_schema, head_revision, pending_revisions
-from worker.cli_common import (
+from celery_ledger.cli.common import (
     CHECK_COLOURS,
     echo,
     emit_json,
@@ -31,6 +23,19 @@ from worker.cli_common import (
     load_app,
     one_line,
     print_table,
+)
+from celery_ledger.ledger import (
+    RESUME_OWNER,
+    LedgerStore,
+    SchemaTooNew,
+    SideEffect,
+)
+from celery_ledger.ledger.engine import is_sqlite, make_engine, normalize_url
+from celery_ledger.ledger.migrate import (
+    current_revision,
+    ensure_schema,
+    head_revision,
+    pending_revisions,
 )
 
 #: Brokers that hand an unacked message to another consumer after ``visibility_timeout``.
@@ -114,7 +119,7 @@ def _check_backend(url: str, app: Any, store: LedgerStore | None) -> Check:
 
 
 def _ledger_tasks(app: Any) -> list[Any]:
-    from worker.task import LedgerTask
+    from celery_ledger.task import LedgerTask
 
     return [t for name, t in sorted(app.tasks.items()) if isinstance(t, LedgerTask)]
 
@@ -184,14 +189,14 @@ def _check_acks(app: Any, tasks: list[Any]) -> Check:
 
 
 def _check_beat(app: Any, settings: Any, store: LedgerStore | None) -> Check:
-    from worker.app import BEAT_ENTRY
+    from celery_ledger.app import BEAT_ENTRY
 
     if BEAT_ENTRY not in (app.conf.beat_schedule or {}):
         return Check(
             "beat",
             "FAIL",
             f"no {BEAT_ENTRY!r} in beat_schedule: nothing finds work "
-            "whose worker died (call worker.install(app))",
+            "whose worker died (call celery_ledger.install(app))",
         )
     if store is not None:
         now = store.now()
@@ -231,7 +236,7 @@ def _check_reconcilers(tasks: list[Any]) -> Check:
 @guarded
 def doctor_cmd(ctx: click.Context, as_json: bool) -> None:
     """Read-only checks of the ledger and the app's settings; exit 1 on any FAIL."""
-    from worker.runtime import settings_for
+    from celery_ledger.runtime import settings_for
 
     app = load_app(ctx)
     url = ctx.obj.url

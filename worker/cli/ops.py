@@ -1,8 +1,8 @@
 """Operator commands: list, show, release, resume, sweep, stats.
 
-Every command gets a ``worker.cli.LedgerContext`` as ``ctx.obj`` and is installed twice (the
-``celery-ledger`` console script and ``celery -A proj ledger``); shared rules and helpers are in
-``worker.cli_common``.
+Every command gets a ``celery_ledger.cli.main.LedgerContext`` as ``ctx.obj`` and is installed
+twice (the ``celery-ledger`` console script and ``celery -A proj ledger``); shared rules and helpers
+are in ``celery_ledger.cli.common``.
 """
 
 from __future__ import annotations
@@ -14,14 +14,7 @@ from typing import Any
 import click
 from kombu.utils.json import loads
 
-from ledger import (
-    EntryStatus,
-    Interrupted,
-    StepStatus,
-    Verdict,
-)
-from recovery import resume_entry, run_sweep
-from worker.cli_common import (
+from celery_ledger.cli.common import (
     command_prefix,
     duration,
     echo,
@@ -40,7 +33,14 @@ from worker.cli_common import (
     status_colour,
     timestamp,
 )
-from worker.codec import encode
+from celery_ledger.codec import encode
+from celery_ledger.ledger import (
+    EntryStatus,
+    Interrupted,
+    StepStatus,
+    Verdict,
+)
+from celery_ledger.recovery import resume_entry, run_sweep
 
 # -- list / show ----------------------------------------------------------------------------
 

@@ -25,10 +25,9 @@ from dataclasses import asdict, dataclass
 
 import click
 
-from ledger.engine import make_engine
-from worker import demo_app
-from worker.demo_app import RunReport
-from worker.orchestrate import (
+from celery_ledger.harness import demo_app
+from celery_ledger.harness.demo_app import RunReport
+from celery_ledger.harness.orchestrate import (
     READY_TIMEOUT,
     CeleryProcess,
     Orchestra,
@@ -40,6 +39,7 @@ from worker.orchestrate import (
     safe_url,
     side_by_side,
 )
+from celery_ledger.ledger.engine import make_engine
 
 #: Short lease and sweep: a cut order is found within seconds, not minutes.
 LEASE_SECONDS = 3
@@ -166,7 +166,7 @@ def run_demo(
         "CELERY_LEDGER_SWEEP_INTERVAL": str(SWEEP_INTERVAL),
     }
     try:
-        with Orchestra("worker.demo_app", box.data_dir / "logs") as orch:
+        with Orchestra("celery_ledger.harness.demo_app", box.data_dir / "logs") as orch:
             prepare(box)
             works = [
                 Workload(
@@ -260,7 +260,7 @@ def run_demo(
 
 def prepare(box: Sandbox) -> None:
     """Create the ledger schema and the effects tables before any process starts."""
-    from ledger import LedgerStore
+    from celery_ledger.ledger import LedgerStore
 
     store = LedgerStore(box.ledger_url)
     try:

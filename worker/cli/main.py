@@ -2,13 +2,13 @@
 
 - console script ``celery-ledger`` (ledger URL from ``--url``, ``CELERY_LEDGER_URL`` or ``-A app``)
 - Celery sub-command ``celery -A proj ledger ...`` (entry point group ``celery.commands``, the
-  way Flower registers ``celery flower``): ``worker.plugin``, which imports this module only
-  when ``celery ledger`` is used
+  way Flower registers ``celery flower``): ``celery_ledger.cli.plugin``, which imports this
+  module only when ``celery ledger`` is used
 
 Each command family lives in a module of its own and is added here:
-``worker.cli_ops`` (list/show/release/resume/sweep/stats),
-``worker.doctor`` (doctor/migrate), ``worker.metrics``
-(metrics), ``worker.demo`` (demo), ``worker.verify`` (verify).
+``celery_ledger.cli.ops`` (list/show/release/resume/sweep/stats),
+``celery_ledger.cli.doctor`` (doctor/migrate), ``celery_ledger.metrics``
+(metrics), ``celery_ledger.harness.demo`` (demo), ``celery_ledger.harness.verify`` (verify).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import click
 #: (module, attribute) of every command added to the group; a module that is missing is
 #: skipped so that a partial install still offers the rest.
 COMMANDS = [
-    ("worker.cli_ops", "COMMANDS"),
-    ("worker.doctor", "COMMANDS"),
-    ("worker.metrics", "COMMANDS"),
-    ("worker.demo", "COMMANDS"),
-    ("worker.verify", "COMMANDS"),
+    ("celery_ledger.cli.ops", "COMMANDS"),
+    ("celery_ledger.cli.doctor", "COMMANDS"),
+    ("celery_ledger.cli.metrics", "COMMANDS"),
+    ("celery_ledger.harness.demo", "COMMANDS"),
+    ("celery_ledger.harness.verify", "COMMANDS"),
 ]
 
 
@@ -48,7 +48,7 @@ class LedgerContext:
 
                 self._app = find_app(self._app_name)
             else:
-                from worker.app import create_app
+                from celery_ledger.app import create_app
 
                 self._app = create_app()
         return self._app
@@ -57,14 +57,14 @@ class LedgerContext:
     def url(self) -> str:
         if self._url:
             return self._url
-        from worker.runtime import settings_for
+        from celery_ledger.runtime import settings_for
 
         return settings_for(self.app).url
 
     @property
     def store(self) -> Any:
         if self._store is None:
-            from ledger import LedgerStore
+            from celery_ledger.ledger import LedgerStore
 
             self._store = LedgerStore(self.url, migrate=False)
         return self._store
@@ -72,7 +72,7 @@ class LedgerContext:
 
 def add_commands(group: click.Group) -> click.Group:
     """Add every family in ``COMMANDS`` to ``group`` (the console script, or ``celery ledger``
-    on first use: ``worker.plugin``)."""
+    on first use: ``celery_ledger.cli.plugin``)."""
     for module_name, attr in COMMANDS:
         try:
             module = importlib.import_module(module_name)

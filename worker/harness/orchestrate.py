@@ -41,9 +41,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: The directory that holds the ``worker`` package: put on PYTHONPATH of every process, so a
-#: source checkout works as well as an installed package.
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 #: How long a worker may take to print "ready": importing Celery on 2 busy cores is slow.
 READY_TIMEOUT = 90.0
 #: Graceful stop (SIGTERM) before the group is SIGKILLed.
@@ -97,9 +94,6 @@ class CeleryProcess:
     def start(self) -> CeleryProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_")}
         env.update(self.env)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p
-        )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
@@ -403,8 +397,9 @@ class Sandbox:
         return bool(self.broker_url and self.broker_url.startswith(("redis://", "rediss://")))
 
     def env_for(self, queue: str, **extra: str) -> dict[str, str]:
-        """The environment of a ``celery -A worker.demo_app`` process for ``queue``."""
-        from worker import demo_app
+        """The environment of a ``celery -A celery_ledger.harness.demo_app`` process for
+        ``queue``."""
+        from celery_ledger.harness import demo_app
 
         env = {
             "CELERY_LEDGER_DATA_DIR": str(self.data_dir),
@@ -421,7 +416,7 @@ class Sandbox:
 
     def queued(self, queue: str) -> int:
         """Messages waiting in ``queue`` now (best effort; -1 if the broker cannot tell)."""
-        from worker import demo_app
+        from celery_ledger.harness import demo_app
 
         try:
             if self.embedded:
@@ -461,7 +456,7 @@ class Sandbox:
         """Remove what the run created: Redis keys always (they are only message
         bookkeeping); unless ``keep``, its ledger entries and effects tables, and a temporary
         data directory."""
-        from worker import demo_app
+        from celery_ledger.harness import demo_app
 
         if self.redis:
             assert self.broker_url is not None
@@ -527,7 +522,7 @@ class Workload:
         env: dict[str, str] | None = None,
         ledger_idle: float = 10.0,
     ) -> None:
-        from worker import demo_app
+        from celery_ledger.harness import demo_app
 
         self.kind = kind
         self.box = box
@@ -579,7 +574,7 @@ class Workload:
 
     def enqueue(self, gaps: Iterable[float]) -> None:
         """Send one order per id, with its gap (seconds between its effects)."""
-        from worker import demo_app
+        from celery_ledger.harness import demo_app
 
         app = demo_app.build_app(self.env)
         try:
@@ -598,7 +593,7 @@ class Workload:
 
     def refresh(self) -> Any:
         """Count the effects now; any new row is progress."""
-        from worker import demo_app
+        from celery_ledger.harness import demo_app
 
         self.snapshot = demo_app.effect_counts(self.db, self.run)
         if self.snapshot.rows != self._rows:
@@ -615,8 +610,8 @@ class Workload:
         A ledgered order that is running or interrupted is work the ledger still owns, so
         the run is not idle while one exists.
         """
-        from ledger import EntryStatus
-        from worker import demo_app
+        from celery_ledger.harness import demo_app
+        from celery_ledger.ledger import EntryStatus
 
         self.refresh()
         done = self.completed() == len(self.order_ids)
@@ -635,7 +630,7 @@ class Workload:
         return self.finished
 
     def tally(self, ledger_engine: Any) -> Any:
-        from worker import demo_app
+        from celery_ledger.harness import demo_app
 
         self.report.queued_at_end = self.box.queued(self.queue)
         return demo_app.tally(

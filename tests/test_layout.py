@@ -1,0 +1,190 @@
+"""One import name: celery-ledger installs ``celery_ledger`` and nothing else (issue 13).
+
+A library must never break the project it is installed into. Celery imports every
+``celery.commands`` entry point into every ``celery`` command line, so a top-level ``worker``
+package of ours would shadow the user's own ``worker.py`` (``celery -A worker``) from the first
+command on; ``ledger.py`` and ``recovery.py`` are just as common. These tests run a user's
+project that has all three, with celery-ledger installed, through real ``celery`` commands.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+USER_WORKER = """
+from celery import Celery
+
+celery = Celery("shop", broker="memory://", backend="cache+memory://", include=["tasks"])
+"""
+
+USER_TASKS = """
+from celery_ledger import LedgerTask, install
+
+from worker import celery
+import ledger
+
+install(celery)
+
+
+@celery.task(base=LedgerTask, bind=True, name="shop.charge")
+def charge(self, order_id):
+    return ledger.book(order_id)
+"""
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.fixture
+def user_project(tmp_path: Path) -> Path:
+    """A Celery project whose modules are called ``worker``, ``ledger`` and ``recovery``."""
+    (tmp_path / "worker.py").write_text(USER_WORKER)
+    (tmp_path / "ledger.py").write_text("def book(order_id):\n    return f'booked {order_id}'\n")
+    (tmp_path / "recovery.py").write_text("PLAN = 'restore from backup'\n")
+    (tmp_path / "tasks.py").write_text(USER_TASKS)
+    return tmp_path
+
+
+def test_celery_report_loads_the_users_own_worker_module(user_project: Path) -> None:
+    out = _run(["-m", "celery", "-A", "worker", "report"], user_project)
+    assert out.returncode == 0, out.stderr
+    assert "has no attribute" not in out.stderr
+
+
+def test_celery_ledger_subcommand_runs_in_the_users_project(user_project: Path) -> None:
+    out = _run(["-m", "celery", "-A", "worker", "ledger", "--help"], user_project)
+    assert out.returncode == 0, out.stderr
+    for command in ("list", "show", "release", "doctor"):
+        assert f"  {command} " in out.stdout, out.stdout
+
+
+def test_users_task_module_uses_celery_ledger_beside_its_own_ledger(user_project: Path) -> None:
+    code = (
+        "import tasks, ledger, recovery\n"
+        "from celery_ledger import LedgerTask\n"
+        "assert isinstance(tasks.charge, LedgerTask), type(tasks.charge)\n"
+        "assert ledger.book('o-1') == 'booked o-1'\n"
+        "assert recovery.PLAN == 'restore from backup'\n"
+        "print(tasks.charge.name)\n"
+    )
+    out = _run(["-c", code], user_project)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "shop.charge"
+
+
+@pytest.mark.parametrize("name", ["worker", "ledger", "recovery"])
+def test_generic_names_are_not_importable_in_an_empty_directory(tmp_path: Path, name: str) -> None:
+    out = _run(["-c", f"import {name}"], tmp_path)
+    assert out.returncode != 0
+    assert f"No module named '{name}'" in out.stderr
+
+
+def test_the_subpackages_live_under_the_one_name(tmp_path: Path) -> None:
+    code = (
+        "import celery_ledger.ledger, celery_ledger.recovery, celery_ledger.cli.main\n"
+        "import celery_ledger.harness.verify\n"
+        "from celery_ledger import LedgerTask, create_app, install, Reconciled, AmbiguousStep\n"
+        "print('ok')\n"
+    )
+    out = _run(["-c", code], tmp_path)
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_built_wheel_holds_only_celery_ledger(tmp_path: Path) -> None:
+    """What a non-editable install puts into site-packages: one top-level name, and the entry
+    points under it."""
+    # The dev extra installs the build backend, so the wheel builds offline.
+    out = _run(
+        [
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "-q",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    (wheel,) = tmp_path.glob("celery_ledger-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+        entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+        eps = zf.read(entry_points).decode()
+    assert tops == {"celery_ledger"}, tops
+    assert "celery-ledger = celery_ledger.cli.main:main" in eps
+    assert "ledger = celery_ledger.cli.plugin:celery_ledger_command" in eps
+    assert "celery_ledger/ledger/migrations/versions/0001_initial.py" in names
+
+
+# -- layering: worker -> recovery -> ledger ------------------------------------------------------
+
+
+def _imports(folder: str) -> dict[str, set[str]]:
+    """Module -> the absolute modules it imports, read from the source (every branch)."""
+    found: dict[str, set[str]] = {}
+    for path in sorted((REPO / folder).rglob("*.py")):
+        if "migrations" in path.parts:
+            continue
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+        found[str(path.relative_to(REPO))] = names
+    return found
+
+
+def test_the_ledger_imports_no_celery_and_nothing_above_it() -> None:
+    for module, names in _imports("ledger").items():
+        bad = {
+            n
+            for n in names
+            if n.split(".")[0] in ("celery", "kombu", "billiard")
+            or (n.startswith("celery_ledger") and not n.startswith("celery_ledger.ledger"))
+        }
+        assert not bad, f"{module} imports {sorted(bad)}"
+
+
+def test_recovery_imports_only_the_ledger_of_celery_ledger() -> None:
+    for module, names in _imports("recovery").items():
+        bad = {
+            n
+            for n in names
+            if n.startswith("celery_ledger")
+            and not n.startswith(("celery_ledger.ledger", "celery_ledger.recovery"))
+        }
+        assert not bad, f"{module} imports {sorted(bad)}"
+
+
+def test_importing_the_ledger_loads_no_celery(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "import celery_ledger.ledger, celery_ledger.ledger.store, celery_ledger.ledger.operator\n"
+        "print(' '.join(sorted(sys.modules)))\n"
+    )
+    out = _run(["-c", code], tmp_path)
+    assert out.returncode == 0, out.stderr
+    loaded = set(out.stdout.split())
+    assert not {m for m in loaded if m.split(".")[0] in ("celery", "kombu", "billiard")}
+    assert not {
+        m
+        for m in loaded
+        if m.startswith("celery_ledger.") and not m.startswith("celery_ledger.ledger")
+    }
