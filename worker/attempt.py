@@ -90,7 +90,7 @@ class Attempt:
         emit: EmitEvent | None = None,
     ) -> None:
         self.task = task
-        self.store = store
+        self._store = store
         self.settings = settings
         self.key = key
         self.fence = fence
@@ -269,7 +269,7 @@ class Attempt:
         and the task leaves the entry running for recovery (``LedgerTask._run_attempt``).
         """
         return self._retrying(
-            lambda: self.store.write_step(
+            lambda: self._store.write_step(
                 self.key, self.fence, ident, seq=seq, status=status, output=output, error=error
             ),
             f"step {ident[0]} write",
@@ -320,7 +320,7 @@ class Attempt:
         ident = self.current
         self._fenced(
             self._retrying(
-                lambda: self.store.record_external_ref(self.key, self.fence, ident, ref),
+                lambda: self._store.record_external_ref(self.key, self.fence, ident, ref),
                 f"step {ident[0]} external ref",
             ),
             "record_external_ref",
@@ -347,7 +347,7 @@ class Attempt:
         Raises:
             LedgerError: the ledger could not be reached.
         """
-        ok = self.store.renew_lease(self.key, self.fence, self.lease_seconds)
+        ok = self._store.renew_lease(self.key, self.fence, self.lease_seconds)
         if not ok:
             self.mark_superseded("heartbeat found the fence moved")
         return ok
@@ -361,7 +361,9 @@ class Attempt:
         """
         try:
             ok = self._retrying(
-                lambda: self.store.settle(self.key, self.fence, status, actor=self.actor, **fields),
+                lambda: self._store.settle(
+                    self.key, self.fence, status, actor=self.actor, **fields
+                ),
                 f"settle {status.value}",
             )
         except LedgerUnavailable as exc:
