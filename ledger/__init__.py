@@ -23,6 +23,7 @@ from celery_ledger.ledger.operator import BODY_STEP, LedgerStats, OperatorQuerie
 from celery_ledger.ledger.states import EntryStatus, Gate, SideEffect, StepStatus, Verdict
 from celery_ledger.ledger.values import (
     RESUME_OWNER,
+    ArgumentSnapshot,
     Claim,
     ClaimRequest,
     Entry,
@@ -45,6 +46,7 @@ __all__ = [
     "LedgerStats",
     "Release",
     # Values
+    "ArgumentSnapshot",
     "Claim",
     "ClaimRequest",
     "Entry",

@@ -9,7 +9,7 @@ from typing import Any
 
 from celery_ledger.ledger.errors import IdentityError
 
-__all__ = ["canonical_json", "entry_key", "input_hash", "provider_key"]
+__all__ = ["canonical_json", "entry_key", "input_hash", "provider_key", "sha256_hex"]
 
 
 def _check(value: Any, path: str) -> None:
@@ -49,18 +49,19 @@ def canonical_json(value: Any) -> str:
     )
 
 
-def _sha256(text: str) -> str:
+def sha256_hex(text: str) -> str:
+    """Return the hex SHA-256 of ``text`` encoded as UTF-8: every key and hash of the ledger."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def entry_key(task_name: str, key_material: Any) -> str:
     """Return the entry key: SHA-256 of the canonical JSON of ``[task_name, key_material]``."""
-    return _sha256(canonical_json([task_name, key_material]))
+    return sha256_hex(canonical_json([task_name, key_material]))
 
 
 def input_hash(value: Any) -> str:
     """Return the SHA-256 of the canonical JSON of a step's (or a task's) arguments."""
-    return _sha256(canonical_json(value))
+    return sha256_hex(canonical_json(value))
 
 
 def provider_key(key: str, step_name: str, occurrence: int) -> str:
@@ -68,4 +69,4 @@ def provider_key(key: str, step_name: str, occurrence: int) -> str:
 
     It is the same on every resume of the same entry, step and occurrence.
     """
-    return _sha256(canonical_json(["provider", key, step_name, occurrence]))[:40]
+    return sha256_hex(canonical_json(["provider", key, step_name, occurrence]))[:40]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,44 @@ class Owner:
     node: str
     boot: str
     pid: int
+
+
+@dataclass(frozen=True)
+class ArgumentSnapshot:
+    """What recovery needs to re-send a task with its original task id: the arguments and the
+    routing it was delivered with.
+
+    Stored as a JSON object in ``entries.snapshot``; the JSON encoding itself is the Celery
+    side's (kombu's, which keeps datetimes and UUIDs intact), so the ledger only maps this value
+    to and from that object. The object's keys are ``args``, ``kwargs``, ``queue``,
+    ``ledger_key``, in that order; ``from_data`` reads snapshots that lack any of them.
+    """
+
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    #: The queue (routing key) the task was published or delivered on; None: its default.
+    queue: str | None = None
+    #: The ``ledger_key`` header the task was sent with (business key material), if any.
+    ledger_key: Any = None
+
+    def as_data(self) -> dict[str, Any]:
+        """The JSON object stored for this snapshot."""
+        return {
+            "args": list(self.args),
+            "kwargs": dict(self.kwargs),
+            "queue": self.queue,
+            "ledger_key": self.ledger_key,
+        }
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> ArgumentSnapshot:
+        """The snapshot a stored JSON object describes (missing keys take their defaults)."""
+        return cls(
+            args=tuple(data.get("args") or ()),
+            kwargs=dict(data.get("kwargs") or {}),
+            queue=data.get("queue") or None,
+            ledger_key=data.get("ledger_key"),
+        )
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 from kombu.utils.json import loads
 
-from celery_ledger.ledger import Interrupted, LedgerStore
+from celery_ledger.ledger import ArgumentSnapshot, Interrupted, LedgerStore
 
 log = logging.getLogger(__name__)
 
@@ -91,19 +91,20 @@ def resume_entry(
     if won is None:
         return "lost-race"
     fence, replay = won.fence, won.completed_steps
-    snapshot = loads(won.snapshot) if won.snapshot else {}
+    # The worker encoded it with kombu's JSON (celery_ledger.codec.encode_snapshot).
+    snapshot = ArgumentSnapshot.from_data(loads(won.snapshot) if won.snapshot else {})
     # ledger_redelivery: the entry exists, so the publisher records no publish intent.
     headers: dict[str, Any] = {"ledger_redelivery": True}
-    if snapshot.get("ledger_key") is not None:
-        headers["ledger_key"] = snapshot["ledger_key"]
+    if snapshot.ledger_key is not None:
+        headers["ledger_key"] = snapshot.ledger_key
     options: dict[str, Any] = {"task_id": won.task_id, "headers": headers}
-    if snapshot.get("queue"):
-        options["queue"] = snapshot["queue"]
+    if snapshot.queue:
+        options["queue"] = snapshot.queue
     try:
         app.send_task(
             won.task_name,
-            args=snapshot.get("args", []),
-            kwargs=snapshot.get("kwargs", {}),
+            args=list(snapshot.args),
+            kwargs=dict(snapshot.kwargs),
             **options,
         )
     except Exception as exc:  # noqa: BLE001 - the lease brings it back to the next sweep

@@ -188,3 +188,80 @@ def test_importing_the_ledger_loads_no_celery(tmp_path: Path) -> None:
         for m in loaded
         if m.startswith("celery_ledger.") and not m.startswith("celery_ledger.ledger")
     }
+
+
+# -- the runtime's own import graph -------------------------------------------------------------
+
+
+def _runtime_graph() -> dict[str, set[str]]:
+    """``celery_ledger.<module>`` -> the runtime modules it imports, for every ``worker/*.py``.
+
+    Every import counts: module level, inside functions (a lazy import that dodges a cycle is
+    still the cycle) and under ``TYPE_CHECKING``.
+    """
+    modules = {
+        "celery_ledger" if p.stem == "__init__" else f"celery_ledger.{p.stem}": p
+        for p in sorted((REPO / "worker").glob("*.py"))
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = "celery_ledger" if name == "celery_ledger" else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package.rsplit(".", node.level - 1)[0]
+                    base = f"{parent}.{base}" if base else parent
+                # ``from celery_ledger import intents`` imports the module ``intents``;
+                # ``from celery_ledger import LedgerTask`` imports the package itself.
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                    for alias in node.names
+                ]
+            else:
+                continue
+            # Only runtime modules are nodes: ``celery_ledger.ledger`` and the other
+            # subpackages sit below (or beside) the runtime, and a submodule's import running
+            # its package's ``__init__`` is Python's edge, not one the code chose.
+            edges.update(t for t in targets if t in modules and t != name)
+        graph[name] = edges
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path that ends where it starts, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)) is not None:
+            return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_runtime_import_graph_has_no_cycle() -> None:
+    graph = _runtime_graph()
+    # The graph is read, not empty: the task module imports the attempt it runs.
+    assert "celery_ledger.attempt" in graph["celery_ledger.task"]
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle in the runtime: " + " -> ".join(cycle or [])

@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 
-from celery_ledger.attempt import input_hash_of
-from celery_ledger.codec import canonical_arguments
+from celery_ledger.codec import arguments_hash, canonical_arguments
 from celery_ledger.ledger import ClaimRequest, EntryStatus, LedgerStore, Owner, StepStatus
 from celery_ledger.recovery import run_sweep
 from helpers import business_key, effect_counts, event_names, key_of
@@ -169,7 +168,7 @@ def make_interrupted(
         )
         # The dead attempt had completed its first step: the resumed body replays it (a
         # body with no step rows at all would be ambiguous as a whole, and block).
-        ident = ("reserve", input_hash_of([[f"race-{i}", "reserve"], {}]), 0)
+        ident = ("reserve", arguments_hash([[f"race-{i}", "reserve"], {}]), 0)
         store.write_step(
             key, 1, ident, seq=1, status=StepStatus.COMPLETED, output=f'"reserve:race-{i}"'
         )

@@ -15,20 +15,25 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
-from celery import Celery, signals
+from celery import Celery, current_app, signals
 
 from celery_ledger import intents, runtime
 from celery_ledger.ledger import LedgerError
 from celery_ledger.recovery import SweepReport, boot_sweep, run_sweep
 from celery_ledger.settings import DEFAULT_DATA_DIR
+from celery_ledger.task import LedgerTask
 
 log = logging.getLogger(__name__)
 
 SWEEP_TASK = "celery_ledger.sweep"
 BEAT_ENTRY = "celery-ledger-sweep"
+
+#: Ledger apps of this process (``install``), for the publish signal to find a task's class.
+ledger_apps: weakref.WeakSet[Celery] = weakref.WeakSet()
 
 
 def create_app(
@@ -87,7 +92,7 @@ def install(app: Celery) -> Celery:
     if getattr(app, "_ledger_installed", False):
         return app
     app._ledger_installed = True
-    intents.ledger_apps.add(app)
+    ledger_apps.add(app)
     _connect_signals()
 
     @app.task(name=SWEEP_TASK, ignore_result=True, shared=False)
@@ -132,9 +137,72 @@ def _connect_signals() -> None:
     _connected = True
     signals.worker_init.connect(_on_worker_init, weak=False)
     signals.worker_before_create_process.connect(_on_before_fork, weak=False)
-    signals.before_task_publish.connect(intents.on_before_task_publish, weak=False)
+    signals.before_task_publish.connect(on_before_task_publish, weak=False)
     signals.worker_ready.connect(_on_worker_ready, weak=False)
     signals.beat_init.connect(_on_beat_init, weak=False)
+
+
+def on_before_task_publish(
+    sender: str | None = None,
+    body: Any = None,
+    headers: dict[str, Any] | None = None,
+    routing_key: str | None = None,
+    **_: Any,
+) -> None:
+    """``before_task_publish``: the publish intent of a ledgered task sent by name
+    (``app.send_task``; ``celery_ledger.intents``)."""
+    headers = headers or {}
+    task_id = headers.get("id")
+    if not sender or not task_id or intents.recorded_by_this_publish(task_id):
+        return
+    # Message protocol 2 (Celery's default since 4.0): body = (args, kwargs, embed).
+    if not isinstance(body, (tuple, list)) or len(body) < 2:
+        return
+    task = _ledger_task(sender)
+    if task is None or not intents.wanted(task, headers):
+        return
+    intents.record(
+        task,
+        tuple(body[0] or ()),
+        dict(body[1] or {}),
+        task_id,
+        ledger_key=headers.get("ledger_key"),
+        queue=routing_key,
+    )
+
+
+def _ledger_task(name: str) -> LedgerTask | None:
+    """The ``LedgerTask`` that the publishing app registers under ``name``, if any.
+
+    The signal does not say which app is publishing: it is the process's only ledger app, else
+    the current app (the one created or ``set_current()`` last), else the one finalized app
+    that registers the name.
+    """
+    found = []
+    for app in _publishing_apps():
+        try:
+            tasks = app.tasks  # finalizes the app, as its own first use of tasks would
+        except RuntimeError:  # autofinalize=False and not finalized yet
+            continue
+        task = tasks.get(name)
+        if isinstance(task, LedgerTask):
+            found.append(task)
+    if len(found) > 1:
+        log.debug("no publish intent for %s: %d ledger apps register it", name, len(found))
+    return found[0] if len(found) == 1 else None
+
+
+def _publishing_apps() -> list[Celery]:
+    """The ledger apps that may be publishing: the only one, or the current one, or (several,
+    none current) those already finalized. Another app is never finalized here: that would
+    bind other apps' shared tasks to it as a side effect of a publish."""
+    apps = list(ledger_apps)
+    if len(apps) <= 1:
+        return apps
+    current = current_app._get_current_object()
+    if any(app is current for app in apps):
+        return [current]
+    return [app for app in apps if app.finalized]
 
 
 def _installed(app: Any) -> bool:

@@ -16,15 +16,17 @@ harmless) and write once.
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
-from celery_ledger.codec import canonical_arguments, decode, encode
+from celery_ledger.backoff import retry_while_unavailable
+from celery_ledger.codec import arguments_hash, decode, encode
 from celery_ledger.crashpoints import crash_point
 from celery_ledger.ledger import (
+    BODY_STEP,
+    EntryStatus,
     Fenced,
     LedgerStore,
     LedgerUnavailable,
@@ -32,26 +34,50 @@ from celery_ledger.ledger import (
     SideEffect,
     StepRecord,
     StepStatus,
-    input_hash,
+    Verdict,
     provider_key,
 )
 from celery_ledger.settings import LedgerSettings
 
-if TYPE_CHECKING:
-    from celery_ledger.task import LedgerTask
-
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: A step's identity: (name, input hash, occurrence).
+Ident = tuple[str, str, int]
+
+#: The replay row of a body that records no steps (the body itself is the effect).
+BODY_IDENT: Ident = (BODY_STEP, "", 0)
 
 #: The attempt running in this thread/context (None outside a ledgered body).
 current_attempt: ContextVar[Attempt | None] = ContextVar("ledger_attempt", default=None)
 
 
+class AttemptTask(Protocol):
+    """What an attempt reads from its task (``LedgerTask``)."""
+
+    name: str
+    side_effect: str
+
+
+class EmitEvent(Protocol):
+    """Sends a ``task-ledger-<kind>`` event for an entry (``LedgerTask._emit``)."""
+
+    def __call__(self, kind: str, key: str, fence: int, **fields: Any) -> None: ...
+
+
 class Attempt:
-    """State of one run of a body under one fence."""
+    """State of one run of a body under one fence; the only writer under that fence.
+
+    Every fenced write of the attempt goes through its methods: step rows (``step``,
+    ``record_verdict``, ``start_body``), the external reference, the lease (``renew_lease``)
+    and the settle (``settle``, ``block``). A write the fence refuses marks the attempt
+    superseded; a write the ledger cannot take is retried (``backoff``).
+    """
 
     def __init__(
         self,
-        task: LedgerTask,
+        task: AttemptTask,
         store: LedgerStore,
         settings: LedgerSettings,
         *,
@@ -60,23 +86,28 @@ class Attempt:
         task_id: str,
         lease_seconds: float,
         replay: tuple[StepRecord, ...] = (),
+        actor: str | None = None,
+        emit: EmitEvent | None = None,
     ) -> None:
         self.task = task
-        self.store = store
+        self._store = store
         self.settings = settings
         self.key = key
         self.fence = fence
         self.task_id = task_id
         self.lease_seconds = lease_seconds
+        #: Who settles (the worker's node name), stamped on the settle's audit event.
+        self.actor = actor
         self.side_effect = SideEffect(task.side_effect)
-        self.replay: dict[tuple[str, str, int], StepRecord] = {r.ident: r for r in replay}
+        self._emit = emit
+        self._replay: dict[Ident, StepRecord] = {r.ident: r for r in replay}
         self._occurrences: Counter[tuple[str, str]] = Counter()
         self._seq = max((r.seq for r in replay), default=0)
         self.superseded: str | None = None
         #: The step whose body is running now (for record_external_ref / provider_key).
-        self.current: tuple[str, str, int] | None = None
+        self.current: Ident | None = None
         #: Set when an exception escaped from a started effect step: it may have crossed.
-        self.ambiguous: tuple[str, str, int] | None = None
+        self.ambiguous: Ident | None = None
         self.replayed = 0
 
     def __repr__(self) -> str:
@@ -93,6 +124,16 @@ class Attempt:
             )
         self.superseded = why
 
+    def emit(self, kind: str, **fields: Any) -> None:
+        """Send a ``task-ledger-<kind>`` event for this attempt's entry and fence."""
+        if self._emit is not None:
+            self._emit(kind, self.key, self.fence, **fields)
+
+    def replay_row(self, ident: Ident) -> StepRecord | None:
+        """The replay row of ``ident`` as this attempt knows it (loaded at claim, or written
+        since by ``record_verdict``)."""
+        return self._replay.get(ident)
+
     def _check_fence(self) -> None:
         if self.superseded is not None:
             raise Fenced(f"key {self.key} fence {self.fence} superseded: {self.superseded}")
@@ -102,8 +143,35 @@ class Attempt:
             self.mark_superseded(f"{what} refused: fence {self.fence} is no longer current")
             raise Fenced(f"key {self.key} fence {self.fence}: {what} refused")
 
-    def next_ident(self, name: str, args: Any) -> tuple[str, str, int]:
-        ihash = input_hash_of(args)
+    def _retrying(self, write: Callable[[], T], what: str) -> T:
+        """``write()``, retried while the ledger is unreachable, for
+        ``ledger_settle_retry_seconds``.
+
+        Raises:
+            LedgerUnavailable: still unreachable past that.
+        """
+
+        def warn(exc: LedgerUnavailable, delay: float) -> None:
+            log.warning(
+                "%s of key=%s task_id=%s fence=%s failed (%s); retrying in %.1fs",
+                what,
+                self.key,
+                self.task_id,
+                self.fence,
+                exc,
+                delay,
+            )
+
+        return retry_while_unavailable(
+            write,
+            seconds=self.settings.settle_retry_seconds,
+            first_delay=self.settings.write_retry_delay,
+            max_delay=self.settings.write_retry_delay_max,
+            on_retry=warn,
+        )
+
+    def next_ident(self, name: str, args: Any) -> Ident:
+        ihash = arguments_hash(args)
         occurrence = self._occurrences[(name, ihash)]
         self._occurrences[(name, ihash)] += 1
         return (name, ihash, occurrence)
@@ -132,7 +200,7 @@ class Attempt:
                 f"step {name!r} started inside step {self.current[0]!r}; steps do not nest"
             )
         ident = self.next_ident(name, [list(args), kwargs])
-        row = self.replay.get(ident)
+        row = self._replay.get(ident)
         if row is not None and row.status is StepStatus.COMPLETED:
             self.replayed += 1
             log.debug(
@@ -187,7 +255,7 @@ class Attempt:
 
     def _write(
         self,
-        ident: tuple[str, str, int],
+        ident: Ident,
         seq: int,
         status: StepStatus,
         *,
@@ -200,37 +268,64 @@ class Attempt:
         again after a lost reply is harmless. Past the bound, ``LedgerUnavailable`` propagates
         and the task leaves the entry running for recovery (``LedgerTask._run_attempt``).
         """
-        deadline = time.monotonic() + self.settings.settle_retry_seconds
-        delay = 0.1
-        while True:
-            try:
-                return self.store.write_step(
-                    self.key, self.fence, ident, seq=seq, status=status, output=output, error=error
-                )
-            except LedgerUnavailable as exc:
-                if time.monotonic() + delay > deadline:
-                    raise
-                log.warning(
-                    "step %s write of key=%s task_id=%s fence=%s failed (%s); retrying",
-                    ident[0],
-                    self.key,
-                    self.task_id,
-                    self.fence,
-                    exc,
-                )
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        return self._retrying(
+            lambda: self._store.write_step(
+                self.key, self.fence, ident, seq=seq, status=status, output=output, error=error
+            ),
+            f"step {ident[0]} write",
+        )
+
+    # -- writes made outside a step: ambiguity resolution and the body row -----------------
+
+    def record_verdict(self, ident: Ident, verdict: Verdict, output: str | None = None) -> None:
+        """Write what a reconciler proved about an ambiguous step: ``completed`` with its
+        (encoded) output, which replays from now on, or ``not_executed``, which authorizes
+        one re-run.
+
+        Raises:
+            Fenced: this attempt was superseded; nothing was written.
+            LedgerUnavailable: the ledger stayed unreachable.
+        """
+        status = StepStatus.COMPLETED if verdict is Verdict.COMPLETED else StepStatus.NOT_EXECUTED
+        row = self._replay.get(ident)
+        seq = row.seq if row else 0
+        self._fenced(self._write(ident, seq, status, output=output), f"step {ident[0]} reconcile")
+        self._replay[ident] = StepRecord(
+            name=ident[0],
+            input_hash=ident[1],
+            occurrence=ident[2],
+            seq=seq,
+            status=status,
+            fence=self.fence,
+            output=output,
+        )
+
+    def start_body(self) -> None:
+        """Record the intent of a body that records no steps, before its one authorized re-run
+        (after a ``not_executed`` verdict): a crash during it is then ambiguous again, not
+        authorized again.
+
+        Raises:
+            Fenced: this attempt was superseded; the body must not run.
+        """
+        row = self._replay.get(BODY_IDENT)
+        seq = row.seq if row else 0
+        self._fenced(self._write(BODY_IDENT, seq, StepStatus.STARTED), "body start")
 
     def record_external_ref(self, ref: str) -> None:
         """Durably attach a provider handle to the running step, before the external call."""
         if self.current is None:
             raise RuntimeError("record_external_ref() is only meaningful inside a step")
         self._check_fence()
+        ident = self.current
         self._fenced(
-            self.store.record_external_ref(self.key, self.fence, self.current, ref),
+            self._retrying(
+                lambda: self._store.record_external_ref(self.key, self.fence, ident, ref),
+                f"step {ident[0]} external ref",
+            ),
             "record_external_ref",
         )
-        crash_point(self.settings, f"step-ref:{self.current[0]}")
+        crash_point(self.settings, f"step-ref:{ident[0]}")
 
     @property
     def provider_key(self) -> str:
@@ -240,12 +335,58 @@ class Attempt:
         name, _, occurrence = self.current
         return provider_key(self.key, name, occurrence)
 
+    # -- the entry: lease and settle ------------------------------------------------------
 
-def input_hash_of(args: Any) -> str:
-    """SHA-256 of the canonical JSON of step arguments (kombu types allowed)."""
-    try:
-        return input_hash(args)
-    except ValueError:
-        import hashlib
+    def renew_lease(self) -> bool:
+        """Extend the lease by ``lease_seconds`` (on the database clock), fenced; one try.
 
-        return hashlib.sha256(canonical_arguments(args).encode()).hexdigest()
+        The heartbeat calls it every lease/3 and is itself the retry: a backoff here would
+        hold up every other attempt the heartbeat renews. Returns False, and marks the
+        attempt superseded, when the fence moved.
+
+        Raises:
+            LedgerError: the ledger could not be reached.
+        """
+        ok = self._store.renew_lease(self.key, self.fence, self.lease_seconds)
+        if not ok:
+            self.mark_superseded("heartbeat found the fence moved")
+        return ok
+
+    def settle(self, status: EntryStatus, **fields: Any) -> bool:
+        """Settle the entry, retrying an unreachable ledger for ``ledger_settle_retry_seconds``.
+
+        Returns False when the fence moved (superseded). If the ledger stays unreachable past
+        the bound, the entry is left running and this returns True: its lease expires, the
+        sweep interrupts it, and the resume replays the completed steps. Nothing is lost.
+        """
+        try:
+            ok = self._retrying(
+                lambda: self._store.settle(
+                    self.key, self.fence, status, actor=self.actor, **fields
+                ),
+                f"settle {status.value}",
+            )
+        except LedgerUnavailable as exc:
+            log.error(
+                "settle %s of key=%s task_id=%s fence=%s failed for %ss (%s); "
+                "entry left running for recovery",
+                status.value,
+                self.key,
+                self.task_id,
+                self.fence,
+                self.settings.settle_retry_seconds,
+                exc,
+            )
+            return True
+        if ok:
+            self.emit("settled", status=status.value)
+        else:
+            self.mark_superseded(f"settle {status.value} refused")
+        return ok
+
+    def block(self, reason: str) -> bool:
+        """Park the entry ``blocked`` with ``reason`` for an operator (``settle``)."""
+        log.warning(
+            "blocked key=%s task_id=%s fence=%s: %s", self.key, self.task_id, self.fence, reason
+        )
+        return self.settle(EntryStatus.BLOCKED, reason=reason)

@@ -12,12 +12,25 @@ from typing import Any
 
 from kombu.utils.json import dumps, loads
 
-from celery_ledger.ledger import PayloadNotSerializable, PayloadTooLarge, canonical_json
+from celery_ledger.ledger import (
+    ArgumentSnapshot,
+    PayloadNotSerializable,
+    PayloadTooLarge,
+    canonical_json,
+)
 from celery_ledger.ledger.errors import IdentityError
+from celery_ledger.ledger.identity import sha256_hex
 
 
-def encode(value: Any, *, limit: int, what: str) -> str:
-    """Serialize ``value`` for the ledger.
+def encode(
+    value: Any,
+    *,
+    limit: int,
+    what: str,
+    setting: str = "ledger_max_result_bytes",
+    advice: str = "store it elsewhere and return a reference",
+) -> str:
+    """Serialize ``value`` for the ledger; ``setting`` names the limit in the error.
 
     Raises:
         PayloadNotSerializable: kombu's JSON cannot encode it.
@@ -33,9 +46,33 @@ def encode(value: Any, *, limit: int, what: str) -> str:
     if size > limit:
         raise PayloadTooLarge(
             f"{what} is {size} bytes serialized, over the limit of {limit} bytes "
-            "(ledger_max_result_bytes); store it elsewhere and return a reference"
+            f"({setting}); {advice}"
         )
     return text
+
+
+def encode_snapshot(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    queue: str | None,
+    ledger_key: Any,
+    limit: int,
+) -> str:
+    """The stored argument snapshot of a task (``ArgumentSnapshot``), for recovery's resume.
+
+    Raises:
+        PayloadNotSerializable: the arguments are not JSON.
+        PayloadTooLarge: the snapshot exceeds ``limit`` (``ledger_max_snapshot_bytes``).
+    """
+    snapshot = ArgumentSnapshot(args=args, kwargs=kwargs, queue=queue, ledger_key=ledger_key)
+    return encode(
+        snapshot.as_data(),
+        limit=limit,
+        what="argument snapshot",
+        setting="ledger_max_snapshot_bytes",
+        advice="pass a reference to large data instead of the data",
+    )
 
 
 def decode(text: str | None) -> Any:
@@ -57,3 +94,13 @@ def canonical_arguments(value: Any) -> str:
     except (TypeError, ValueError) as exc:
         raise IdentityError(f"arguments cannot be serialized as JSON: {exc}") from exc
     return canonical_json(plain)
+
+
+def arguments_hash(value: Any) -> str:
+    """SHA-256 of the canonical JSON of arguments (``canonical_arguments``): a task's
+    ``args_hash`` and a step's input hash.
+
+    Raises:
+        IdentityError: the arguments hold something JSON cannot represent.
+    """
+    return sha256_hex(canonical_arguments(value))

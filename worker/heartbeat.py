@@ -11,12 +11,9 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING
 
+from celery_ledger.attempt import Attempt
 from celery_ledger.ledger import LedgerError
-
-if TYPE_CHECKING:
-    from celery_ledger.attempt import Attempt
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +68,7 @@ class Heartbeat:
     def _renew(self, attempt: Attempt) -> None:
         next_due = time.monotonic() + attempt.lease_seconds / 3
         try:
-            ok = attempt.store.renew_lease(attempt.key, attempt.fence, attempt.lease_seconds)
+            ok = attempt.renew_lease()  # False: superseded, and marked so
         except LedgerError as exc:
             # Keep trying: the lease may still outlive the outage. If it does not, the
             # sweep interrupts the entry and the fence stops this attempt's writes.
@@ -84,8 +81,6 @@ class Heartbeat:
             )
             next_due = time.monotonic() + min(1.0, attempt.lease_seconds / 6)
             ok = True
-        if not ok:
-            attempt.mark_superseded("heartbeat found the fence moved")
         with self._lock:
             if id(attempt) in self._attempts and ok:
                 self._attempts[id(attempt)] = (attempt, next_due)

@@ -6,13 +6,12 @@ insert made at publish time, with no execution and a lease of ``ledger_publish_i
 the first claim RUNs it, and if no claim comes, the lease expires and the sweep re-sends the
 task like any interrupted entry (``LedgerStore.record_intent``).
 
-Two ways in, one record:
+Two ways in, one record (``record``):
 
 - ``LedgerTask.apply_async`` (``delay``, signatures, canvas): the task knows its app;
-- ``app.send_task("name")``: Celery's ``before_task_publish`` signal, for a name that the
-  publishing ledger app has registered as a ``LedgerTask``. The signal does not say which app
-  is publishing: it is the process's only ledger app, else the current app (the one created or
-  ``set_current()`` last), else the one finalized app that registers the name.
+- ``app.send_task("name")``: Celery's ``before_task_publish`` signal
+  (``celery_ledger.app.on_before_task_publish``), for a name that the publishing ledger app
+  has registered as a ``LedgerTask``.
 
 A task sent by a name that no ledger app of the publishing process knows has no intent: only its
 class knows its key and side-effect class.
@@ -22,26 +21,32 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from celery_ledger import runtime
-from celery_ledger.codec import encode
+from celery_ledger.codec import encode_snapshot
 from celery_ledger.ledger import ClaimRequest
 
 if TYPE_CHECKING:
     from celery import Celery
 
-    from celery_ledger.task import LedgerTask
-
 log = logging.getLogger(__name__)
 
-#: Snapshots larger than this are refused at publish (the claim enforces the same bound).
-SNAPSHOT_LIMIT = 16 * 1024 * 1024
 
-#: Ledger apps of this process (``celery_ledger.app.install``), for the signal to find a
-#: task's class.
-ledger_apps: weakref.WeakSet[Celery] = weakref.WeakSet()
+class PublishedTask(Protocol):
+    """What recording an intent reads from a ``LedgerTask``."""
+
+    name: str
+    side_effect: str
+
+    @property
+    def app(self) -> Celery: ...
+
+    def ledger_key(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any], task_id: str, header_key: Any = None
+    ) -> tuple[str, str]: ...
+
 
 #: Task id whose intent ``LedgerTask.apply_async`` recorded while it publishes, so the signal
 #: that the same publish sends does not record it again.
@@ -50,7 +55,7 @@ _recorded: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 
 
-def wanted(task: LedgerTask, headers: dict[str, Any] | None) -> bool:
+def wanted(task: PublishedTask, headers: dict[str, Any] | None) -> bool:
     """Whether publishing ``task`` now should record an intent."""
     if (headers or {}).get("ledger_redelivery"):  # the ledger's own re-send: the entry exists
         return False
@@ -59,7 +64,7 @@ def wanted(task: LedgerTask, headers: dict[str, Any] | None) -> bool:
 
 
 def record(
-    task: LedgerTask,
+    task: PublishedTask,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     task_id: str,
@@ -71,17 +76,14 @@ def record(
     the task is still claimed, or redelivered, as usual)."""
     try:
         key, args_hash = task.ledger_key(args, kwargs, task_id, ledger_key)
-        snapshot = encode(
-            {
-                "args": list(args),
-                "kwargs": kwargs,
-                "queue": queue or getattr(task, "queue", None),
-                "ledger_key": ledger_key,
-            },
-            limit=SNAPSHOT_LIMIT,
-            what="argument snapshot",
-        )
         settings = runtime.settings_for(task.app)
+        snapshot = encode_snapshot(
+            args,
+            kwargs,
+            queue=queue or getattr(task, "queue", None),
+            ledger_key=ledger_key,
+            limit=settings.max_snapshot_bytes,
+        )
         runtime.store_for(task.app).record_intent(
             ClaimRequest(
                 key=key,
@@ -114,62 +116,7 @@ class recorded_by_apply_async:  # noqa: N801 - reads as a with-statement clause
         _recorded.reset(self._token)
 
 
-def on_before_task_publish(
-    sender: str | None = None,
-    body: Any = None,
-    headers: dict[str, Any] | None = None,
-    routing_key: str | None = None,
-    **_: Any,
-) -> None:
-    """``before_task_publish``: the intent of a ledgered task sent by name."""
-    headers = headers or {}
-    task_id = headers.get("id")
-    if not sender or not task_id or _recorded.get() == task_id:
-        return
-    # Message protocol 2 (Celery's default since 4.0): body = (args, kwargs, embed).
-    if not isinstance(body, (tuple, list)) or len(body) < 2:
-        return
-    task = _ledger_task(sender)
-    if task is None or not wanted(task, headers):
-        return
-    record(
-        task,
-        tuple(body[0] or ()),
-        dict(body[1] or {}),
-        task_id,
-        ledger_key=headers.get("ledger_key"),
-        queue=routing_key,
-    )
-
-
-def _ledger_task(name: str) -> LedgerTask | None:
-    """The ``LedgerTask`` that the publishing app registers under ``name``, if any."""
-    from celery_ledger.task import LedgerTask
-
-    found = []
-    for app in _publishing_apps():
-        try:
-            tasks = app.tasks  # finalizes the app, as its own first use of tasks would
-        except RuntimeError:  # autofinalize=False and not finalized yet
-            continue
-        task = tasks.get(name)
-        if isinstance(task, LedgerTask):
-            found.append(task)
-    if len(found) > 1:
-        log.debug("no publish intent for %s: %d ledger apps register it", name, len(found))
-    return found[0] if len(found) == 1 else None
-
-
-def _publishing_apps() -> list[Celery]:
-    """The ledger apps that may be publishing: the only one, or the current one, or (several,
-    none current) those already finalized. Another app is never finalized here: that would
-    bind other apps' shared tasks to it as a side effect of a publish."""
-    from celery import current_app
-
-    apps = list(ledger_apps)
-    if len(apps) <= 1:
-        return apps
-    current = current_app._get_current_object()
-    if any(app is current for app in apps):
-        return [current]
-    return [app for app in apps if app.finalized]
+def recorded_by_this_publish(task_id: str) -> bool:
+    """Whether ``LedgerTask.apply_async`` recorded ``task_id``'s intent for the publish now
+    under way (the ``before_task_publish`` signal of that publish then records none)."""
+    return _recorded.get() == task_id

@@ -34,6 +34,15 @@ class LedgerSettings:
     retention_days: float = 7.0
     #: A result or step output larger than this (serialized) is an error, never truncated.
     max_result_bytes: int = 1024 * 1024
+    #: A task's argument snapshot larger than this is not stored: the task still runs, but an
+    #: interruption is reported for an operator instead of resumed. Every snapshot is one more
+    #: copy of the message in the ledger's row; past a size no broker carries comfortably
+    #: either, the ledger stops paying for it.
+    max_snapshot_bytes: int = 16 * 1024 * 1024
+    #: A stored failure larger than this is replaced by its type and a short repr. It is read
+    #: back on every duplicate delivery (RETURN raises it again) and by operators; a huge
+    #: exception message (a whole request body) must not bloat the entry row.
+    max_exception_bytes: int = 64 * 1024
     #: A delivery that finds a live lease polls this long before re-queueing itself.
     wait_poll_seconds: float = 1.0
     #: Upper bound for the countdown of a WAIT re-queue.
@@ -43,7 +52,14 @@ class LedgerSettings:
     unavailable_backoff_max: float = 60.0
     #: How long settle keeps retrying an unreachable ledger before leaving the entry running
     #: for recovery (the body's result is not lost: replay rows and the lease remain).
+    #: Every fenced write of an attempt (step rows, settle) retries for this long.
     settle_retry_seconds: float = 10.0
+    #: First pause between those retries, doubled after each one: short enough that a
+    #: failover of a second or two costs the task little more than the failover itself ...
+    write_retry_delay: float = 0.1
+    #: ... and the largest pause, so that a ledger that is back is seen within this much
+    #: (the retries themselves are cheap: each is one statement).
+    write_retry_delay_max: float = 2.0
     #: Rows a sweep touches per query; bounds each transaction on a large backlog.
     sweep_batch: int = 500
     #: A reconciler that takes longer than this answers ``unknown``.
@@ -114,8 +130,13 @@ class LedgerSettings:
             raise ValueError("ledger_sweep_interval must be > 0")
         if self.max_resumes < 0:
             raise ValueError("ledger_max_resumes must be >= 0")
-        if self.max_result_bytes <= 0:
-            raise ValueError("ledger_max_result_bytes must be > 0")
+        for name in ("max_result_bytes", "max_snapshot_bytes", "max_exception_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ledger_{name} must be > 0")
+        if self.write_retry_delay <= 0 or self.write_retry_delay_max < self.write_retry_delay:
+            raise ValueError(
+                "ledger_write_retry_delay must be > 0 and <= ledger_write_retry_delay_max"
+            )
 
 
 _FLOATS = {
@@ -128,9 +149,17 @@ _FLOATS = {
     "unavailable_backoff",
     "unavailable_backoff_max",
     "settle_retry_seconds",
+    "write_retry_delay",
+    "write_retry_delay_max",
     "reconcile_timeout",
 }
-_INTS = {"max_resumes", "max_result_bytes", "sweep_batch"}
+_INTS = {
+    "max_resumes",
+    "max_result_bytes",
+    "max_snapshot_bytes",
+    "max_exception_bytes",
+    "sweep_batch",
+}
 _SETS = {"crash_points", "operator_tokens"}
 
 

@@ -1,0 +1,272 @@
+"""The runtime's pieces in one process: the write-retry helper, the argument snapshot, the
+limits in settings, and the attempt as the one writer under its fence.
+
+These prove code paths (``apply()`` runs a task in this process, with no broker delivery);
+delivery semantics are proven with real workers in ``test_steps_crash``, ``test_recovery`` and
+``test_delivery``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from kombu.utils.json import dumps, loads
+
+from celery_ledger import LedgerTask, Reconciled, runtime
+from celery_ledger.backoff import retry_while_unavailable
+from celery_ledger.codec import arguments_hash, encode_snapshot
+from celery_ledger.ledger import (
+    ArgumentSnapshot,
+    ClaimRequest,
+    EntryStatus,
+    LedgerStore,
+    LedgerUnavailable,
+    Owner,
+    PayloadTooLarge,
+    StepStatus,
+    entry_key,
+)
+from celery_ledger.settings import LedgerSettings
+
+# -- the one backoff loop ----------------------------------------------------------------------
+
+
+class FakeTime:
+    """A clock that moves only when slept on."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def failing(times: int, result: str = "written") -> tuple[Any, list[int]]:
+    calls: list[int] = []
+
+    def write() -> str:
+        calls.append(1)
+        if len(calls) <= times:
+            raise LedgerUnavailable(f"down (call {len(calls)})")
+        return result
+
+    return write, calls
+
+
+def test_backoff_returns_at_once_when_the_write_succeeds() -> None:
+    t = FakeTime()
+    write, calls = failing(0)
+    out = retry_while_unavailable(
+        write, seconds=10, first_delay=0.1, max_delay=2.0, sleep=t.sleep, clock=t.clock
+    )
+    assert (out, len(calls), t.sleeps) == ("written", 1, [])
+
+
+def test_backoff_doubles_up_to_the_largest_pause_and_returns_the_write() -> None:
+    t = FakeTime()
+    write, calls = failing(7)
+    seen: list[tuple[str, float]] = []
+    out = retry_while_unavailable(
+        write,
+        seconds=60,
+        first_delay=0.1,
+        max_delay=2.0,
+        on_retry=lambda exc, delay: seen.append((str(exc), delay)),
+        sleep=t.sleep,
+        clock=t.clock,
+    )
+    assert out == "written" and len(calls) == 8
+    assert t.sleeps == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0])
+    assert [d for _, d in seen] == t.sleeps and seen[0][0] == "down (call 1)"
+
+
+def test_backoff_gives_up_at_the_deadline_with_the_last_failure() -> None:
+    t = FakeTime()
+    write, calls = failing(1000)
+    with pytest.raises(LedgerUnavailable, match=r"down \(call 5\)"):
+        retry_while_unavailable(
+            write, seconds=3.0, first_delay=0.1, max_delay=2.0, sleep=t.sleep, clock=t.clock
+        )
+    # 0.1 + 0.2 + 0.4 + 0.8 = 1.5 s slept; the next pause (1.6 s) would end past 3 s.
+    assert t.sleeps == pytest.approx([0.1, 0.2, 0.4, 0.8])
+    assert len(calls) == 5 and t.now - 100.0 <= 3.0
+
+
+def test_backoff_does_not_retry_other_errors() -> None:
+    t = FakeTime()
+    calls: list[int] = []
+
+    def write() -> None:
+        calls.append(1)
+        raise ValueError("a bug, not an outage")
+
+    with pytest.raises(ValueError):
+        retry_while_unavailable(
+            write, seconds=10, first_delay=0.1, max_delay=2.0, sleep=t.sleep, clock=t.clock
+        )
+    assert len(calls) == 1 and t.sleeps == []
+
+
+# -- the argument snapshot ---------------------------------------------------------------------
+
+
+def test_snapshot_json_is_the_format_entries_already_hold() -> None:
+    """Entries written before ``ArgumentSnapshot`` hold this exact text; they must resume."""
+    before = dumps({"args": ["o-1", 5], "kwargs": {"note": "x"}, "queue": "q", "ledger_key": None})
+    text = encode_snapshot(
+        ("o-1", 5), {"note": "x"}, queue="q", ledger_key=None, limit=16 * 1024 * 1024
+    )
+    assert text == before
+    snap = ArgumentSnapshot.from_data(loads(text))
+    assert snap == ArgumentSnapshot(args=("o-1", 5), kwargs={"note": "x"}, queue="q")
+
+
+def test_snapshot_reads_objects_that_lack_keys() -> None:
+    assert ArgumentSnapshot.from_data({}) == ArgumentSnapshot()
+    snap = ArgumentSnapshot.from_data({"args": [1], "queue": "", "ledger_key": "k"})
+    assert (snap.args, dict(snap.kwargs), snap.queue, snap.ledger_key) == ((1,), {}, None, "k")
+    assert snap.as_data() == {"args": [1], "kwargs": {}, "queue": None, "ledger_key": "k"}
+
+
+def test_an_oversized_snapshot_names_its_own_setting() -> None:
+    with pytest.raises(PayloadTooLarge) as info:
+        encode_snapshot(("x" * 2000,), {}, queue=None, ledger_key=None, limit=1000)
+    message = str(info.value)
+    assert "ledger_max_snapshot_bytes" in message and "ledger_max_result_bytes" not in message
+
+
+def test_arguments_hash_is_sha256_of_canonical_json() -> None:
+    import hashlib
+
+    expected = hashlib.sha256(b'[["a",1],{"k":true}]').hexdigest()
+    assert arguments_hash([["a", 1], {"k": True}]) == expected
+
+
+# -- limits in settings ------------------------------------------------------------------------
+
+
+def test_limits_and_backoff_are_settings() -> None:
+    default = LedgerSettings.from_mapping({"ledger_url": "sqlite://"}, env={})
+    assert (default.max_snapshot_bytes, default.max_exception_bytes) == (16 * 1024**2, 64 * 1024)
+    assert (default.write_retry_delay, default.write_retry_delay_max) == (0.1, 2.0)
+    tuned = LedgerSettings.from_mapping(
+        {"ledger_url": "sqlite://", "ledger_max_snapshot_bytes": "4096"},
+        env={
+            "CELERY_LEDGER_MAX_EXCEPTION_BYTES": "2048",
+            "CELERY_LEDGER_WRITE_RETRY_DELAY": "0.05",
+            "CELERY_LEDGER_WRITE_RETRY_DELAY_MAX": "1",
+        },
+    )
+    assert (tuned.max_snapshot_bytes, tuned.max_exception_bytes) == (4096, 2048)
+    assert (tuned.write_retry_delay, tuned.write_retry_delay_max) == (0.05, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("conf", "message"),
+    [
+        ({"ledger_max_snapshot_bytes": 0}, "ledger_max_snapshot_bytes must be > 0"),
+        ({"ledger_max_exception_bytes": -1}, "ledger_max_exception_bytes must be > 0"),
+        ({"ledger_write_retry_delay": 3, "ledger_write_retry_delay_max": 2}, "write_retry"),
+    ],
+)
+def test_bad_limits_are_refused(conf: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LedgerSettings.from_mapping({"ledger_url": "sqlite://", **conf}, env={})
+
+
+# -- a task run in this process (``apply``) ----------------------------------------------------
+
+
+def local_app(tmp_path: Path, **conf: Any) -> Celery:
+    app = Celery("rt", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.update(ledger_url=f"sqlite:///{tmp_path / 'ledger.sqlite3'}", **conf)
+    return app
+
+
+def test_snapshot_too_large_for_the_ledger_is_reported_with_its_setting(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The task still runs; the warning names the limit that refused the snapshot."""
+    app = local_app(tmp_path)
+
+    @app.task(base=LedgerTask, bind=True, name="rt.big_args", shared=False)
+    def big_args(self: LedgerTask, blob: str) -> int:
+        return len(blob)
+
+    blob = "x" * (16 * 1024 * 1024 + 1)  # over the default ledger_max_snapshot_bytes
+    with caplog.at_level(logging.WARNING, logger="celery_ledger.task"):
+        result = big_args.apply(args=(blob,), task_id="big-1")
+    assert result.get() == len(blob)
+    (warning,) = [r.getMessage() for r in caplog.records if "no argument snapshot" in r.message]
+    assert "ledger_max_snapshot_bytes" in warning and "ledger_max_result_bytes" not in warning
+    entry = LedgerStore(app.conf.ledger_url).get_entry(entry_key("rt.big_args", "big-1"))
+    assert entry.status is EntryStatus.COMPLETED and entry.snapshot is None
+
+
+def test_a_reconciled_verdict_is_retried_while_the_ledger_is_briefly_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reconciler's ``completed`` is a fenced write of the attempt like a step's: it goes
+    through the same retry, so a blip does not throw the resumed attempt back to the queue."""
+    app = local_app(tmp_path, ledger_write_retry_delay=0.01, ledger_write_retry_delay_max=0.01)
+    effects: list[str] = []
+
+    @app.task(
+        base=LedgerTask,
+        bind=True,
+        name="rt.charge",
+        shared=False,
+        reconciler=lambda step: Reconciled.completed(f"charged {step.args[0]}"),
+    )
+    def charge(self: LedgerTask, order_id: str) -> Any:
+        return self.step("charge", lambda: effects.append(order_id) or f"charged {order_id}")
+
+    # An earlier attempt started the step and died: the entry is interrupted, the row started.
+    store = runtime.store_for(app)
+    key = entry_key("rt.charge", "t-1")
+    dead = Owner(node="celery@gone", boot="old-boot", pid=4242)
+    snapshot = json.dumps({"args": ["o-1"], "kwargs": {}, "queue": None, "ledger_key": None})
+    claim = store.claim(
+        ClaimRequest(
+            key=key,
+            task_name="rt.charge",
+            task_id="t-1",
+            args_hash="task-id",
+            snapshot=snapshot,
+            side_effect="non_idempotent",
+            owner=dead,
+            lease_seconds=60.0,
+        )
+    )
+    ident = ("charge", arguments_hash([[], {}]), 0)
+    assert store.write_step(key, claim.fence, ident, seq=1, status=StepStatus.STARTED)
+    assert store.interrupt_owner(
+        key, node=dead.node, boot=dead.boot, pid=dead.pid, actor="test", why="killed"
+    )
+
+    real_write = store.write_step
+    refused: list[StepStatus] = []
+
+    def blip(*args: Any, **kwargs: Any) -> bool:
+        if kwargs.get("status") is StepStatus.COMPLETED and not refused:
+            refused.append(kwargs["status"])
+            raise LedgerUnavailable("ledger restarting")
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(store, "write_step", blip)
+    result = charge.apply(args=("o-1",), task_id="t-1")
+    assert result.get() == "charged o-1"
+    assert refused == [StepStatus.COMPLETED] and effects == []
+    assert store.get_entry(key).status is EntryStatus.COMPLETED
+    (row,) = store.load_steps(key)
+    assert row.status is StepStatus.COMPLETED and loads(row.output) == "charged o-1"

@@ -1,0 +1,197 @@
+"""Ambiguous steps: decided before anything else runs, never by guessing.
+
+A step is ambiguous when its ``started`` row has no completion: the process died inside it, or
+an exception escaped from it (the charge may have gone through and only the reply was lost).
+What happens then follows the side-effect class (``SideEffect.rerun_when_ambiguous``):
+
+- ``read`` / ``idempotent`` / ``keyed``: re-run (a ``keyed`` step gets the same provider key);
+- otherwise the task's reconciler is asked (``recovery.reconcile.ask``): ``completed(output)``
+  is stored and replays, ``not_executed`` authorizes one re-run (never for ``irreversible``),
+  and ``unknown`` (or no reconciler, or one that raised or timed out) parks the entry
+  ``blocked`` for an operator.
+
+Every write goes through the attempt (``Attempt.record_verdict``, ``start_body``, ``settle``,
+``block``), under its fence.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+from celery_ledger.attempt import BODY_IDENT, Attempt, Ident
+from celery_ledger.codec import decode, encode
+from celery_ledger.ledger import (
+    BODY_STEP,
+    Claim,
+    EntryStatus,
+    Fenced,
+    Gate,
+    LedgerBlocked,
+    PayloadError,
+    SideEffect,
+    StepStatus,
+    Verdict,
+    provider_key,
+)
+from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciler, ask
+
+log = logging.getLogger(__name__)
+
+#: ``Ambiguity.before_body``'s answer when the body is to run (any other answer is the
+#: task's result, proven by a reconciler).
+RUN_BODY: Any = object()
+
+
+class Ambiguity:
+    """Resolves the ambiguous steps of one attempt, with the delivery's arguments at hand for
+    the reconciler."""
+
+    def __init__(
+        self,
+        attempt: Attempt,
+        reconciler: Reconciler | Mapping[str, Reconciler] | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.attempt = attempt
+        self.reconciler = reconciler
+        self.args = args
+        self.kwargs = kwargs
+
+    def before_body(self, claim: Claim) -> Any:
+        """Decide every step that started and never completed, before anything runs.
+
+        Returns ``RUN_BODY`` to go on, or the task's result when a reconciler proved the
+        whole body completed.
+
+        Raises:
+            LedgerBlocked: the entry was parked for an operator.
+            Fenced: this attempt was superseded.
+        """
+        attempt = self.attempt
+        body = attempt.replay_row(BODY_IDENT)
+        real_steps = [r for r in claim.steps if r.name != BODY_STEP]
+        for row in real_steps:
+            if row.status is StepStatus.STARTED:
+                self.resolve(row.ident, row.external_ref)
+        if real_steps or not attempt.side_effect.writes_intent:
+            return RUN_BODY
+        # A task that recorded no steps: its body is the effect. If an earlier attempt ran it
+        # and nothing says how that ended, the body itself is ambiguous.
+        if (
+            claim.gate is Gate.TAKEOVER
+            and claim.executions >= 1
+            and (body is None or body.status is StepStatus.STARTED)
+        ):
+            verdict = self.resolve(BODY_IDENT, body.external_ref if body else None)
+            if verdict is not None and verdict[0] is Verdict.COMPLETED:
+                attempt.settle(EntryStatus.COMPLETED, result=verdict[1])
+                return decode(verdict[1])
+            body = attempt.replay_row(BODY_IDENT)
+        if body is not None and body.status is StepStatus.NOT_EXECUTED:
+            # The one authorized re-run: record its intent, so a crash during it is ambiguous
+            # again instead of authorized again.
+            attempt.start_body()
+        return RUN_BODY
+
+    def after_escape(self) -> bool:
+        """An exception escaped from inside a started effect step (``Attempt.ambiguous``): the
+        step may have crossed (the charge went through, the response was lost). Ask, never
+        assume.
+
+        Returns True when nothing is left to settle (the entry is blocked, or this attempt was
+        fenced out); False when the task settles ``failed`` as usual (the step was re-runnable,
+        or its verdict is recorded).
+        """
+        ident = self.attempt.ambiguous
+        assert ident is not None
+        try:
+            self.resolve(ident, None)
+        except (LedgerBlocked, Fenced):
+            return True
+        return False
+
+    def resolve(self, ident: Ident, ref: str | None) -> tuple[Verdict, str] | None:
+        """Decide one ambiguous step.
+
+        Returns None when its class re-runs it, else the verdict recorded for it (with the
+        encoded output of a ``completed`` one).
+
+        Raises:
+            LedgerBlocked: no verdict allows going on; the entry was parked for an operator.
+            Fenced: this attempt was superseded.
+        """
+        attempt = self.attempt
+        name = ident[0]
+        if attempt.side_effect.rerun_when_ambiguous:
+            log.info(
+                "ambiguous step re-run key=%s task_id=%s fence=%s step=%s class=%s",
+                attempt.key,
+                attempt.task_id,
+                attempt.fence,
+                name,
+                attempt.side_effect.value,
+            )
+            return None
+        step = AmbiguousStep(
+            key=attempt.key,
+            task_name=attempt.task.name,
+            task_id=attempt.task_id,
+            step=name,
+            input_hash=ident[1],
+            occurrence=ident[2],
+            external_ref=ref,
+            provider_key=provider_key(attempt.key, name, ident[2]),
+            args=self.args,
+            kwargs=self.kwargs,
+        )
+        answer = ask(self.reconciler_for(name), step, timeout=attempt.settings.reconcile_timeout)
+        if answer.verdict is Verdict.COMPLETED:
+            try:
+                encoded = encode(
+                    answer.output,
+                    limit=attempt.settings.max_result_bytes,
+                    what=f"reconciled output of step {name!r}",
+                )
+            except PayloadError as exc:
+                answer = type(answer).unknown(str(exc))
+            else:
+                attempt.record_verdict(ident, Verdict.COMPLETED, encoded)
+                attempt.emit("reconciled", step=name, verdict="completed")
+                return (Verdict.COMPLETED, encoded)
+        if (
+            answer.verdict is Verdict.NOT_EXECUTED
+            and attempt.side_effect is not SideEffect.IRREVERSIBLE
+        ):
+            attempt.record_verdict(ident, Verdict.NOT_EXECUTED)
+            attempt.emit("reconciled", step=name, verdict="not_executed")
+            return (Verdict.NOT_EXECUTED, "")
+        why = answer.note or answer.verdict.value
+        if answer.verdict is Verdict.NOT_EXECUTED:
+            why = "irreversible steps are never re-run without an operator"
+        reason = (
+            f"step {name!r} may have executed (external ref: {ref or 'none'}; "
+            f"reconciler: {why}); reconcile or release: "
+            f"celery-ledger show {attempt.key}"
+        )
+        self.block(reason)
+
+    def reconciler_for(self, step: str) -> Reconciler | None:
+        """The task's reconciler for ``step`` (a mapping may name ``"*"`` for the rest)."""
+        rec = self.reconciler
+        if isinstance(rec, Mapping):
+            return rec.get(step) or rec.get("*")
+        return rec
+
+    def block(self, reason: str) -> NoReturn:
+        """Park the entry ``blocked`` for an operator and stop the attempt.
+
+        Raises:
+            LedgerBlocked: always (the message is acked, not redelivered).
+        """
+        attempt = self.attempt
+        attempt.block(reason)
+        attempt.emit("blocked", reason=reason)
+        raise LedgerBlocked(f"{attempt.task.name}[{attempt.task_id}] key {attempt.key}: {reason}")

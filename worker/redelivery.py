@@ -1,0 +1,101 @@
+"""Sending a delivery again later, and waiting briefly before doing so.
+
+A ledgered task re-queues itself, with the same task id and without spending one of Celery's
+retries, when it must not run now: another attempt holds a live lease (WAIT), or the ledger
+cannot be reached at claim (fail closed: the body does not run). The re-sent message carries
+``ledger_redelivery`` (the entry exists, or will: no publish intent is recorded for it) and,
+after an unreachable ledger, ``ledger_unavailable``: how many times in a row, for the backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, NoReturn
+
+from celery import Task
+from celery.exceptions import Ignore
+
+from celery_ledger import runtime
+from celery_ledger.ledger import EntryStatus, LedgerStore, LedgerUnavailable
+from celery_ledger.settings import LedgerSettings
+
+log = logging.getLogger(__name__)
+
+#: How often a WAIT polls the other attempt's entry within ``ledger_wait_poll_seconds``.
+WAIT_POLL_INTERVAL = 0.05
+
+
+def header(req: Any, name: str) -> Any:
+    """A message header of a Celery request (``req.<name>``, else ``req.headers[name]``)."""
+    value = getattr(req, name, None)
+    if value is None and isinstance(getattr(req, "headers", None), dict):
+        value = req.headers.get(name)
+    return value
+
+
+def redeliver(
+    task: Task,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    countdown: float,
+    headers: dict[str, Any] | None = None,
+) -> NoReturn:
+    """Send this delivery again later with the same task id, without spending a retry.
+
+    Raises:
+        Ignore: always; Celery then acks this message and records no state, so a RETURN
+            stored by the other attempt is not overwritten with RETRY.
+    """
+    sig = task.signature_from_request(task.request, args, kwargs, countdown=countdown)
+    # The entry exists (WAIT) or the ledger is down (claim): no publish intent to record.
+    sig.options["headers"] = {
+        **(sig.options.get("headers") or {}),
+        **(headers or {}),
+        "ledger_redelivery": True,
+    }
+    sig.apply_async()
+    raise Ignore()
+
+
+def ledger_unavailable(
+    task: Task, exc: LedgerUnavailable, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> NoReturn:
+    """Fail closed at claim: the body does not run; re-send it after a backoff that doubles
+    with each unreachable claim in a row (``ledger_unavailable_backoff``, up to
+    ``ledger_unavailable_backoff_max``).
+
+    Raises:
+        Ignore: always (``redeliver``).
+    """
+    settings = runtime.settings_for(task.app)
+    n = int(header(task.request, "ledger_unavailable") or 0)
+    countdown = min(settings.unavailable_backoff * (2**n), settings.unavailable_backoff_max)
+    log.warning(
+        "ledger unavailable at claim task=%s task_id=%s (attempt %s); body not run, "
+        "redelivering in %.1fs: %s",
+        task.name,
+        task.request.id,
+        n + 1,
+        countdown,
+        exc,
+    )
+    redeliver(task, args, kwargs, countdown=countdown, headers={"ledger_unavailable": n + 1})
+
+
+def wait_briefly(store: LedgerStore, key: str, settings: LedgerSettings) -> bool:
+    """Poll a live lease for up to ``ledger_wait_poll_seconds``; True if it ended."""
+    deadline = time.monotonic() + settings.wait_poll_seconds
+    while time.monotonic() < deadline:
+        time.sleep(WAIT_POLL_INTERVAL)
+        try:
+            found = store.peek_status(key)
+        except LedgerUnavailable:
+            return False
+        if found is None:
+            return True
+        status, left = found
+        if status is not EntryStatus.RUNNING or left is None or left <= 0:
+            return True
+    return False
