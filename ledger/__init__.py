@@ -3,6 +3,7 @@
 Knows nothing of Celery; a reader can test it with SQLAlchemy alone.
 """
 
+from celery_ledger.ledger.crashloop import CrashLoop, crash_loop_reason
 from celery_ledger.ledger.errors import (
     EntryNotFound,
     Fenced,
@@ -21,6 +22,7 @@ from celery_ledger.ledger.errors import (
 from celery_ledger.ledger.identity import canonical_json, entry_key, input_hash, provider_key
 from celery_ledger.ledger.operator import BODY_STEP, LedgerStats, OperatorQueries, Release
 from celery_ledger.ledger.states import EntryStatus, Gate, SideEffect, StepStatus, Verdict
+from celery_ledger.ledger.store import LedgerStore
 from celery_ledger.ledger.values import (
     RESUME_OWNER,
     ArgumentSnapshot,
@@ -34,15 +36,10 @@ from celery_ledger.ledger.values import (
     StepRecord,
 )
 
-
-class LedgerStore(OperatorQueries):
-    """The ledger store: hot path (``store``), sweeps (``sweeps``) and operator queries
-    (``operator``) over one engine per process."""
-
-
 __all__ = [
     # Store
     "LedgerStore",
+    "OperatorQueries",
     "LedgerStats",
     "Release",
     # Values
@@ -68,6 +65,9 @@ __all__ = [
     "entry_key",
     "input_hash",
     "provider_key",
+    # Crash loops
+    "CrashLoop",
+    "crash_loop_reason",
     # Errors
     "LedgerError",
     "LedgerUnavailable",

@@ -3,7 +3,7 @@
 Fork safety: Celery's prefork pool forks children after the parent may have opened the
 ledger. A pooled connection shared across ``fork()`` corrupts both sides' protocol state, so
 the store builds its engine lazily and rebuilds it when it finds itself in a new process
-(``LedgerStore._engine_for_this_process``); here we only make engines.
+(``StoreCore.engine`` in ``core.py``); here we only make engines.
 """
 
 from __future__ import annotations

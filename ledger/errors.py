@@ -21,9 +21,19 @@ The tree::
 ``except Exception`` must not swallow the signal that it no longer owns the entry (the same
 reason rq's ``ShutDownImminentException`` and asyncio's ``CancelledError`` sit outside
 ``Exception``).
+
+A database error becomes ``LedgerUnavailable`` in one place, ``as_unavailable``: the SQLAlchemy
+path, the hot path's raw cursors and every connect go through ``translate_db_errors``, which asks
+it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+
+from sqlalchemy import exc as sa_exc
 
 
 class LedgerError(Exception):
@@ -79,3 +89,50 @@ class EntryNotFound(LedgerError, KeyError):
 
 class Fenced(BaseException):
     """Raised inside an attempt whose fence was superseded: it may write nothing more."""
+
+
+# -- database errors ---------------------------------------------------------------------------
+
+#: PEP 249 error classes that mean "the ledger database cannot be reached, or not now": the
+#: only ones that become ``LedgerUnavailable`` (and so retry the task later instead of failing
+#: it). Matched by name on SQLAlchemy's wrappers and on the driver's own classes alike, so a
+#: name added here widens the classification for every path at once.
+UNAVAILABLE_ERRORS = ("OperationalError", "InterfaceError")
+
+_SA_UNAVAILABLE = tuple(getattr(sa_exc, name) for name in UNAVAILABLE_ERRORS)
+
+
+def as_unavailable(exc: BaseException, dbapi: ModuleType | None = None) -> LedgerUnavailable | None:
+    """Classify a database error: the ``LedgerUnavailable`` it means, or None.
+
+    ``exc`` is a SQLAlchemy ``DBAPIError`` (statements through SQLAlchemy, and every connect
+    through a pool), or a raw error of the driver module ``dbapi`` (the hot path's cursors). The
+    message carries the driver's own words, never SQLAlchemy's wrapper text.
+    """
+    if isinstance(exc, sa_exc.DBAPIError):
+        if not isinstance(exc, _SA_UNAVAILABLE):
+            return None
+        cause: BaseException = exc.orig or exc
+    elif dbapi is not None and isinstance(
+        exc, tuple(getattr(dbapi, name) for name in UNAVAILABLE_ERRORS)
+    ):
+        cause = exc
+    else:
+        return None
+    return LedgerUnavailable(f"ledger database unavailable: {cause}")
+
+
+@contextmanager
+def translate_db_errors(dbapi: ModuleType | None = None) -> Iterator[None]:
+    """Raise what ``as_unavailable`` makes of a database error in the block; re-raise the rest.
+
+    Raises:
+        LedgerUnavailable: the database cannot be reached (the driver's error is its cause).
+    """
+    try:
+        yield
+    except Exception as exc:
+        unavailable = as_unavailable(exc, dbapi)
+        if unavailable is None:
+            raise
+        raise unavailable from exc

@@ -17,7 +17,8 @@ per statement on this machine, a tenth of the claim's). Nothing is pinned to a t
 thread pool of any size shares the list; at most ``keep`` connections wait on it, any beyond
 are closed when returned. A connection that failed, or whose unit raised, is closed, not kept.
 On PostgreSQL the connections are in autocommit, so a one-statement write is one round trip; on
-SQLite each unit is an explicit ``BEGIN IMMEDIATE`` ... ``COMMIT``.
+SQLite each unit is an explicit ``BEGIN IMMEDIATE`` ... ``COMMIT``. A driver error, at connect or
+at execute, is classified by ``errors.as_unavailable``, as on every other path.
 
 After ``fork()`` the store builds a new fast path and forgets the old one without closing its
 connections (they are the parent's sessions; psycopg does not end a session from a process that
@@ -34,7 +35,8 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from celery_ledger.ledger.errors import LedgerUnavailable
+from celery_ledger.ledger.dialect import Dialect
+from celery_ledger.ledger.errors import translate_db_errors
 
 
 class Compiled:
@@ -59,9 +61,9 @@ class Compiled:
 class FastPath:
     """A process's hot-path statements, compiled once, and raw cursors to run them on."""
 
-    def __init__(self, engine: Engine, *, sqlite: bool, keep: int = 2) -> None:
+    def __init__(self, engine: Engine, dialect: Dialect, *, keep: int = 2) -> None:
         self.engine = engine
-        self._sqlite = sqlite
+        self._begin = dialect.begin_unit
         #: Idle DBAPI connections, last in first out (list.pop/append are atomic).
         self._idle: list[Any] = []
         self._keep = keep
@@ -70,13 +72,8 @@ class FastPath:
         #: Called with each SQL string sent (benchmarks count round trips with it); empty in
         #: production, where the cursor is handed out as it is.
         self.listeners: list[Callable[[str], None]] = []
-        dbapi = engine.dialect.dbapi
-        assert dbapi is not None
-        #: DBAPI errors that mean "the database is not reachable (or not now)".
-        self._unavailable: tuple[type[BaseException], ...] = (
-            dbapi.OperationalError,
-            dbapi.InterfaceError,
-        )
+        #: The driver module, whose raw errors ``translate_db_errors`` classifies.
+        self.dbapi = engine.dialect.dbapi
 
     def compiled(self, key: Any, build: Callable[[], Any]) -> Compiled:
         found = self._compiled.get(key)
@@ -89,10 +86,7 @@ class FastPath:
             return self._idle.pop()
         except IndexError:
             pass
-        try:
-            fairy = self.engine.raw_connection()
-        except Exception as exc:  # SQLAlchemy wraps the driver's connect errors
-            raise LedgerUnavailable(f"ledger database unavailable: {exc}") from exc
+        fairy = self.engine.raw_connection()  # a failure is the driver's own error
         fairy.detach()  # ours from now on: closed by this class, never returned to the pool
         return fairy.dbapi_connection
 
@@ -101,34 +95,33 @@ class FastPath:
         """A cursor for one atomic unit of work (one statement on PostgreSQL).
 
         Raises:
-            LedgerUnavailable: the database cannot be reached; the connection is closed and
-                the next call connects again.
+            LedgerUnavailable: the database cannot be reached (connect or execute); the
+                connection is closed and the next call connects again.
         """
-        conn = self._connect()
-        cur = conn.cursor() if not self.listeners else _Observed(conn.cursor(), self.listeners)
-        reuse = False
-        try:
-            if self._sqlite:
-                cur.execute("BEGIN IMMEDIATE")
-            yield cur
-            if self._sqlite:
-                cur.execute("COMMIT")
-            reuse = True
-        except self._unavailable as exc:
-            raise LedgerUnavailable(f"ledger database unavailable: {exc}") from exc
-        except BaseException:
-            if self._sqlite:  # on PostgreSQL (autocommit) there is nothing to roll back
-                with contextlib.suppress(Exception):
-                    cur.execute("ROLLBACK")
-            raise
-        finally:
-            with contextlib.suppress(Exception):  # a broken one is closed below anyway
-                cur.close()
-            if reuse and len(self._idle) < self._keep:
-                self._idle.append(conn)
-            else:
-                with contextlib.suppress(Exception):  # it may be broken already
-                    conn.close()
+        with translate_db_errors(self.dbapi):
+            conn = self._connect()
+            cur = conn.cursor() if not self.listeners else _Observed(conn.cursor(), self.listeners)
+            reuse = False
+            try:
+                if self._begin:
+                    cur.execute(self._begin)
+                yield cur
+                if self._begin:
+                    cur.execute("COMMIT")
+                reuse = True
+            except BaseException:
+                if self._begin:  # in autocommit (PostgreSQL) there is nothing to roll back
+                    with contextlib.suppress(Exception):
+                        cur.execute("ROLLBACK")
+                raise
+            finally:
+                with contextlib.suppress(Exception):  # a broken one is closed below anyway
+                    cur.close()
+                if reuse and len(self._idle) < self._keep:
+                    self._idle.append(conn)
+                else:
+                    with contextlib.suppress(Exception):  # it may be broken already
+                        conn.close()
 
     def close(self) -> None:
         """Close the idle connections (in the process that opened them only)."""

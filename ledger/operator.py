@@ -1,4 +1,8 @@
-"""Operator queries: read entries, steps and events; release a stuck entry; aggregate stats."""
+"""Operator queries: read entries, steps and events; release a stuck entry; aggregate stats.
+
+Reads run in a read-only transaction (deferred on SQLite, so they never block a writer);
+``release`` is the one write, one transaction under the entry's row lock.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,12 @@ from typing import Any
 
 from sqlalchemy import case, func, or_, select, update
 
+from celery_ledger.ledger import statements as sql
+from celery_ledger.ledger.core import Note, StoreCore
 from celery_ledger.ledger.dbclock import db_now, db_now_stable
 from celery_ledger.ledger.errors import EntryNotFound, ReleaseRefused
 from celery_ledger.ledger.schema import entries, events, steps
 from celery_ledger.ledger.states import EntryStatus, SideEffect, StepStatus, Verdict
-from celery_ledger.ledger.sweeps import SweepQueries
 from celery_ledger.ledger.values import Entry, EventRecord
 
 #: Statuses an operator may release. Never completed (it has a result), never failed with a
@@ -62,8 +67,11 @@ class LedgerStats:
         return self.duplicate_executions / self.entries if self.entries else 0.0
 
 
-class OperatorQueries(SweepQueries):
-    """What the CLI, the metrics collector and the Flower glue read and write."""
+class OperatorQueries(StoreCore):
+    """What the CLI, the metrics collector and the Flower glue read and write.
+
+    Every method but ``release`` only reads, in one read-only transaction.
+    """
 
     def get_entry(self, key: str) -> Entry:
         """The entry for ``key``.
@@ -125,6 +133,7 @@ class OperatorQueries(SweepQueries):
             return [Entry.from_row(r) for r in conn.execute(q)]
 
     def entry_events(self, key: str, *, limit: int = 200) -> list[EventRecord]:
+        """The audit trail of ``key``, oldest first (read-only)."""
         with self._read() as conn:
             rows = conn.execute(
                 select(events).where(events.c.key == key).order_by(events.c.id).limit(limit)
@@ -146,6 +155,9 @@ class OperatorQueries(SweepQueries):
         become ``not_executed``, authorizing exactly one more run, and the entry becomes
         ``interrupted`` so that recovery (or ``resume``) runs it. The fence is bumped either
         way, so an attempt still alive somewhere can write nothing more.
+
+        Atomic (one transaction) and fenced by the entry's row lock: two releases racing
+        serialize on it, and the second is refused as one-shot.
 
         Raises:
             EntryNotFound: no such key.
@@ -196,7 +208,7 @@ class OperatorQueries(SweepQueries):
             else:
                 to_status = EntryStatus.INTERRUPTED
                 released = self._release_ambiguous_steps(conn, key, fence)
-            conn.execute(
+            upd = (
                 update(entries)
                 .where(entries.c.key == key)
                 .values(
@@ -214,18 +226,13 @@ class OperatorQueries(SweepQueries):
                     released_at=now,
                     released_from=found.value,
                 )
+                .returning(*sql.RETURNED)
             )
-            self._append_event(
-                conn,
-                key,
-                "released",
-                task_id=row.task_id,
-                fence=fence,
-                status=to_status.value,
-                actor=by,
-                detail=f"verified {verified.value} from {found.value}: {reason}"
-                + (f" (steps: {', '.join(released)})" if released else ""),
+            detail = f"verified {verified.value} from {found.value}: {reason}" + (
+                f" (steps: {', '.join(released)})" if released else ""
             )
+            note = Note("released", by, detail)
+            self._write_with_event(conn, sql.with_event(self.dialect, upd), {}, note)
         return Release(
             key,
             verified,

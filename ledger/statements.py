@@ -12,10 +12,9 @@ from functools import cache
 from typing import Any
 
 from sqlalchemy import Float, Integer, String, Text, bindparam, insert, literal, select, update
-from sqlalchemy.dialects import postgresql as pg_dialect
-from sqlalchemy.dialects import sqlite as sqlite_dialect
 
 from celery_ledger.ledger.dbclock import db_now
+from celery_ledger.ledger.dialect import Dialect
 from celery_ledger.ledger.schema import entries, events, steps
 from celery_ledger.ledger.states import EntryStatus, StepStatus
 
@@ -28,19 +27,16 @@ def B(name: str, type_: Any = None) -> Any:  # noqa: N802 - reads like SQL
     return bindparam(name, type_=type_)
 
 
-def _insert(dialect: str) -> Any:
-    return sqlite_dialect.insert if dialect == "sqlite" else pg_dialect.insert
-
-
-def with_event(dialect: str, dml: Any) -> Any:
+def with_event(dialect: Dialect, dml: Any) -> Any:
     """``dml`` (an entries INSERT/UPDATE returning ``RETURNED``) plus its audit event.
 
-    PostgreSQL: one statement, a data-modifying CTE, so one round trip, atomic even in
-    autocommit; the event takes the bind parameters ``ev_event``, ``ev_actor``, ``ev_detail``.
-    SQLite: ``dml`` alone; the caller inserts the event with ``event_insert()`` in the same
-    transaction (there is no round trip to save in-process).
+    With ``dialect.event_in_statement`` (PostgreSQL): one statement, a data-modifying CTE, so
+    one round trip, atomic even in autocommit; the event takes the bind parameters
+    ``ev_event``, ``ev_actor``, ``ev_detail``. Otherwise (SQLite): ``dml`` alone; the store's
+    event writer (``StoreCore._write_with_event``) inserts the events with ``event_insert()``
+    in the same transaction.
     """
-    if dialect == "sqlite":
+    if not dialect.event_in_statement:
         return dml
     written = dml.cte("written")
     logged = (
@@ -79,7 +75,7 @@ def event_insert() -> Any:
 
 
 @cache
-def claim_insert(dialect: str) -> Any:
+def claim_insert(dialect: Dialect) -> Any:
     """Insert a new entry as running with fence 1, or nothing if the key exists.
 
     ``executions`` is 1 for a claim (the body is about to run) and 0 for a publish intent
@@ -87,7 +83,7 @@ def claim_insert(dialect: str) -> Any:
     """
     now = db_now()
     ins = (
-        _insert(dialect)(entries)
+        dialect.insert(entries)
         .values(
             key=B("key"),
             task_name=B("task_name"),
@@ -113,7 +109,33 @@ def claim_insert(dialect: str) -> Any:
 
 
 @cache
-def settle_update(dialect: str, settled: bool) -> Any:
+def claim_takeover(dialect: Dialect) -> Any:
+    """Hand an existing entry to the claiming attempt: running, its fence, task id, owner and
+    lease, one more execution (the claim's slow path, under the row lock its read took)."""
+    now = db_now()
+    upd = (
+        update(entries)
+        .where(entries.c.key == B("k"))
+        .values(
+            status=_RUNNING,
+            fence=B("new_fence", Integer),
+            task_id=B("new_task_id", String),
+            snapshot=B("new_snapshot", Text),
+            owner=B("new_owner", String),
+            owner_boot=B("new_owner_boot", String),
+            owner_pid=B("new_owner_pid", Integer),
+            lease_until=now + B("lease", Float),
+            executions=entries.c.executions + 1,
+            interruptions=B("new_interruptions", Integer),
+            updated_at=now,
+        )
+        .returning(*RETURNED)
+    )
+    return with_event(dialect, upd)
+
+
+@cache
+def settle_update(dialect: Dialect, settled: bool) -> Any:
     """Move a running entry at ``fence`` to ``status`` (a terminal one when ``settled``).
 
     (Bind parameters of an UPDATE may not share a column's name, hence ``k``, ``f`` ...)
@@ -160,7 +182,7 @@ def live_entry(key: Any, fence: Any) -> Any:
 
 
 @cache
-def step_upsert(dialect: str, started: bool) -> Any:
+def step_upsert(dialect: Dialect, started: bool) -> Any:
     """Upsert one replay row, fenced on the entry (see ``HotPath.write_step``)."""
     now = db_now()
     values: dict[str, Any] = {
@@ -179,7 +201,7 @@ def step_upsert(dialect: str, started: bool) -> Any:
         "completed_at": None if started else now,
     }
     source = live_entry(B("key"), B("fence")).with_only_columns(*values.values())
-    ins = _insert(dialect)(steps).from_select(list(values), source)
+    ins = dialect.insert(steps).from_select(list(values), source)
     ex = ins.excluded
     # An attempt of the step's body is a ``started`` write onto an existing row, from a new
     # fence or after a not_executed verdict (a reconciler's verdict carries the same fence as

@@ -3,7 +3,8 @@
 Every query is bounded (``limit``), driven by a partial index (``status = 'running'`` by
 lease or by owner, the attention index, ``settled_at``), and safe to run from several sweepers
 at once: each transition is a compare-and-set on (key, fence, status), so of two sweepers that
-race for one entry, one wins and the other's update matches nothing.
+race for one entry, one wins and the other's update matches nothing. A lost race returns
+nothing for that entry (an empty list, None or False); it never raises.
 """
 
 from __future__ import annotations
@@ -12,17 +13,19 @@ from typing import Any
 
 from sqlalchemy import Connection, Select, delete, func, select, update
 
+from celery_ledger.ledger import statements as sql
+from celery_ledger.ledger.core import Note, StoreCore
+from celery_ledger.ledger.crashloop import CrashLoop, crash_loop_reason
 from celery_ledger.ledger.dbclock import db_now, db_now_stable
 from celery_ledger.ledger.schema import entries, events, steps
 from celery_ledger.ledger.states import EntryStatus, StepStatus
-from celery_ledger.ledger.store import _RETURNED, HotPath
 from celery_ledger.ledger.values import RESUME_OWNER, Interrupted, Resuming
 
 _RUNNING = EntryStatus.RUNNING.value
 _INTERRUPTED = EntryStatus.INTERRUPTED.value
 
 
-class SweepQueries(HotPath):
+class SweepQueries(StoreCore):
     """Queries for the boot sweep, the stale-lease sweep, resume and retention."""
 
     def interrupt_expired(self, *, limit: int = 500, actor: str = "sweep") -> list[Interrupted]:
@@ -30,7 +33,9 @@ class SweepQueries(HotPath):
 
         The fence is bumped in the same statement, so an attempt that was only paused (SIGSTOP,
         a long GC, a partition) and wakes up later finds every write refused.
-        Returns the entries this call marked (not those another sweeper marked first).
+        Atomic per call (one transaction); fenced per entry on (key, running). Returns the
+        entries this call marked (not those another sweeper marked first, nor rows it holds
+        locked: SKIP LOCKED on PostgreSQL; on SQLite no other writer runs at all).
         """
         with self._txn() as conn:
             keys = (
@@ -41,9 +46,8 @@ class SweepQueries(HotPath):
                 )
                 .order_by(entries.c.lease_until)
                 .limit(limit)
+                .with_for_update(skip_locked=True)
             )
-            if not self.is_sqlite:
-                keys = keys.with_for_update(skip_locked=True)
             return self._interrupt(conn, keys, actor, "lease expired")
 
     def interrupt_previous_boot(
@@ -52,7 +56,8 @@ class SweepQueries(HotPath):
         """Mark entries still running under ``node`` from a boot other than ``boot`` interrupted.
 
         A worker calls this when it is ready: it knows its previous process is gone, so it
-        need not wait for those leases to expire.
+        need not wait for those leases to expire. Atomic per call (one transaction), fenced
+        per entry on (key, running). Returns the entries this call marked.
         """
         with self._txn() as conn:
             keys = (
@@ -72,7 +77,7 @@ class SweepQueries(HotPath):
         """Mark ``key`` interrupted if it is still run by that exact owner (the fast path).
 
         Fenced on the owner, not the fence: the worker's parent process knows which pool
-        process died but never saw the fence the child claimed with.
+        process died but never saw the fence the child claimed with. Atomic (one transaction).
         Returns None when the entry moved on (settled, taken over) in the meantime.
         """
         with self._txn() as conn:
@@ -108,13 +113,14 @@ class SweepQueries(HotPath):
                 reason=why,
             )
             .returning(
-                *_RETURNED,
+                *sql.RETURNED,
                 entries.c.task_name,
                 entries.c.interruptions,
                 entries.c.snapshot.is_not(None).label("has_snapshot"),
             )
         )
-        rows = self._write_with_event(conn, upd, "interrupted", actor, why)
+        stmt = sql.with_event(self.dialect, upd)
+        rows = self._write_with_event(conn, stmt, {}, Note("interrupted", actor, why))
         return [
             Interrupted(
                 r.key, r.task_name, r.task_id, r.fence, r.interruptions, bool(r.has_snapshot)
@@ -174,10 +180,11 @@ class SweepQueries(HotPath):
                 lease_until=db_now() + lease_seconds,
                 updated_at=db_now(),
             )
-            .returning(*_RETURNED, entries.c.task_name, entries.c.snapshot, completed)
+            .returning(*sql.RETURNED, entries.c.task_name, entries.c.snapshot, completed)
         )
         with self._one_statement() as conn:
-            rows = self._write_with_event(conn, upd, "resuming", actor)
+            stmt = sql.with_event(self.dialect, upd)
+            rows = self._write_with_event(conn, stmt, {}, Note("resuming", actor))
         if not rows:
             return None
         row = rows[0]
@@ -194,7 +201,12 @@ class SweepQueries(HotPath):
         actor: str,
         from_status: EntryStatus = EntryStatus.INTERRUPTED,
     ) -> bool:
-        """Park an entry for an operator, fenced on (fence, ``from_status``)."""
+        """Park an entry for an operator, fenced on (fence, ``from_status``), in one statement
+        with its audit event (atomic).
+
+        Returns False when the entry moved first (another sweeper, a claim); nothing is
+        written then.
+        """
         upd = (
             update(entries)
             .where(
@@ -209,17 +221,39 @@ class SweepQueries(HotPath):
                 lease_until=None,
                 updated_at=db_now(),
             )
-            .returning(*_RETURNED)
+            .returning(*sql.RETURNED)
         )
         with self._one_statement() as conn:
-            return bool(self._write_with_event(conn, upd, "blocked", actor, reason))
+            stmt = sql.with_event(self.dialect, upd)
+            return bool(self._write_with_event(conn, stmt, {}, Note("blocked", actor, reason)))
+
+    def block_crash_loop(
+        self, entry: Interrupted, *, max_resumes: int, actor: str
+    ) -> CrashLoop | None:
+        """Block ``entry`` if the crash-loop rule (``crash_loop_reason``) says it is one.
+
+        Fenced like ``block`` on (``entry.fence``, interrupted), one statement. Returns None
+        when it is no crash loop (nothing written), else the ``CrashLoop`` with the reason;
+        its ``blocked`` is False when the entry moved first (a lost race: nothing written).
+        """
+        reason = crash_loop_reason(entry.interruptions, max_resumes)
+        if reason is None:
+            return None
+        return CrashLoop(reason, self.block(entry.key, entry.fence, reason, actor=actor))
 
     def prune_settled(self, older_than_seconds: float, *, limit: int = 1000) -> int:
         """Delete up to ``limit`` settled entries older than the window, with steps and events.
 
+        Atomic (one transaction). Rows another transaction holds (a release in progress) are
+        skipped, not waited for. Returns how many entries this call deleted.
+
         A redelivery of a pruned key finds no entry and runs again: the retention window
         must exceed the longest time a duplicate can still arrive.
         """
+        # Lock what we delete. A release un-settles a failed entry so it can run again;
+        # without the lock we could delete its replay rows and events between our read and
+        # its commit, and the resumed body would re-run steps that completed. (On SQLite the
+        # lock clause renders as nothing: BEGIN IMMEDIATE already excludes every other writer.)
         picked = (
             select(entries.c.key)
             .where(
@@ -228,13 +262,8 @@ class SweepQueries(HotPath):
             )
             .order_by(entries.c.settled_at)
             .limit(limit)
+            .with_for_update(skip_locked=True)
         )
-        if not self.is_sqlite:
-            # Lock what we delete. A release un-settles a failed entry so it can run again;
-            # without the lock we could delete its replay rows and events between our read
-            # and its commit, and the resumed body would re-run steps that completed.
-            # (SQLite needs nothing: BEGIN IMMEDIATE already excludes every other writer.)
-            picked = picked.with_for_update(skip_locked=True)
         with self._txn() as conn:
             keys = [k for (k,) in conn.execute(picked)]
             if not keys:

@@ -2,7 +2,13 @@
 given."""
 
 from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciled, Reconciler, ask
-from celery_ledger.recovery.sweep import SweepReport, boot_sweep, resume_entry, run_sweep
+from celery_ledger.recovery.sweep import (
+    ResumeOutcome,
+    SweepReport,
+    boot_sweep,
+    resume_entry,
+    run_sweep,
+)
 
 __all__ = [
     # Sweeps
@@ -10,6 +16,7 @@ __all__ = [
     "run_sweep",
     "boot_sweep",
     "resume_entry",
+    "ResumeOutcome",
     # Reconcilers
     "AmbiguousStep",
     "Reconciled",

@@ -10,12 +10,17 @@ delivery takes over with a new fence and replays completed steps.
 Why one resumer only: ``begin_resume`` is a compare-and-set on (key, fence, interrupted), so two
 beats, or a beat and a CLI, racing for the same entry enqueue it once. If the enqueued message
 is lost, the lease the resumer holds expires and the next sweep interrupts the entry again.
+
+Why the crash-loop rule is not here: whether an entry has been interrupted too often is the
+ledger's decision (``celery_ledger.ledger.crash_loop_reason``), made the same way by the claim
+of its next delivery and by ``store.block_crash_loop`` here.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any
 
 from kombu.utils.json import loads
@@ -23,6 +28,20 @@ from kombu.utils.json import loads
 from celery_ledger.ledger import ArgumentSnapshot, Interrupted, LedgerStore
 
 log = logging.getLogger(__name__)
+
+
+class ResumeOutcome(str, Enum):
+    """What ``resume_entry`` did with one interrupted entry."""
+
+    #: Re-enqueued with its original task id and argument snapshot.
+    RESUMED = "resumed"
+    #: Parked as a crash loop (the ledger's crash-loop rule): an operator must release it.
+    BLOCKED = "blocked"
+    #: No argument snapshot to re-send from: reported, never guessed; it stays interrupted.
+    NO_SNAPSHOT = "no-snapshot"
+    #: Another resumer (a sweep, a claim) moved the entry first, or the broker refused the
+    #: message; the lease recovery took brings it back to the next sweep.
+    LOST_RACE = "lost-race"
 
 
 @dataclass(frozen=True)
@@ -57,26 +76,23 @@ def resume_entry(
     lease_seconds: float,
     max_resumes: int,
     actor: str = "sweep",
-) -> str:
-    """Re-enqueue one interrupted entry, or block it as a crash loop.
+) -> ResumeOutcome:
+    """Re-enqueue one interrupted entry, or block it as a crash loop (the ledger decides).
 
-    Returns one of ``resumed``, ``blocked``, ``no-snapshot``, ``lost-race``.
+    Returns the ``ResumeOutcome``.
     """
-    if entry.interruptions > max_resumes:
-        reason = (
-            f"crash loop: interrupted {entry.interruptions} times "
-            f"(ledger_max_resumes={max_resumes})"
+    crash_loop = store.block_crash_loop(entry, max_resumes=max_resumes, actor=actor)
+    if crash_loop is not None:
+        if not crash_loop.blocked:
+            return ResumeOutcome.LOST_RACE
+        log.warning(
+            "blocked key=%s task_id=%s fence=%s: %s",
+            entry.key,
+            entry.task_id,
+            entry.fence + 1,
+            crash_loop.reason,
         )
-        if store.block(entry.key, entry.fence, reason, actor=actor):
-            log.warning(
-                "blocked key=%s task_id=%s fence=%s: %s",
-                entry.key,
-                entry.task_id,
-                entry.fence + 1,
-                reason,
-            )
-            return "blocked"
-        return "lost-race"
+        return ResumeOutcome.BLOCKED
     if not entry.has_snapshot:
         log.warning(
             "interrupted key=%s task_id=%s fence=%s has no argument snapshot; resume "
@@ -86,10 +102,10 @@ def resume_entry(
             entry.fence,
             entry.key,
         )
-        return "no-snapshot"
+        return ResumeOutcome.NO_SNAPSHOT
     won = store.begin_resume(entry.key, entry.fence, lease_seconds=lease_seconds, actor=actor)
     if won is None:
-        return "lost-race"
+        return ResumeOutcome.LOST_RACE
     fence, replay = won.fence, won.completed_steps
     # The worker encoded it with kombu's JSON (celery_ledger.codec.encode_snapshot).
     snapshot = ArgumentSnapshot.from_data(loads(won.snapshot) if won.snapshot else {})
@@ -117,7 +133,7 @@ def resume_entry(
             exc,
             lease_seconds,
         )
-        return "lost-race"
+        return ResumeOutcome.LOST_RACE
     log.info(
         "resumed key=%s task_id=%s fence=%s task=%s: %d completed step(s) will replay; "
         "by hand: celery-ledger resume %s",
@@ -128,7 +144,7 @@ def resume_entry(
         replay,
         entry.key,
     )
-    return "resumed"
+    return ResumeOutcome.RESUMED
 
 
 def run_sweep(
@@ -147,7 +163,7 @@ def run_sweep(
     """
     interrupted = store.interrupt_expired(limit=batch, actor=actor)
     candidates = store.list_interrupted(limit=batch)
-    outcomes: dict[str, list[str]] = {}
+    outcomes: dict[ResumeOutcome, list[str]] = {}
     for entry in candidates:
         outcome = resume_entry(
             store, app, entry, lease_seconds=lease_seconds, max_resumes=max_resumes, actor=actor
@@ -157,11 +173,11 @@ def run_sweep(
     report = SweepReport(
         interrupted=len(interrupted),
         found=len(candidates),
-        resumed=len(outcomes.get("resumed", [])),
-        blocked=len(outcomes.get("blocked", [])),
-        no_snapshot=len(outcomes.get("no-snapshot", [])),
+        resumed=len(outcomes.get(ResumeOutcome.RESUMED, [])),
+        blocked=len(outcomes.get(ResumeOutcome.BLOCKED, [])),
+        no_snapshot=len(outcomes.get(ResumeOutcome.NO_SNAPSHOT, [])),
         pruned=pruned,
-        resumed_keys=tuple(outcomes.get("resumed", [])),
+        resumed_keys=tuple(outcomes.get(ResumeOutcome.RESUMED, [])),
     )
     if report.interrupted or report.found or report.pruned:
         log.info("ledger sweep: %s", report.as_dict())
@@ -182,10 +198,12 @@ def boot_sweep(
     report = SweepReport(
         interrupted=len(mine),
         found=len(mine),
-        resumed=outcomes.count("resumed"),
-        blocked=outcomes.count("blocked"),
-        no_snapshot=outcomes.count("no-snapshot"),
-        resumed_keys=tuple(e.key for e, o in zip(mine, outcomes, strict=True) if o == "resumed"),
+        resumed=outcomes.count(ResumeOutcome.RESUMED),
+        blocked=outcomes.count(ResumeOutcome.BLOCKED),
+        no_snapshot=outcomes.count(ResumeOutcome.NO_SNAPSHOT),
+        resumed_keys=tuple(
+            e.key for e, o in zip(mine, outcomes, strict=True) if o is ResumeOutcome.RESUMED
+        ),
     )
     if mine:
         log.warning("boot sweep of %s: %s", node, report.as_dict())

@@ -9,13 +9,21 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from celery_ledger.codec import arguments_hash, canonical_arguments
-from celery_ledger.ledger import ClaimRequest, EntryStatus, LedgerStore, Owner, StepStatus
-from celery_ledger.recovery import run_sweep
+from celery_ledger.ledger import (
+    ClaimRequest,
+    EntryStatus,
+    LedgerStore,
+    Owner,
+    StepStatus,
+    crash_loop_reason,
+)
+from celery_ledger.recovery import ResumeOutcome, resume_entry, run_sweep
 from helpers import business_key, effect_counts, event_names, key_of
 from procs import processes, test_env, wait_for
 from test_delivery import client_app
@@ -205,6 +213,31 @@ def test_concurrent_sweeps_resume_each_entry_once(ledger_url):
     assert sorted(app.sent) == sorted(f"tid-{i}" for i in range(20))
     for key in keys:
         assert event_names(store, key).count("resuming") == 1
+
+
+def test_resume_entry_reports_each_outcome_and_takes_the_crash_loop_rule_from_the_ledger(
+    ledger_url,
+):
+    store = LedgerStore(ledger_url)
+    make_interrupted(store, 2)
+    looping, fine = sorted(store.interrupt_expired(), key=lambda e: e.task_id)
+    assert (looping.interruptions, fine.interruptions) == (1, 1)
+    app = RecordingApp()
+
+    def resume(entry, max_resumes):
+        return resume_entry(store, app, entry, lease_seconds=60, max_resumes=max_resumes)
+
+    # One interruption over ledger_max_resumes=0: the ledger's crash-loop rule blocks it.
+    assert resume(looping, 0) is ResumeOutcome.BLOCKED
+    entry = store.get_entry(looping.key)
+    assert (entry.status, entry.reason) == (EntryStatus.BLOCKED, crash_loop_reason(1, 0))
+    assert resume(looping, 0) is ResumeOutcome.LOST_RACE  # the block moved the fence
+    # Within the limit: no snapshot is reported, never guessed; with one it is re-sent once.
+    assert resume(replace(fine, has_snapshot=False), 1) is ResumeOutcome.NO_SNAPSHOT
+    assert resume(fine, 1) is ResumeOutcome.RESUMED
+    assert resume(fine, 1) is ResumeOutcome.LOST_RACE  # another resumer won the CAS
+    assert app.sent == [fine.task_id]
+    assert [o.value for o in ResumeOutcome] == ["resumed", "blocked", "no-snapshot", "lost-race"]
 
 
 def test_two_beats_resume_each_entry_once(tmp_path, redis, pg_url):

@@ -24,6 +24,7 @@ from celery_ledger.ledger import (
     RESUME_OWNER,
     Claim,
     ClaimRequest,
+    CrashLoop,
     EntryNotFound,
     EntryStatus,
     Gate,
@@ -34,7 +35,9 @@ from celery_ledger.ledger import (
     StepRecord,
     StepStatus,
     Verdict,
+    crash_loop_reason,
 )
+from celery_ledger.ledger import errors as ledger_errors
 
 #: A lease that expires almost at once, so takeovers need no real waiting.
 LEASE_SHORT = 0.05
@@ -289,6 +292,68 @@ def test_crash_loop_is_blocked_with_the_count(store: LedgerStore) -> None:
     assert entry.executions == 2, "the blocked claim must not count as an execution"
     assert last_event(store, "key-1") == ("blocked", 3, OWNER.node)
     assert store.claim(request(max_interruptions=1)).gate is Gate.BLOCK
+
+
+@pytest.mark.parametrize("max_resumes", [0, 2])
+def test_claim_and_sweep_decide_a_crash_loop_by_the_ledgers_one_rule(
+    store: LedgerStore, max_resumes: int
+) -> None:
+    """The claim (taking over from a lost attempt) and the sweep (before it resumes) block at
+    the same count, with the same reason: both ask ``crash_loop_reason``."""
+    assert crash_loop_reason(max_resumes, max_resumes) is None
+    reason = crash_loop_reason(max_resumes + 1, max_resumes)
+    assert reason == (
+        f"crash loop: interrupted {max_resumes + 1} times (ledger_max_resumes={max_resumes})"
+    )
+
+    # The claim: every expired attempt it takes over from counts one interruption.
+    run_and_expire(store, "by-claim", max_interruptions=max_resumes)
+    for n in range(1, max_resumes + 2):
+        claim = store.claim(
+            request("by-claim", lease=LEASE_SHORT, max_interruptions=max_resumes, task_id=f"t{n}")
+        )
+        if n <= max_resumes:
+            assert claim.gate is Gate.TAKEOVER, (n, claim)
+            wait_lease_expired(store, "by-claim")
+    assert (claim.gate, claim.reason) == (Gate.BLOCK, reason)
+    entry = store.get_entry("by-claim")
+    assert (entry.status, entry.reason, entry.interruptions) == (
+        EntryStatus.BLOCKED,
+        reason,
+        max_resumes + 1,
+    )
+    blocked = store.entry_events("by-claim")[-1]
+    # The event names the delivery that found the loop; the entry keeps the task id it ran.
+    assert (blocked.event, blocked.task_id, blocked.detail) == ("blocked", f"t{n}", reason)
+    assert entry.task_id == (f"t{n - 1}" if max_resumes else "tid-1")
+
+    # The sweep: every expired lease it interrupts counts one; it asks the ledger first.
+    run_and_expire(store, "by-sweep", max_interruptions=max_resumes)
+    for n in range(1, max_resumes + 2):
+        (lost,) = [i for i in store.interrupt_expired() if i.key == "by-sweep"]
+        assert lost.interruptions == n
+        found = store.block_crash_loop(lost, max_resumes=max_resumes, actor="sweep")
+        if n <= max_resumes:
+            assert found is None
+            assert store.begin_resume("by-sweep", lost.fence, lease_seconds=LEASE_LONG)
+            again = store.claim(
+                request("by-sweep", lease=LEASE_SHORT, max_interruptions=max_resumes)
+            )
+            assert again.gate is Gate.TAKEOVER, (n, again)
+            wait_lease_expired(store, "by-sweep")
+    assert found == CrashLoop(reason, blocked=True)
+    entry = store.get_entry("by-sweep")
+    assert (entry.status, entry.reason, entry.fence) == (
+        EntryStatus.BLOCKED,
+        reason,
+        lost.fence + 1,
+    )
+    assert last_event(store, "by-sweep") == ("blocked", lost.fence + 1, "sweep")
+    # A second sweeper with the same view: the same decision, a lost race, nothing written.
+    assert store.block_crash_loop(lost, max_resumes=max_resumes, actor="sweep-2") == CrashLoop(
+        reason, blocked=False
+    )
+    assert last_event(store, "by-sweep") == ("blocked", lost.fence + 1, "sweep")
 
 
 def test_crash_loop_via_sweep_is_blocked(store: LedgerStore) -> None:
@@ -1096,6 +1161,131 @@ def test_unreachable_database_raises_ledger_unavailable() -> None:
             assert "127.0.0.1" in str(info.value) or "port 1" in str(info.value)
     finally:
         store.dispose()
+
+
+@pytest.fixture
+def translations(monkeypatch: pytest.MonkeyPatch) -> list[LedgerUnavailable]:
+    """Every ``LedgerUnavailable`` that ``errors.as_unavailable`` (the one translation of a
+    driver error) makes from now on, in order."""
+    made: list[LedgerUnavailable] = []
+    real = ledger_errors.as_unavailable
+
+    def recording(exc: BaseException, dbapi: Any = None) -> LedgerUnavailable | None:
+        out = real(exc, dbapi)
+        if out is not None:
+            made.append(out)
+        return out
+
+    monkeypatch.setattr(ledger_errors, "as_unavailable", recording)
+    return made
+
+
+def _refuse_connections(url: str, refuse: bool) -> None:
+    """Make new connections to the ledger fail for real (or work again); open ones stay.
+
+    PostgreSQL: the database stops accepting connections. SQLite: its directory moves away,
+    so the file cannot be opened.
+    """
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[1]
+        here, moved = os.path.dirname(path), os.path.dirname(path) + ".moved"
+        os.rename(*((here, moved) if refuse else (moved, here)))
+        return
+    import psycopg
+
+    from servers import PG_ADMIN_URL
+
+    name = url.rsplit("/", 1)[1]
+    with psycopg.connect(PG_ADMIN_URL.replace("+psycopg", ""), autocommit=True) as admin:
+        admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {str(not refuse).lower()}')
+
+
+def test_a_failing_connect_is_translated_by_the_one_function(
+    ledger_url: str, tmp_path: Any, translations: list[LedgerUnavailable]
+) -> None:
+    """Connecting fails on the SQLAlchemy path and on the hot path: both raise the
+    ``LedgerUnavailable`` that ``errors.as_unavailable`` made, with the driver's words."""
+    if ledger_url.startswith("sqlite"):
+        ledger_url = f"sqlite:///{tmp_path / 'ledger-dir' / 'ledger.sqlite3'}"
+    store = LedgerStore(ledger_url)
+    try:
+        store.ensure_ready()  # schema checked; the hot path has not connected yet
+        store.engine.dispose()  # no pooled connection left to reuse (on SQLite, the hot
+        # path's engine is this one)
+        _refuse_connections(ledger_url, True)
+        try:
+            with pytest.raises(LedgerUnavailable) as slow:
+                store.get_entry("key-1")
+            with pytest.raises(LedgerUnavailable) as fast:
+                store.claim(request())
+        finally:
+            _refuse_connections(ledger_url, False)
+        assert translations == [slow.value, fast.value]
+        assert translations[0] is slow.value and translations[1] is fast.value
+        from sqlalchemy import exc as sa_exc
+
+        refused = (store.fast.dbapi.OperationalError, sa_exc.OperationalError)
+        for raised in translations:
+            assert isinstance(raised.__cause__, refused), repr(raised.__cause__)
+            assert str(raised).startswith("ledger database unavailable: ")
+            assert "sqlalche.me" not in str(raised), "the driver's words, not SQLAlchemy's"
+        # Nothing was remembered as broken: both paths connect again.
+        assert store.claim(request()).gate is Gate.RUN
+        assert store.get_entry("key-1").status is EntryStatus.RUNNING
+    finally:
+        store.dispose()
+
+
+def test_a_statement_on_a_terminated_connection_is_translated_by_the_one_function(
+    pg_url: str, translations: list[LedgerUnavailable]
+) -> None:
+    """The server ends every session: the next statement on the hot path's kept connection
+    and on the pool's both raise the ``LedgerUnavailable`` that ``as_unavailable`` made."""
+    import psycopg
+
+    store = LedgerStore(pg_url)
+    try:
+        claim = store.claim(request())  # the hot path's connection now waits, idle
+        assert store.get_entry("key-1").status is EntryStatus.RUNNING  # and the pool's
+        with psycopg.connect(pg_url, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        with pytest.raises(LedgerUnavailable) as fast:
+            store.settle("key-1", claim.fence, EntryStatus.COMPLETED, result="1")
+        with pytest.raises(LedgerUnavailable) as slow:
+            store.get_entry("key-1")
+        assert translations == [fast.value, slow.value]
+        assert translations[0] is fast.value and translations[1] is slow.value
+        from sqlalchemy import exc as sa_exc
+
+        gone = (store.fast.dbapi.OperationalError, sa_exc.OperationalError)
+        for raised in translations:
+            assert str(raised).startswith("ledger database unavailable: ")
+            assert isinstance(raised.__cause__, gone), repr(raised.__cause__)
+        assert store.settle("key-1", claim.fence, EntryStatus.COMPLETED, result="1")
+    finally:
+        store.dispose()
+
+
+def test_only_the_unavailable_classes_are_translated(store: LedgerStore) -> None:
+    """An error that does not mean "unreachable" (here a unique violation) is not turned into
+    ``LedgerUnavailable``: it would retry forever what can never succeed."""
+    from sqlalchemy import exc as sa_exc
+
+    dbapi = store.fast.dbapi
+    assert ledger_errors.UNAVAILABLE_ERRORS == ("OperationalError", "InterfaceError")
+    assert ledger_errors.as_unavailable(dbapi.IntegrityError("dup"), dbapi) is None
+    assert ledger_errors.as_unavailable(ValueError("not a driver error"), dbapi) is None
+    wrapped = sa_exc.IntegrityError("INSERT", {}, dbapi.IntegrityError("dup"))
+    assert ledger_errors.as_unavailable(wrapped) is None
+    for name in ledger_errors.UNAVAILABLE_ERRORS:
+        raw = getattr(dbapi, name)("gone")
+        assert str(ledger_errors.as_unavailable(raw, dbapi)) == "ledger database unavailable: gone"
+        assert ledger_errors.as_unavailable(raw) is None, "a raw error needs its driver module"
+        wrapped = getattr(sa_exc, name)("SELECT 1", {}, raw)
+        assert str(ledger_errors.as_unavailable(wrapped)) == "ledger database unavailable: gone"
 
 
 def _pool_events(store: LedgerStore, name: str) -> list[object]:

@@ -40,7 +40,7 @@ from celery_ledger.ledger import (
     StepStatus,
     Verdict,
 )
-from celery_ledger.recovery import resume_entry, run_sweep
+from celery_ledger.recovery import ResumeOutcome, resume_entry, run_sweep
 
 # -- list / show ----------------------------------------------------------------------------
 
@@ -325,7 +325,7 @@ def release_cmd(
     rel = store.release(key, verdict, by=by, reason=reason, result=result)
     outcome = None
     if rel.to_status is EntryStatus.INTERRUPTED:
-        outcome = "no-snapshot"
+        outcome = ResumeOutcome.NO_SNAPSHOT
         if rel.snapshot is not None:
             outcome = resume_entry(
                 store,
@@ -358,16 +358,16 @@ def release_cmd(
     )
     if rel.steps_released:
         echo(ctx, f"authorized one more run of: {', '.join(rel.steps_released)}")
-    if outcome == "resumed":
+    if outcome is ResumeOutcome.RESUMED:
         echo(ctx, f"re-enqueued as task id {rel.task_id}")
-    elif outcome == "no-snapshot":
+    elif outcome is ResumeOutcome.NO_SNAPSHOT:
         echo(
             ctx,
             f"no argument snapshot: re-send task id {rel.task_id} by hand; it stays "
             "interrupted until then",
         )
     elif outcome is not None:
-        echo(ctx, f"not re-enqueued ({outcome}); the sweep will pick it up")
+        echo(ctx, f"not re-enqueued ({outcome.value}); the sweep will pick it up")
 
 
 @click.command("resume")
@@ -402,15 +402,15 @@ def resume_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
         emit_json(
             {"key": key, "task": entry.task_name, "task_id": entry.task_id, "outcome": outcome}
         )
-    elif outcome == "resumed":
+    elif outcome is ResumeOutcome.RESUMED:
         echo(ctx, f"re-enqueued {key} ({entry.task_name}) as task id {entry.task_id}")
-    if outcome == "blocked":
+    if outcome is ResumeOutcome.BLOCKED:
         raise click.ClickException(
             f"{key} was interrupted {entry.interruptions} times "
             f"(ledger_max_resumes={settings.max_resumes}): blocked as a "
             "crash loop; inspect it and release it"
         )
-    if outcome == "lost-race":
+    if outcome is ResumeOutcome.LOST_RACE:
         raise click.ClickException(
             f"{key} was not re-enqueued: another resumer moved it first, "
             "or the broker refused the message"

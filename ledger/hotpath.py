@@ -1,0 +1,347 @@
+"""What every ledgered task does: claim, renew the lease, write replay rows, settle.
+
+Claim (new key), lease renewal, step writes and settle run on the hot path's raw cursors
+(``StoreCore.fast``), one statement each on PostgreSQL; only the claim of an existing key takes
+the slower ``SELECT … FOR UPDATE`` transaction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Connection, String, literal, select, update
+
+from celery_ledger.ledger import statements as sql
+from celery_ledger.ledger.core import Note, StoreCore
+from celery_ledger.ledger.crashloop import crash_loop_reason
+from celery_ledger.ledger.dbclock import db_now
+from celery_ledger.ledger.schema import entries, steps
+from celery_ledger.ledger.states import EntryStatus, Gate, StepStatus
+from celery_ledger.ledger.values import RESUME_OWNER, Claim, ClaimRequest, StepRecord
+
+
+class HotPath(StoreCore):
+    """Claim, renew, write steps, settle: the store methods every ledgered task calls."""
+
+    # -- claim ----------------------------------------------------------------------------
+
+    def claim(self, req: ClaimRequest) -> Claim:
+        """Atomically create the entry, or decide what the existing entry means for this delivery.
+
+        Any number of concurrent claims of a new key yield exactly one RUN (the primary key
+        decides); the rest see the winner's row and get WAIT. An existing key is decided under
+        its row lock, in one transaction, and every transition it makes is fenced by that lock
+        (the fence grows by one). Every gate is appended to the events. Returns the ``Claim``;
+        never raises for a lost race.
+        """
+        for _ in range(3):
+            fence = self._insert_new(req)
+            if fence is not None:
+                return Claim(Gate.RUN, req.key, fence)
+            with self._txn() as conn:
+                claim = self._claim_existing_txn(conn, req)
+            if claim is not None:
+                return claim
+            # The row vanished between our insert and our read (pruned): insert again.
+        raise RuntimeError(f"claim of {req.key} did not converge")  # pragma: no cover
+
+    def _insert_new(self, req: ClaimRequest) -> int | None:
+        rows = self._insert_entry(
+            req, req.owner.node, req.owner.boot, req.owner.pid, executions=1, event="claimed"
+        )
+        return int(rows[0][2]) if rows else None
+
+    def record_intent(self, req: ClaimRequest) -> bool:
+        """Record a task at publish time, before any worker has it (one statement, atomic).
+
+        The entry is ``running`` under the resume marker with a lease of
+        ``req.lease_seconds`` and no execution: the first claim runs it (RUN, not TAKEOVER);
+        if the message is lost before any claim (``filesystem://`` forgets what a killed
+        worker had fetched), the lease expires and the sweep re-enqueues it like any
+        interrupted entry. Returns False if the key already has an entry (nothing written).
+        """
+        return bool(self._insert_entry(req, RESUME_OWNER, None, None, executions=0, event="queued"))
+
+    def _insert_entry(
+        self,
+        req: ClaimRequest,
+        owner: str,
+        boot: str | None,
+        pid: int | None,
+        *,
+        executions: int,
+        event: str,
+    ) -> list[Any]:
+        """The claim's insert (``sql.claim_insert``): a new running entry, or no row if the
+        key exists. A claim owns it with one execution; a publish intent with none."""
+        return self._fast_write(
+            "claim",
+            lambda: sql.claim_insert(self.dialect),
+            {
+                "key": req.key,
+                "task_name": req.task_name,
+                "task_id": req.task_id,
+                "side_effect": req.side_effect,
+                "args_hash": req.args_hash,
+                "snapshot": req.snapshot,
+                "owner": owner,
+                "owner_boot": boot,
+                "owner_pid": pid,
+                "lease": req.lease_seconds,
+                "executions": executions,
+            },
+            Note(event, req.owner.node),
+        )
+
+    def _claim_existing_txn(self, conn: Connection, req: ClaimRequest) -> Claim | None:
+        row = conn.execute(
+            select(entries, (entries.c.lease_until - db_now()).label("remaining"))
+            .where(entries.c.key == req.key)
+            .with_for_update()
+        ).one_or_none()
+        if row is None:
+            return None
+        found = EntryStatus(row.status)
+
+        def decided(gate: Gate, event: str, detail: str | None = None, **kw: Any) -> Claim:
+            # A gate that leaves the entry as it is: only the event is written.
+            seen = (req.key, req.task_id, row.fence, row.status)
+            self._append_events(conn, Note(event, req.owner.node, detail), [seen])
+            return Claim(gate, req.key, row.fence, found=found, **kw)
+
+        if row.args_hash != req.args_hash:
+            detail = f"args_hash {req.args_hash} != {row.args_hash}"
+            return decided(Gate.CONFLICT, "conflict", detail)
+        if found.settled:
+            return decided(Gate.RETURN, "returned", result=row.result, error=row.error)
+        if found is EntryStatus.BLOCKED:
+            return decided(Gate.BLOCK, "block-gate", reason=row.reason)
+
+        interruptions = row.interruptions
+        gate = Gate.TAKEOVER
+        if found is EntryStatus.RETRYING:
+            gate = Gate.RUN
+        elif found is EntryStatus.RUNNING:
+            lease_live = row.remaining is not None and row.remaining > 0
+            previous_boot = row.owner == req.owner.node and row.owner_boot != req.owner.boot
+            if row.owner != RESUME_OWNER:
+                if lease_live and not previous_boot:
+                    return decided(Gate.WAIT, "waited", lease_remaining=float(row.remaining))
+                interruptions += 1  # the attempt that held it is gone: count the loss here
+
+        if gate is Gate.TAKEOVER and row.executions == 0:
+            # A publish intent (or its resume) that no attempt ran yet: a first run, with
+            # nothing that could be ambiguous and no crash to count.
+            gate = Gate.RUN
+        fence = row.fence + 1
+        if gate is Gate.TAKEOVER:
+            reason = crash_loop_reason(interruptions, req.max_interruptions)
+            if reason is not None:
+                self._block_in_claim(conn, req, fence, interruptions, reason)
+                return Claim(Gate.BLOCK, req.key, fence, found=found, reason=reason)
+
+        params = {
+            "k": req.key,
+            "new_fence": fence,
+            "new_task_id": req.task_id,
+            "new_snapshot": req.snapshot if req.snapshot is not None else row.snapshot,
+            "new_owner": req.owner.node,
+            "new_owner_boot": req.owner.boot,
+            "new_owner_pid": req.owner.pid,
+            "lease": req.lease_seconds,
+            "new_interruptions": interruptions,
+        }
+        event = (
+            "claimed" if row.executions == 0 else "takeover" if gate is Gate.TAKEOVER else "rerun"
+        )
+        note = Note(event, req.owner.node, f"from {found.value}")
+        self._write_with_event(conn, sql.claim_takeover(self.dialect), params, note)
+        return Claim(
+            gate,
+            req.key,
+            fence,
+            found=found,
+            steps=self._load_steps(conn, req.key),
+            executions=row.executions,
+        )
+
+    def _block_in_claim(
+        self, conn: Connection, req: ClaimRequest, fence: int, interruptions: int, reason: str
+    ) -> None:
+        """Park a crash loop the claim found (under the claim's row lock). The event carries
+        the claiming task id, which the entry keeps as it was."""
+        upd = (
+            update(entries)
+            .where(entries.c.key == req.key)
+            .values(
+                status=EntryStatus.BLOCKED.value,
+                fence=fence,
+                reason=reason,
+                interruptions=interruptions,
+                lease_until=None,
+                updated_at=db_now(),
+            )
+            .returning(
+                entries.c.key,
+                literal(req.task_id, String).label("task_id"),
+                entries.c.fence,
+                entries.c.status,
+            )
+        )
+        note = Note("blocked", req.owner.node, reason)
+        self._write_with_event(conn, sql.with_event(self.dialect, upd), {}, note)
+
+    def peek_status(self, key: str) -> tuple[EntryStatus, float | None] | None:
+        """Read the entry's status and seconds left on its lease (no lock, no write)."""
+        with self._read() as conn:
+            row = conn.execute(
+                select(entries.c.status, (entries.c.lease_until - db_now()).label("left")).where(
+                    entries.c.key == key
+                )
+            ).one_or_none()
+        return None if row is None else (EntryStatus(row.status), row.left)
+
+    # -- lease ----------------------------------------------------------------------------
+
+    def renew_lease(self, key: str, fence: int, lease_seconds: float) -> bool:
+        """Atomically extend the lease to db-now + ``lease_seconds``, fenced (one statement).
+
+        Returns False when the fence moved (superseded) or the entry is no longer running;
+        nothing is written then.
+        """
+        stmt = self.fast.compiled("renew", sql.renew_update)
+        with self.fast.cursor() as cur:
+            cur.execute(stmt.sql, stmt.params({"k": key, "f": fence, "lease": lease_seconds}))
+            return bool(cur.rowcount == 1)
+
+    # -- replay rows ----------------------------------------------------------------------
+
+    def write_step(
+        self,
+        key: str,
+        fence: int,
+        ident: tuple[str, str, int],
+        *,
+        seq: int,
+        status: StepStatus,
+        output: str | None = None,
+        error: str | None = None,
+    ) -> bool:
+        """Upsert one replay row, fenced on the entry, in one statement (atomic).
+
+        ``started`` records intent before an effect; ``completed`` records the output (after
+        a ``started`` row or directly for read/idempotent steps); ``not_executed`` records a
+        proven non-execution. A completed row is never overwritten. A ``started`` write onto
+        an existing row from a new fence, or after a not_executed verdict, counts one more
+        attempt of the step's body (``not_executed`` counts one more authorized attempt).
+        Returns False when this attempt was superseded, or when the row is completed already
+        (nothing is written either way).
+        """
+        name, ihash, occurrence = ident
+        params = {
+            "key": key,
+            "name": name,
+            "input_hash": ihash,
+            "occurrence": occurrence,
+            "seq": seq,
+            "status": status.value,
+            "output": output,
+            "error": error,
+            "fence": fence,
+            "authorized": 1 if status is StepStatus.NOT_EXECUTED else 0,
+        }
+        started = status is StepStatus.STARTED
+        stmt = self.fast.compiled(("step", started), lambda: sql.step_upsert(self.dialect, started))
+        with self.fast.cursor() as cur:
+            cur.execute(stmt.sql, stmt.params(params))
+            return cur.fetchone() is not None
+
+    def record_external_ref(
+        self, key: str, fence: int, ident: tuple[str, str, int], ref: str
+    ) -> bool:
+        """Store a provider handle on a started step, fenced, in one statement (atomic).
+
+        Returns False if superseded (nothing is written then).
+        """
+        name, ihash, occurrence = ident
+        with self._one_statement() as conn:
+            res = conn.execute(
+                update(steps)
+                .where(
+                    steps.c.key == key,
+                    steps.c.name == name,
+                    steps.c.input_hash == ihash,
+                    steps.c.occurrence == occurrence,
+                    steps.c.key.in_(sql.live_entry(key, fence)),
+                )
+                .values(external_ref=ref)
+            )
+        return res.rowcount == 1
+
+    def load_steps(self, key: str) -> tuple[StepRecord, ...]:
+        """Every replay row of ``key`` in one query, in execution order (read-only)."""
+        with self._read() as conn:
+            return self._load_steps(conn, key)
+
+    def _load_steps(self, conn: Connection, key: str) -> tuple[StepRecord, ...]:
+        rows = conn.execute(
+            select(steps).where(steps.c.key == key).order_by(steps.c.seq, steps.c.occurrence)
+        ).all()
+        return tuple(
+            StepRecord(
+                name=r.name,
+                input_hash=r.input_hash,
+                occurrence=r.occurrence,
+                seq=r.seq,
+                status=StepStatus(r.status),
+                fence=r.fence,
+                output=r.output,
+                external_ref=r.external_ref,
+                error=r.error,
+                attempts=r.attempts,
+                authorized=r.authorized,
+                started_at=r.started_at,
+                completed_at=r.completed_at,
+            )
+            for r in rows
+        )
+
+    # -- settle ---------------------------------------------------------------------------
+
+    def settle(
+        self,
+        key: str,
+        fence: int,
+        status: EntryStatus,
+        *,
+        result: str | None = None,
+        error: str | None = None,
+        reason: str | None = None,
+        actor: str | None = None,
+    ) -> bool:
+        """Move a running entry to ``status`` (completed, failed, retrying or blocked), fenced.
+
+        Atomic with its audit event (one statement on PostgreSQL). Returns False when this
+        attempt was superseded; nothing is written then.
+
+        Raises:
+            ValueError: ``status`` is running or interrupted (not a settlement).
+        """
+        if status in (EntryStatus.RUNNING, EntryStatus.INTERRUPTED):
+            raise ValueError(f"settle cannot move an entry to {status.value}")
+        params = {
+            "k": key,
+            "f": fence,
+            "to_status": status.value,
+            "new_result": result,
+            "new_error": error,
+            "new_reason": reason,
+        }
+        settled = status.settled
+        rows = self._fast_write(
+            ("settle", settled),
+            lambda: sql.settle_update(self.dialect, settled),
+            params,
+            Note("settled", actor, reason or error),
+        )
+        return bool(rows)
