@@ -15,6 +15,7 @@ import base64
 import re
 import shutil
 import tempfile
+import time
 import uuid
 from typing import Any
 from unittest import mock
@@ -317,6 +318,21 @@ class TestReading(PageCase):
         assert "look at <strong>4</strong>" in preview and "re-enqueue 3" in preview
         assert "report 1 without an argument snapshot" in preview
         assert "has not seen a sweep task yet" in html  # no events in this Flower
+        # Flower's own event state: beat's last sweep task, 5 s ago, every 30 s by default
+        self.flower.events.state.event(
+            {
+                "type": "task-received",
+                "uuid": str(uuid.uuid4()),
+                "name": "celery_ledger.sweep",
+                "hostname": NODE,
+                "timestamp": time.time() - 5,
+                "local_received": time.time(),
+                "clock": 1,
+            }
+        )
+        sweep = self.page("/ledger")
+        sweep = sweep[sweep.index('id="next-sweep"') :][:800]
+        assert re.search(r"Last seen [4-6]s ago: next in about <strong>2[3-6]s</strong>", sweep), sweep
 
     def test_stuck_list_says_why_in_words_and_filters(self) -> None:
         b = self.blocked()
@@ -415,8 +431,10 @@ class TestReading(PageCase):
         resp = self.get(f"/ledger/task/{entry.task_id}")
         assert resp.code == 302 and resp.headers["Location"] == f"/ledger/entry/{key}"
         assert self.get("/ledger/task/no-such-task?name=shop.pay").code == 404
-        resp = self.get(f"/ledger/find?q={key[:10]}")
-        assert resp.code == 302 and resp.headers["Location"] == f"/ledger/entry/{key}"
+        for ref in (key[:10], key, entry.task_id):
+            resp = self.get(f"/ledger/find?q={ref}")
+            assert resp.code == 302 and resp.headers["Location"] == f"/ledger/entry/{key}"
+        assert self.get("/ledger/find?q=" + "e" * 64).code == 404
 
     def test_read_only_by_default_no_buttons_and_posts_refused(self) -> None:
         key = self.blocked()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -370,7 +371,7 @@ class FindHandler(LedgerHandler):
         if not ref:
             self.redirect(self.reverse_url("ledger-stuck"))
             return
-        keys = await self.blocking(lambda: self.page.store.find_keys(ref, limit=2))
+        keys = await self.blocking(self._find, ref)
         if len(keys) == 1:
             self.redirect(self.reverse_url("ledger-entry", keys[0]))
             return
@@ -379,3 +380,13 @@ class FindHandler(LedgerHandler):
             f"{'several entries match' if keys else 'no ledger entry matches'} {ref!r} "
             "(a key, a key prefix or a task id)",
         )
+
+    def _find(self, ref: str) -> list[str]:
+        store = self.page.store
+        if re.fullmatch(r"[0-9a-f]{64}", ref):
+            # A whole key: its primary key, not find_keys' LIKE (a scan on PostgreSQL).
+            try:
+                return [store.get_entry(ref).key]
+            except EntryNotFound:
+                return []
+        return store.find_keys(ref, limit=2)
