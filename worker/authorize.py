@@ -105,7 +105,7 @@ def load_authorizer(spec: Any) -> Authorizer | None:
     if spec is None:
         return None
     if callable(spec):
-        return spec  # type: ignore[no-any-return]
+        return spec
     text = str(spec)
     module_name, sep, attr = text.partition(":")
     if not sep:
@@ -118,7 +118,7 @@ def load_authorizer(spec: Any) -> Authorizer | None:
         raise AuthorizerError(f"ledger_authorizer={text!r} cannot be imported: {exc}") from None
     if not callable(target):
         raise AuthorizerError(f"ledger_authorizer={text!r} is not callable")
-    return target  # type: ignore[no-any-return]
+    return target
 
 
 def default_decision(tokens: frozenset[str], operator: Operator, action: Action) -> Decision:
