@@ -333,7 +333,9 @@ class TestReading(PageCase):
         )
         sweep = self.page("/ledger")
         sweep = sweep[sweep.index('id="next-sweep"') :][:800]
-        assert re.search(r"Last seen [4-6]s ago: next in about <strong>2[3-6]s</strong>", sweep), sweep
+        assert re.search(r"Last seen [4-6]s ago: next in about <strong>2[3-6]s</strong>", sweep), (
+            sweep
+        )
 
     def test_stuck_list_says_why_in_words_and_filters(self) -> None:
         b = self.blocked()

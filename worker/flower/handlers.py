@@ -32,7 +32,7 @@ from celery_ledger.cli.common import duration, timestamp
 from celery_ledger.flower import actions, views
 from celery_ledger.flower import queries as q
 from celery_ledger.flower.context import LedgerPage, page_for
-from celery_ledger.flower.hook import TEMPLATES, LedgerTemplateLoader, _flower_templates
+from celery_ledger.flower.hook import TEMPLATES, LedgerTemplateLoader, flower_templates
 from celery_ledger.ledger import EntryNotFound, LedgerError, entry_key
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class LedgerHandler(BaseHandler):
         return str(TEMPLATES)
 
     def create_template_loader(self, template_path: str) -> LedgerTemplateLoader:
-        return LedgerTemplateLoader(str(self.settings.get("template_path") or _flower_templates()))
+        return LedgerTemplateLoader(str(self.settings.get("template_path") or flower_templates()))
 
     @property
     def page(self) -> LedgerPage:

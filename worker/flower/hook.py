@@ -84,9 +84,6 @@ PATCHES: dict[str, Callable[[str, str], str]] = {
 class LedgerTemplateLoader(template.Loader):
     """Flower's templates (patched as above) plus the page's own under ``ledger/``."""
 
-    def __init__(self, flower_templates: str, **kwargs: Any) -> None:
-        super().__init__(flower_templates, **kwargs)
-
     def resolve_path(self, name: str, parent_path: str | None = None) -> str:
         # Names are absolute in this loader: ``{% extends "base.html" %}`` from
         # ``ledger/entry.html`` means Flower's base.html, not ``ledger/base.html``.
@@ -140,7 +137,7 @@ def install_in_flower(
     at = next((i for i, h in enumerate(handlers) if _pattern(h) in (r".*", "/.*")), len(handlers))
     handlers[at:at] = routes()
     settings["template_loader"] = LedgerTemplateLoader(
-        os.fspath(settings.get("template_path") or _flower_templates())
+        os.fspath(settings.get("template_path") or flower_templates())
     )
     from celery_ledger.flower import context
 
@@ -167,7 +164,7 @@ def _cli_prefix() -> str:
     return "celery-ledger"
 
 
-def _flower_templates() -> str:
+def flower_templates() -> str:
     import flower
 
     return os.path.join(os.path.dirname(flower.__file__), "templates")
