@@ -85,6 +85,16 @@ class LedgerSettings:
     freeze_gc_before_fork: bool = True
     #: Operator tokens: when set, ``release --by`` must name one of them.
     operator_tokens: frozenset[str] = frozenset()
+    #: Actions (release, resume) on the Ledger page in Flower. Off, the page is read-only and
+    #: refuses every POST: a monitoring page must not gain write power by being installed.
+    flower_actions: bool = False
+    #: Who may act (CLI and Flower page): ``"package.module:function"`` (or the callable itself)
+    #: called with (operator, action, entry); see ``celery_ledger.authorize``. None: the
+    #: default rule (operator tokens for the CLI's self-declared ``--by``).
+    authorizer: Any = None
+    #: Argument names whose values are never shown (``celery_ledger.redact``), for every task,
+    #: on top of each task's own ``secret_args``.
+    redact: frozenset[str] = frozenset()
 
     @classmethod
     def from_mapping(
@@ -137,6 +147,14 @@ class LedgerSettings:
             raise ValueError(
                 "ledger_write_retry_delay must be > 0 and <= ledger_write_retry_delay_max"
             )
+        if isinstance(self.authorizer, str) and not _looks_like_import_path(self.authorizer):
+            raise ValueError(
+                f"ledger_authorizer={self.authorizer!r} must be 'package.module:function'"
+            )
+        if not (self.authorizer is None or isinstance(self.authorizer, str)) and not callable(
+            self.authorizer
+        ):
+            raise ValueError("ledger_authorizer must be 'package.module:function' or a callable")
 
 
 _FLOATS = {
@@ -160,7 +178,7 @@ _INTS = {
     "max_exception_bytes",
     "sweep_batch",
 }
-_SETS = {"crash_points", "operator_tokens"}
+_SETS = {"crash_points", "operator_tokens", "redact"}
 
 
 def _parse(name: str, raw: Any) -> Any:
@@ -172,10 +190,19 @@ def _parse(name: str, raw: Any) -> Any:
         if name in _SETS:
             items = raw.split(",") if isinstance(raw, str) else raw
             return frozenset(i.strip() for i in items if str(i).strip())
-        if name in ("send_events", "publish_intent", "freeze_gc_before_fork"):
+        if name in ("send_events", "publish_intent", "freeze_gc_before_fork", "flower_actions"):
             if isinstance(raw, bool) or raw is None:
                 return raw
             return str(raw).strip().lower() in ("1", "true", "yes", "on")
     except (TypeError, ValueError) as exc:
         raise ValueError(f"ledger setting {name}={raw!r}: {exc}") from None
+    if name == "authorizer" and isinstance(raw, str):
+        return raw.strip() or None
     return raw
+
+
+def _looks_like_import_path(text: str) -> bool:
+    """``package.module:function`` or ``package.module.function``."""
+    module, sep, attr = text.partition(":")
+    parts = module.split(".") + (attr.split(".") if sep else [])
+    return (bool(sep) or len(parts) > 1) and all(p.isidentifier() for p in parts)

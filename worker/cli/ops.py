@@ -7,13 +7,13 @@ are in ``celery_ledger.cli.common``.
 
 from __future__ import annotations
 
-import hmac
 import json
 from typing import Any
 
 import click
 from kombu.utils.json import loads
 
+from celery_ledger.authorize import Action, AuthorizerError, Operator, authorize
 from celery_ledger.cli.common import (
     command_prefix,
     duration,
@@ -275,16 +275,15 @@ def _parse_result(text: str | None, verdict: Verdict, limit: int) -> str | None:
     return encode(value, limit=limit, what="--result-json")
 
 
-def _authorize(tokens: frozenset[str], by: str) -> None:
-    """When operator tokens are configured, ``--by`` must be one of them."""
-    if not tokens:
-        return
-    # compare_digest on every token: the time taken does not say how close a guess came.
-    if not any(hmac.compare_digest(by.encode(), t.encode()) for t in tokens):
-        raise click.ClickException(
-            "--by does not match any operator token "
-            "(CELERY_LEDGER_OPERATOR_TOKENS); nothing was released"
-        )
+def _authorize(settings: Any, operator: Operator, action: Action, entry: Any) -> None:
+    """Ask the authorizer (``ledger_authorizer``, else operator tokens) before the write."""
+    try:
+        decision = authorize(settings, operator, action, entry)
+    except AuthorizerError as exc:
+        raise click.ClickException(one_line(exc)) from None
+    if not decision.allowed:
+        verb = "released" if action.is_release else "re-enqueued"
+        raise click.ClickException(f"{decision.reason or 'not allowed'}; nothing was {verb}")
 
 
 @click.command("release")
@@ -318,9 +317,10 @@ def release_cmd(
         raise click.ClickException("--reason WHY is required: a release is stamped with its why")
     settings = load_settings(ctx)
     result = _parse_result(result_json, verdict, settings.max_result_bytes)
-    _authorize(settings.operator_tokens, by)
     store = open_store(ctx)
     key = resolve_key(store, ref)
+    action = Action.release(verdict)
+    _authorize(settings, Operator(by, "cli", authenticated=False), action, store.get_entry(key))
     # One-shot, live-lease and completed refusals are decided in the release transaction.
     rel = store.release(key, verdict, by=by, reason=reason, result=result)
     outcome = None
@@ -390,13 +390,15 @@ def resume_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
             f"{key} has no argument snapshot; re-send task id {entry.task_id} by hand"
         )
     settings = load_settings(ctx)
+    actor = operator_actor()
+    _authorize(settings, Operator(actor, "cli", authenticated=False), Action.RESUME, entry)
     outcome = resume_entry(
         store,
         load_app(ctx),
         Interrupted(key, entry.task_name, entry.task_id, entry.fence, entry.interruptions),
         lease_seconds=settings.lease_seconds,
         max_resumes=settings.max_resumes,
-        actor=operator_actor(),
+        actor=actor,
     )
     if as_json:
         emit_json(

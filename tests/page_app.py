@@ -1,0 +1,28 @@
+"""The process tests' app plus one task with a secret argument, for the Ledger page's tests.
+
+``celery -A page_app worker|flower`` finds ``app`` here: the same app object as
+``tests_app`` (every task of it included), with ``page_app.pay`` added. Its card number is
+declared secret (``secret_args``), so the Ledger page must never show it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery_ledger import LedgerTask
+from tests_app import app, effect
+
+__all__ = ["app", "pay"]
+
+
+@app.task(
+    base=LedgerTask,
+    bind=True,
+    name="page_app.pay",
+    key_from=("order_id",),
+    secret_args=("card_number",),
+)
+def pay(self: LedgerTask, order_id: str, amount: int, card_number: str) -> dict[str, Any]:
+    reserved = self.step("reserve", effect, order_id, "reserve")
+    charged = self.step("charge", effect, order_id, "charge")
+    return {"order_id": order_id, "amount": amount, "steps": [reserved, charged]}

@@ -1,0 +1,166 @@
+"""Who may act on a ledger entry: one authorizer hook shared by the CLI and the Flower page.
+
+An operator action (release, resume; later cancel and mark-dead) is allowed only when the
+authorizer answers allow. The hook is one callable, named by the ``ledger_authorizer`` setting
+(``"package.module:function"``, or the callable itself in the Celery config)::
+
+    def may_act(operator: Operator, action: Action, entry: Entry) -> Decision | bool:
+        if action is Action.RELEASE_NOT_EXECUTED and operator.name not in ONCALL:
+            return Decision.deny("only the on-call may authorize a re-run")
+        return Decision.allow()
+
+It runs after every other check of the request and before the one write, in the process
+that writes (the CLI, or Flower's), so it sees the entry as it is now. An authorizer that
+raises, or answers anything but a ``Decision`` or a bool, denies: the hook fails closed.
+
+**The security boundary.** On the Flower page the authorizer is the boundary: a Flower user
+reaches the ledger only through the page, Flower has authenticated them (basic auth, OAuth),
+and ``operator.authenticated`` is True. In the CLI it is a guard against mistakes: ``--by``
+is whatever the operator typed, and anyone who can run the CLI holds the ledger database's
+credentials, which carry release authority on their own (a release is one SQL transaction).
+
+The default (no ``ledger_authorizer``) keeps today's rule: when ``ledger_operator_tokens`` is
+set, a self-declared operator (the CLI's ``--by``) must name one of the tokens to release;
+an authenticated operator (a Flower user) may act; resume is always allowed, since it is what
+the sweep does on its own.
+"""
+
+from __future__ import annotations
+
+import hmac
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from celery_ledger.ledger import Entry, Verdict
+
+log = logging.getLogger(__name__)
+
+
+class Action(str, Enum):
+    """What an operator asks to do to an entry."""
+
+    #: Release with the verdict "it ran": the entry becomes completed with a given result.
+    RELEASE_COMPLETED = "release-completed"
+    #: Release with the verdict "it did not run": authorizes exactly one more run.
+    RELEASE_NOT_EXECUTED = "release-not-executed"
+    #: Re-enqueue an interrupted entry now (what the sweep would do).
+    RESUME = "resume"
+
+    @property
+    def is_release(self) -> bool:
+        return self in (Action.RELEASE_COMPLETED, Action.RELEASE_NOT_EXECUTED)
+
+    @classmethod
+    def release(cls, verdict: Verdict) -> Action:
+        """The release action of an operator's verdict."""
+        return cls.RELEASE_COMPLETED if verdict is Verdict.COMPLETED else cls.RELEASE_NOT_EXECUTED
+
+
+@dataclass(frozen=True)
+class Operator:
+    """Who asks."""
+
+    #: The name the action is stamped with (``released_by``, the audit event's actor).
+    name: str
+    #: Where the request came from: ``cli`` or ``flower``.
+    via: str
+    #: True when something other than the operator vouched for ``name`` (Flower's login);
+    #: False for the CLI's ``--by``, which is whatever was typed.
+    authenticated: bool
+
+
+@dataclass(frozen=True)
+class Decision:
+    """An authorizer's answer, with the reason shown to the operator when it denies."""
+
+    allowed: bool
+    reason: str = ""
+
+    @classmethod
+    def allow(cls, reason: str = "") -> Decision:
+        return cls(True, reason)
+
+    @classmethod
+    def deny(cls, reason: str) -> Decision:
+        return cls(False, reason)
+
+
+Authorizer = Callable[[Operator, Action, Entry], "Decision | bool"]
+
+
+class AuthorizerError(ValueError):
+    """Raised when ``ledger_authorizer`` names something that cannot be imported or called."""
+
+
+def load_authorizer(spec: Any) -> Authorizer | None:
+    """The callable ``spec`` names (``"pkg.mod:fn"``, ``"pkg.mod.fn"``, or a callable).
+
+    Raises:
+        AuthorizerError: it does not import, or is not callable.
+    """
+    if spec is None:
+        return None
+    if callable(spec):
+        return spec
+    text = str(spec)
+    module_name, sep, attr = text.partition(":")
+    if not sep:
+        module_name, _, attr = text.rpartition(".")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise AuthorizerError(f"ledger_authorizer={text!r} cannot be imported: {exc}") from None
+    if not callable(target):
+        raise AuthorizerError(f"ledger_authorizer={text!r} is not callable")
+    return target
+
+
+def default_decision(tokens: frozenset[str], operator: Operator, action: Action) -> Decision:
+    """Today's rule: operator tokens gate the CLI's self-declared ``--by`` on release."""
+    if not action.is_release or operator.authenticated or not tokens:
+        return Decision.allow()
+    # compare_digest on every token: the time taken does not say how close a guess came.
+    if any(hmac.compare_digest(operator.name.encode(), t.encode()) for t in tokens):
+        return Decision.allow()
+    return Decision.deny("--by does not match any operator token (CELERY_LEDGER_OPERATOR_TOKENS)")
+
+
+def authorize(settings: Any, operator: Operator, action: Action, entry: Entry) -> Decision:
+    """Ask the configured authorizer (or the default rule) whether ``operator`` may act.
+
+    Never raises for the authorizer's own failures: they deny, with the failure as reason.
+
+    Raises:
+        AuthorizerError: ``ledger_authorizer`` cannot be loaded (a configuration error).
+    """
+    hook = load_authorizer(settings.authorizer)
+    if hook is None:
+        return default_decision(settings.operator_tokens, operator, action)
+    try:
+        answer = hook(operator, action, entry)
+    except Exception as exc:  # noqa: BLE001 - a broken authorizer must deny, not allow
+        log.warning(
+            "authorizer %r raised for %s by %s on key=%s task_id=%s fence=%s: %r",
+            settings.authorizer,
+            action.value,
+            operator.name,
+            entry.key,
+            entry.task_id,
+            entry.fence,
+            exc,
+        )
+        return Decision.deny(f"the authorizer failed ({type(exc).__name__}); nothing was done")
+    if isinstance(answer, Decision):
+        return answer
+    if isinstance(answer, bool):
+        return Decision(answer, "" if answer else "denied by ledger_authorizer")
+    return Decision.deny(
+        f"the authorizer answered {type(answer).__name__}, not a Decision or a bool; "
+        "nothing was done"
+    )

@@ -1,0 +1,193 @@
+"""The page's two actions, release and resume, through the store and recovery. Blocking.
+
+They take the same path as ``celery-ledger release`` and ``celery-ledger resume``
+(``celery_ledger.cli.ops``): every check runs before the one write, the one-shot and
+live-lease refusals are the store's own (decided inside ``store.release``'s transaction),
+a ``not-executed`` release is followed by ``recovery.resume_entry`` exactly as in the CLI,
+and a resume is ``resume_entry``'s compare-and-set, which admits one resumer however many
+operators click. The authorizer (``celery_ledger.authorize``) is asked last, with the entry
+as it is now; the operator is the user Flower authenticated, stamped as ``by``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from celery_ledger.authorize import Action, Operator, authorize
+from celery_ledger.codec import encode
+from celery_ledger.flower.context import LedgerPage
+from celery_ledger.ledger import (
+    EntryStatus,
+    Interrupted,
+    PayloadError,
+    Release,
+    ReleaseRefused,
+    Verdict,
+)
+from celery_ledger.recovery import resume_entry
+
+log = logging.getLogger(__name__)
+
+#: Longest reason kept; the entry's column is text, but a reason is a sentence.
+MAX_REASON_CHARS = 2000
+
+
+class ActionRefused(Exception):
+    """Raised when an action is refused before (or by) its one write; nothing was changed."""
+
+    def __init__(self, message: str, status: int = 409) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Released:
+    release: Release
+    #: What the follow-up resume did (``resumed``, ``no-snapshot``, ...); None for completed.
+    resume: str | None
+
+
+def parse_verdict(raw: str | None) -> Verdict:
+    value = (raw or "").strip().lower().replace("_", "-")
+    if value == "completed":
+        return Verdict.COMPLETED
+    if value == "not-executed":
+        return Verdict.NOT_EXECUTED
+    raise ActionRefused("choose a verdict: completed or not-executed", 400)
+
+
+def parse_reason(raw: str | None) -> str:
+    reason = " ".join((raw or "").split())
+    if not reason:
+        raise ActionRefused("a reason is required: it is stamped on the entry and audited", 400)
+    if len(reason) > MAX_REASON_CHARS:
+        raise ActionRefused(f"the reason is over {MAX_REASON_CHARS} characters", 400)
+    return reason
+
+
+def parse_result(text: str | None, verdict: Verdict, limit: int) -> str | None:
+    """The result a ``completed`` release stores, checked as JSON."""
+    if verdict is Verdict.NOT_EXECUTED:
+        if text and text.strip():
+            raise ActionRefused("a result goes with the verdict completed only", 400)
+        return None
+    if text is None or not text.strip():
+        raise ActionRefused(
+            "the verdict completed needs the task's result as JSON ('null' for none)", 400
+        )
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        value = json.loads(text, parse_constant=no_constants)
+    except ValueError as exc:
+        detail = " ".join(str(exc).split())
+        raise ActionRefused(f"the result is not valid JSON: {detail}", 400) from None
+    try:
+        return encode(value, limit=limit, what="the result")
+    except PayloadError as exc:
+        raise ActionRefused(str(exc), 400) from None
+
+
+def _authorized(page: LedgerPage, operator: Operator, action: Action, key: str) -> Any:
+    entry = page.store.get_entry(key)
+    decision = authorize(page.settings, operator, action, entry)
+    if not decision.allowed:
+        raise ActionRefused(f"not allowed: {decision.reason or 'denied'}", 403)
+    return entry
+
+
+def release(
+    page: LedgerPage,
+    key: str,
+    *,
+    operator: Operator,
+    verdict_raw: str | None,
+    reason_raw: str | None,
+    result_raw: str | None,
+) -> Released:
+    """Release ``key`` once, then (not-executed) re-enqueue it as the CLI does.
+
+    Raises:
+        ActionRefused: bad input, denied, or refused by the store.
+        EntryNotFound: no such key.
+    """
+    verdict = parse_verdict(verdict_raw)
+    reason = parse_reason(reason_raw)
+    result = parse_result(result_raw, verdict, page.settings.max_result_bytes)
+    action = Action.release(verdict)
+    _authorized(page, operator, action, key)
+    try:
+        rel = page.store.release(key, verdict, by=operator.name, reason=reason, result=result)
+    except ReleaseRefused as exc:
+        raise ActionRefused(str(exc), 409) from None
+    outcome = None
+    if rel.to_status is EntryStatus.INTERRUPTED:
+        outcome = "no-snapshot"
+        if rel.snapshot is not None:
+            s = page.settings
+            outcome = resume_entry(
+                page.store,
+                page.capp,
+                Interrupted(key, rel.task_name, rel.task_id, rel.fence),
+                lease_seconds=s.lease_seconds,
+                max_resumes=s.max_resumes,
+                actor=operator.name,
+            )
+    log.info(
+        "released key=%s task_id=%s fence=%s from %s as %s by %s via Flower (resume: %s)",
+        key,
+        rel.task_id,
+        rel.fence,
+        rel.from_status.value,
+        verdict.value,
+        operator.name,
+        outcome,
+    )
+    return Released(rel, outcome)
+
+
+def resume(page: LedgerPage, key: str, *, operator: Operator, reason_raw: str | None) -> str:
+    """Re-enqueue an interrupted entry now; returns ``resume_entry``'s outcome.
+
+    Raises:
+        ActionRefused: bad input, denied, not interrupted, no snapshot, or lost the race.
+        EntryNotFound: no such key.
+    """
+    reason = parse_reason(reason_raw)
+    entry = _authorized(page, operator, Action.RESUME, key)
+    if entry.status is not EntryStatus.INTERRUPTED:
+        raise ActionRefused(f"it is {entry.status.value}, not interrupted: nothing to resume")
+    if entry.snapshot is None:
+        raise ActionRefused(
+            f"it has no argument snapshot: re-send task id {entry.task_id} by hand, or release it"
+        )
+    s = page.settings
+    outcome = resume_entry(
+        page.store,
+        page.capp,
+        Interrupted(key, entry.task_name, entry.task_id, entry.fence, entry.interruptions),
+        lease_seconds=s.lease_seconds,
+        max_resumes=s.max_resumes,
+        actor=operator.name,
+    )
+    # The store's resume event has no detail column to carry it: the reason is in this log
+    # line (with key, task id, fence) until resume takes one (docs/design.md).
+    log.info(
+        "resume of key=%s task_id=%s fence=%s by %s via Flower: %s (%s)",
+        key,
+        entry.task_id,
+        entry.fence,
+        operator.name,
+        outcome,
+        reason,
+    )
+    if outcome == "lost-race":
+        raise ActionRefused(
+            "not re-enqueued: another resumer moved it first, or the broker refused the message"
+        )
+    return outcome

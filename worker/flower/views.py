@@ -1,0 +1,353 @@
+"""What each Ledger page shows, as plain values for its template. Blocking: runs in an executor.
+
+Every argument value, result, step output, error and audit detail that reaches a template
+goes through ``celery_ledger.redact`` first (``_entry_redaction``), so that a secret
+argument never appears in the page's HTML.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from kombu.utils.json import loads
+
+from celery_ledger.cli.common import NextAction, duration, next_action
+from celery_ledger.flower import queries as q
+from celery_ledger.flower.context import Aggregates, LedgerPage
+from celery_ledger.ledger import (
+    RESUME_OWNER,
+    Entry,
+    EntryStatus,
+    EventRecord,
+    StepRecord,
+    StepStatus,
+)
+from celery_ledger.ledger.operator import RELEASABLE
+from celery_ledger.redact import Redaction, redact_arguments, secret_names
+
+#: Longest JSON shown for one value (a result, an output); the rest is cut with a note.
+MAX_SHOWN_CHARS = 4000
+
+
+# -- reasons, in words --------------------------------------------------------------------------
+
+
+def stuck_reason(kind: q.StuckKind, entry: Entry, now: float, page: LedgerPage) -> str:
+    """Why this entry waits and what moves it on, in one sentence."""
+    s = page.settings
+    if kind.status is EntryStatus.BLOCKED:
+        why = entry.reason or "blocked (no reason recorded)"
+        return f"Needs an operator: {why}"
+    if kind.status is EntryStatus.INTERRUPTED:
+        why = entry.reason or "interrupted"
+        if entry.snapshot is None:
+            return (
+                f"{why}; it has no argument snapshot, so it cannot be re-enqueued: re-send "
+                f"task id {entry.task_id} by hand, or release it"
+            )
+        if entry.interruptions > s.max_resumes:
+            return (
+                f"{why}; interrupted {entry.interruptions} times, over ledger_max_resumes="
+                f"{s.max_resumes}: the next sweep blocks it as a crash loop"
+            )
+        return f"{why}; the next sweep re-enqueues it (or resume it now)"
+    ago = duration(now - entry.lease_until) if entry.lease_until is not None else "-"
+    if entry.owner == RESUME_OWNER:
+        return (
+            f"re-enqueued by recovery, but no worker claimed it within the lease (expired "
+            f"{ago} ago): the next sweep interrupts and re-enqueues it again"
+        )
+    pid = f", pid {entry.owner_pid}" if entry.owner_pid else ""
+    return (
+        f"lease expired {ago} ago: its owner ({entry.owner or 'unknown'}{pid}) stopped "
+        "renewing it; the next sweep interrupts and resumes it"
+    )
+
+
+# -- overview ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StatusCount:
+    status: str
+    count: int | None
+    #: "live" (counted now) or "cached" (from the aggregates).
+    source: str
+
+
+def overview(page: LedgerPage, aggregates: Aggregates) -> dict[str, Any]:
+    store, s = page.store, page.settings
+    expired = store.count_expired()
+    with q.reading(store) as conn:
+        live = q.live_counts(conn)
+        oldest = q.oldest_expired(conn)
+        preview = q.sweep_preview(
+            conn,
+            expired=expired,
+            batch=s.sweep_batch,
+            max_resumes=s.max_resumes,
+            retention_days=s.retention_days,
+        )
+    now = store.now()
+    stats = aggregates.stats
+    counts = []
+    for status in EntryStatus:
+        if status.value in live:
+            counts.append(StatusCount(status.value, live[status.value], "live"))
+        else:
+            cached = stats.by_status.get(status.value, 0) if stats is not None else None
+            counts.append(StatusCount(status.value, cached, "cached"))
+    stuck = {
+        "blocked": live[EntryStatus.BLOCKED.value],
+        "interrupted": live[EntryStatus.INTERRUPTED.value],
+        "expired": expired,
+    }
+    return {
+        "now": now,
+        "counts": counts,
+        "stuck": stuck,
+        "stuck_total": sum(stuck.values()),
+        "expired": expired,
+        "oldest": oldest,
+        "preview": preview,
+        "aggregates": aggregates,
+        "settings": s,
+    }
+
+
+# -- stuck list --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StuckView:
+    key: str
+    task_name: str
+    task_id: str
+    kind: str
+    kind_label: str
+    status: str
+    since: float
+    age: str
+    fence: int
+    reason: str
+    action: NextAction
+
+
+def stuck(
+    page: LedgerPage,
+    flt: q.StuckFilter,
+    *,
+    limit: int,
+    after: q.Cursor | None,
+    before: q.Cursor | None,
+) -> dict[str, Any]:
+    store = page.store
+    with q.reading(store) as conn:
+        found = q.stuck_page(conn, flt, limit=limit, after=after, before=before)
+        counts = q.stuck_counts(conn, flt)
+        tasks = q.stuck_tasks(conn)
+    now = store.now()
+    rows = [
+        StuckView(
+            key=r.entry.key,
+            task_name=r.entry.task_name,
+            task_id=r.entry.task_id,
+            kind=r.kind.name,
+            kind_label=r.kind.label,
+            status=r.entry.status.value,
+            since=r.since,
+            age=duration(now - r.since),
+            fence=r.entry.fence,
+            reason=stuck_reason(r.kind, r.entry, now, page),
+            action=next_action(r.entry, now, page.cli_prefix),
+        )
+        for r in found.rows
+    ]
+    return {
+        "rows": rows,
+        "next": found.next,
+        "prev": found.prev,
+        "counts": counts,
+        "total": sum(counts.values()),
+        "tasks": tasks,
+        "kinds": q.STUCK_KINDS,
+    }
+
+
+# -- entry -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepView:
+    name: str
+    occurrence: int
+    status: str
+    #: completed | ambiguous | running | not-executed
+    state: str
+    label: str
+    external_ref: str | None
+    output: str | None
+    error: str | None
+    fence: int
+    attempts: int
+    authorized: int
+    started_at: float | None
+    completed_at: float | None
+    took: str | None
+
+
+@dataclass(frozen=True)
+class EventView:
+    at: float
+    event: str
+    status: str | None
+    fence: int | None
+    actor: str | None
+    detail: str | None
+    task_id: str | None
+
+
+@dataclass
+class EntryView:
+    entry: Entry
+    now: float
+    arguments: str | None
+    queue: str | None
+    redacted: tuple[str, ...]
+    blind: bool
+    result: str | None
+    error: str | None
+    reason: str | None
+    steps: list[StepView]
+    events: list[EventView]
+    action: NextAction
+    lease_left: float | None
+    can_release: bool
+    can_resume: bool
+    #: Why release is not offered, when it is not.
+    release_blocked: str | None
+    released_pending: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def entry(page: LedgerPage, key: str) -> EntryView:
+    """Raises EntryNotFound."""
+    store = page.store
+    e = store.get_entry(key)
+    steps = store.load_steps(key)
+    events = store.entry_events(key, limit=500)
+    now = store.now()
+    snapshot = loads(e.snapshot) if e.snapshot else None
+    task = page.task(e.task_name)
+    names = secret_names(page.settings.redact, task)
+    arguments = None
+    redaction = Redaction(names)
+    if snapshot is not None:
+        args, kwargs, redaction = redact_arguments(
+            snapshot.get("args") or [], snapshot.get("kwargs") or {}, names=names, task=task
+        )
+        arguments = _json({"args": args, "kwargs": kwargs})
+    lease_left = None if e.lease_until is None else e.lease_until - now
+    live_lease = e.status is EntryStatus.RUNNING and lease_left is not None and lease_left > 0
+    released_pending = e.released_at is not None and any(
+        ev.event == "released" and ev.fence == e.fence for ev in events
+    )
+    release_blocked = None
+    if e.status not in RELEASABLE:
+        release_blocked = f"{e.status.value}: there is nothing to release"
+    elif live_lease:
+        release_blocked = "running with a live lease: wait for it to expire or for the sweep"
+    elif released_pending:
+        release_blocked = (
+            f"released already by {e.released_by} and not run since: release is one-shot"
+        )
+    view = EntryView(
+        entry=e,
+        now=now,
+        arguments=arguments,
+        queue=(snapshot or {}).get("queue"),
+        redacted=tuple(sorted(names)),
+        blind=redaction.blind,
+        result=_shown(e.result, redaction),
+        error=_shown(e.error, redaction),
+        reason=redaction.text(e.reason),
+        steps=[_step(s, e, live_lease, redaction) for s in steps],
+        events=[_event(ev, redaction) for ev in events],
+        action=next_action(e, now, page.cli_prefix),
+        lease_left=lease_left,
+        can_release=release_blocked is None,
+        can_resume=e.status is EntryStatus.INTERRUPTED and e.snapshot is not None,
+        release_blocked=release_blocked,
+        released_pending=released_pending,
+    )
+    if redaction.blind:
+        view.notes.append(
+            f"Argument values are hidden: task {e.task_name} is not registered in this "
+            "Flower's Celery app, so its secret_args are unknown here. Start Flower with "
+            "-A of the app that defines it."
+        )
+    if snapshot is None:
+        view.notes.append("No argument snapshot: this entry cannot be re-enqueued.")
+    return view
+
+
+def _step(s: StepRecord, e: Entry, live_lease: bool, redaction: Redaction) -> StepView:
+    if s.status is StepStatus.COMPLETED:
+        state, label = "completed", "completed"
+    elif s.status is StepStatus.NOT_EXECUTED:
+        state, label = "not-executed", "proven not executed: one re-run authorized"
+    elif live_lease:
+        state, label = "running", "started, running now"
+    else:
+        state, label = "ambiguous", "started, no completion recorded: ambiguous"
+    took = None
+    if s.completed_at is not None and s.started_at is not None:
+        took = f"{max(s.completed_at - s.started_at, 0.0):.3f}s"
+    return StepView(
+        name=s.name,
+        occurrence=s.occurrence,
+        status=s.status.value,
+        state=state,
+        label=label,
+        external_ref=redaction.text(s.external_ref),
+        output=_shown(s.output, redaction),
+        error=redaction.text(s.error),
+        fence=s.fence,
+        attempts=s.attempts,
+        authorized=s.authorized,
+        started_at=s.started_at,
+        completed_at=s.completed_at,
+        took=took,
+    )
+
+
+def _event(ev: EventRecord, redaction: Redaction) -> EventView:
+    return EventView(
+        at=ev.at,
+        event=ev.event,
+        status=ev.status,
+        fence=ev.fence,
+        actor=ev.actor,
+        detail=redaction.text(ev.detail),
+        task_id=ev.task_id,
+    )
+
+
+def _shown(stored: str | None, redaction: Redaction) -> str | None:
+    """A stored JSON value, decoded, redacted and pretty-printed (cut when very long)."""
+    if stored is None:
+        return None
+    try:
+        value = loads(stored)
+    except ValueError:
+        return redaction.text(stored)
+    return _json(redaction.value(value))
+
+
+def _json(value: Any) -> str:
+    text = json.dumps(value, indent=2, sort_keys=True, default=str, ensure_ascii=False)
+    if len(text) > MAX_SHOWN_CHARS:
+        text = text[:MAX_SHOWN_CHARS] + f"\n… ({len(text) - MAX_SHOWN_CHARS} more characters)"
+    return text
