@@ -137,7 +137,7 @@ def release(
                 lease_seconds=s.lease_seconds,
                 max_resumes=s.max_resumes,
                 actor=operator.name,
-            )
+            ).value
     log.info(
         "released key=%s task_id=%s fence=%s from %s as %s by %s via Flower (resume: %s)",
         key,
@@ -174,7 +174,7 @@ def resume(page: LedgerPage, key: str, *, operator: Operator, reason_raw: str | 
         lease_seconds=s.lease_seconds,
         max_resumes=s.max_resumes,
         actor=operator.name,
-    )
+    ).value
     # The store's resume event has no detail column to carry it: the reason is in this log
     # line (with key, task id, fence) until resume takes one (docs/design.md).
     log.info(
