@@ -7,6 +7,7 @@ within its bound.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -54,8 +55,10 @@ def forking(group: ProcessGroup, name: str, on_term: str = "exit") -> tuple[Proc
     proc = group.spawn(name, [sys.executable, "-c", FORKING, on_term], ready_marker="parent ready")
     proc.wait_ready(timeout=30)
     proc.wait_log("child ready", timeout=30)
-    child = int(proc.log_text().split("child pid ", 1)[1].split()[0])
-    return proc, child
+    # Parent and child write to one log: a line of one may land inside a line of the other.
+    found = re.search(r"child pid (\d+)", proc.log_text())
+    assert found, proc.log_text()
+    return proc, int(found.group(1))
 
 
 def state(pid: int) -> str | None:
