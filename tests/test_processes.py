@@ -21,6 +21,7 @@ from celery_ledger.harness.processes import (
     WaitTimeout,
     child_env,
     wait_for,
+    wait_ready,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -163,7 +164,7 @@ def test_a_process_not_ready_in_time_fails_with_its_log(tmp_path: Path) -> None:
         proc = group.spawn("slow", argv, ready_marker=" ready.")
         proc.wait_log("starting", timeout=30)
         with pytest.raises(ProcessFailed, match="slow not ready after 1s") as failed:
-            group.wait_ready([proc], timeout=1)
+            wait_ready([proc], timeout=1)
         assert "starting" in str(failed.value)
         with pytest.raises(WaitTimeout, match="'never' in slow.log"):
             proc.wait_log("never", timeout=0.3)

@@ -36,7 +36,7 @@ from celery_ledger.harness.orchestrate import (
     side_by_side,
     staged,
 )
-from celery_ledger.harness.processes import READY_TIMEOUT, Process, ProcessFailed
+from celery_ledger.harness.processes import READY_TIMEOUT, Process, ProcessFailed, wait_ready
 
 #: Each crash waits at most this long for its moment; then it is skipped and said so.
 CRASH_WAIT_SECONDS = 20.0
@@ -156,7 +156,7 @@ def run_demo(
             procs = [w.start_worker("w") for w in works]
             procs += [w.start_beat() for w in works if w.kind.ledgered]
             phases.update(f"starting {len(procs)} processes ...")
-            stage.orch.wait_ready(procs)
+            wait_ready(procs)
             for w in works:
                 w.enqueue([gap] * orders)
             phases.done(

@@ -97,32 +97,6 @@ def child_env(
     return env
 
 
-def celery_argv(app: str, *args: str) -> list[str]:
-    """``celery -A app ...`` run by this interpreter (the virtualenv's Celery, whatever PATH)."""
-    return [sys.executable, "-m", "celery", "-A", app, *args]
-
-
-def worker_args(
-    *,
-    queue: str,
-    node: str,
-    concurrency: int = 2,
-    loglevel: str = "info",
-    heartbeat: bool = False,
-    extra: Iterable[str] = (),
-) -> list[str]:
-    """The arguments of a prefork ``celery worker`` on ``queue`` under node name ``node``.
-
-    No mingle and no gossip: a run's workers need nothing from each other, and both cost
-    seconds at start-up. ``heartbeat`` keeps worker heartbeats (Flower needs them).
-    """
-    args = ["worker", "-P", "prefork", "-c", str(concurrency), "-Q", queue, "-n", node]
-    args += ["-l", loglevel, "--without-mingle", "--without-gossip"]
-    if not heartbeat:
-        args.append("--without-heartbeat")
-    return [*args, *extra]
-
-
 class Process:
     """One command started in a session of its own, its output in ``log_path``."""
 
@@ -405,10 +379,10 @@ class ProcessGroup:
         env: Mapping[str, str] | None = None,
         ready_marker: str | None = None,
     ) -> Process:
-        """Start ``celery -A <app> <args>``."""
+        """Start ``celery -A <app> <args>`` with this interpreter (the virtualenv's Celery)."""
         if self.app is None:
             raise ValueError("this process group has no Celery app")
-        argv = celery_argv(self.app, *args)
+        argv = [sys.executable, "-m", "celery", "-A", self.app, *args]
         return self.spawn(name, argv, env=env, ready_marker=ready_marker)
 
     def worker(
@@ -423,26 +397,22 @@ class ProcessGroup:
         heartbeat: bool = False,
         extra: Iterable[str] = (),
     ) -> Process:
-        """Start a prefork worker (not waiting for it to be ready)."""
-        args = worker_args(
-            queue=queue,
-            node=node,
-            concurrency=concurrency,
-            loglevel=loglevel,
-            heartbeat=heartbeat,
-            extra=extra,
-        )
-        return self.celery(name, args, env=env, ready_marker=WORKER_READY)
+        """Start a prefork worker on ``queue`` as ``node`` (not waiting for it to be ready).
+
+        No mingle and no gossip: a run's workers need nothing from each other, and both cost
+        seconds at start-up. ``heartbeat`` keeps worker heartbeats (Flower needs them).
+        """
+        args = ["worker", "-P", "prefork", "-c", str(concurrency), "-Q", queue, "-n", node]
+        args += ["-l", loglevel, "--without-mingle", "--without-gossip"]
+        if not heartbeat:
+            args.append("--without-heartbeat")
+        return self.celery(name, [*args, *extra], env=env, ready_marker=WORKER_READY)
 
     def beat(self, name: str, *, env: Mapping[str, str] | None = None) -> Process:
         """Start ``celery beat`` with its schedule file next to its log."""
         schedule = self.log_dir / f"{name}-schedule"
         args = ["beat", "-l", "info", "-s", str(schedule)]
         return self.celery(name, args, env=env, ready_marker=BEAT_READY)
-
-    def wait_ready(self, procs: Iterable[Process], timeout: float = READY_TIMEOUT) -> None:
-        """Raises: ProcessFailed: one exited, or they were not ready within ``timeout``."""
-        wait_ready(procs, timeout)
 
     def stop_all(self) -> None:
         """Stop every process started, newest first. Safe to call twice."""

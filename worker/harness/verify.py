@@ -58,6 +58,7 @@ from celery_ledger.harness.orchestrate import (
     side_by_side,
     staged,
 )
+from celery_ledger.harness.processes import wait_ready
 from celery_ledger.harness.tcpproxy import TcpProxy
 from celery_ledger.ledger.engine import is_sqlite
 
@@ -375,7 +376,7 @@ def run_verify(
                 if w.kind.ledgered:
                     procs.append(w.start_beat())
             phases.update(f"starting {len(procs)} processes ...")
-            stage.orch.wait_ready(procs)
+            wait_ready(procs)
             for w in works:
                 w.enqueue(gaps)
             phases.done(f"{len(procs)} processes up; {tasks} orders sent to each run")
