@@ -1,4 +1,5 @@
-"""Shared plumbing of the benchmarks: scratch databases, statement counting, worker processes.
+"""Shared plumbing of the benchmarks: scratch databases, statement counting, worker processes
+(``celery_ledger.harness.processes``, the harness ``demo``, ``verify`` and the tests use).
 
 Every benchmark returns ``Row``s (one figure each) so that ``benchmarks/run.py`` can print them
 in one table and write ``docs/benchmarks.md``. Figures are measurements, never assertions.
@@ -11,8 +12,6 @@ import logging
 import os
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -26,6 +25,8 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 
 from sqlalchemy import Engine, event  # noqa: E402
+
+from celery_ledger.harness.processes import Process, ProcessGroup  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -232,115 +233,32 @@ def _is_write(sql: str) -> bool:
 # -- worker processes ----------------------------------------------------------------------
 
 
-class Worker:
-    """One ``celery -A bench_app worker`` in a session of its own, always stopped by its pid.
+@contextmanager
+def bench_worker(
+    env: dict[str, str], log_dir: Path, name: str, *, concurrency: int = 2
+) -> Iterator[Process]:
+    """One ``celery -A bench_app worker`` on ``env["BENCH_QUEUE"]``, logging to
+    ``log_dir/<name>.log``, stopped (its whole session) whatever happens.
 
-    The session makes ``killpg(pid)`` reach its pool processes and nothing else.
+    Logging at ``warning``: an ``info`` line per task would be part of what is measured.
     """
-
-    def __init__(self, env: dict[str, str], log_path: Path, *, concurrency: int = 2) -> None:
-        self.args = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "bench_app",
-            "worker",
-            "-P",
-            "prefork",
-            "-c",
-            str(concurrency),
-            "-Q",
-            env["BENCH_QUEUE"],
-            "-n",
-            f"bench-{uuid.uuid4().hex[:6]}@%h",
-            "-l",
-            "warning",
-            "--without-mingle",
-            "--without-gossip",
-            "--without-heartbeat",
-        ]
-        self.env = {
-            **os.environ,
-            **env,
-            "PYTHONPATH": os.pathsep.join([str(BENCH), os.environ.get("PYTHONPATH", "")]),
-        }
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> Worker:
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in __exit__
-        self.proc = subprocess.Popen(
-            self.args,
-            cwd=BENCH,
-            env=self.env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+    group = ProcessGroup(
+        log_dir,
+        app="bench_app",
+        env=env,
+        cwd=BENCH,
+        pythonpath=[BENCH],
+        # A worker that drained thousands of tasks may take a while over its warm shutdown.
+        stop_timeout=15.0,
+    )
+    with group:
+        yield group.worker(
+            name,
+            queue=env["BENCH_QUEUE"],
+            node=f"bench-{uuid.uuid4().hex[:6]}@%h",
+            concurrency=concurrency,
+            loglevel="warning",
         )
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def children(self) -> list[int]:
-        """The prefork pool processes (direct children of the worker)."""
-        try:
-            text = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text()
-        except OSError:
-            return []
-        return [int(p) for p in text.split()]
-
-    def log_tail(self, n: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except FileNotFoundError:
-            return ""
-
-    def stop(self, timeout: float = 15) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=timeout)
-        # Whatever is left of the session (a pool process that ignored the warm shutdown).
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        self._log.close()
-        self.proc = None
-
-
-def wait_for(
-    predicate: Callable[[], Any],
-    *,
-    timeout: float,
-    interval: float = 0.2,
-    what: str = "condition",
-    check: Callable[[], None] | None = None,
-) -> Any:
-    """Poll ``predicate`` until truthy; raise TimeoutError after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if check is not None:
-            check()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def memory_of(pid: int) -> dict[str, int]:

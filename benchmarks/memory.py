@@ -35,8 +35,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import REDIS_URL, Report, Worker, exit_on_sigterm, format_rows, memory_of, pg_database
+from common import REDIS_URL, Report, exit_on_sigterm, format_rows, memory_of, pg_database
 from throughput import drain
+
+from celery_ledger.harness.processes import Process
 
 BENCH = "memory"
 
@@ -51,7 +53,7 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
 KINDS = ("rss", "pss", "uss")
 
 
-def _children_memory(worker: Worker) -> dict[str, Any]:
+def _children_memory(worker: Process) -> dict[str, Any]:
     children = worker.children()
     if not children:
         raise RuntimeError(f"worker {worker.pid} has no pool processes")

@@ -42,14 +42,15 @@ from common import (
     CpuTally,
     Report,
     StatementCounter,
-    Worker,
+    bench_worker,
     exit_on_sigterm,
     format_rows,
     median,
     pg_database,
     pg_stat,
-    wait_for,
 )
+
+from celery_ledger.harness.processes import Process, wait_for
 
 BENCH = "throughput"
 TASK = "bench_app.noop"
@@ -88,7 +89,7 @@ def drain(
     broker: str,
     ledger_url: str | None,
     tmp: Path,
-    on_drained: Callable[[Worker], Any] | None = None,
+    on_drained: Callable[[Process], Any] | None = None,
     extra_env: dict[str, str] | None = None,
     concurrency: int = 2,
 ) -> dict[str, Any]:
@@ -108,7 +109,7 @@ def drain(
     before = pg_stat(ledger_url) if ledger_url and ledger_url.startswith("postgres") else None
     extra: Any = None
     try:
-        with Worker(env, tmp / f"worker-{queue}.log", concurrency=concurrency) as worker:
+        with bench_worker(env, tmp, f"worker-{queue}", concurrency=concurrency) as worker:
 
             def stored() -> int:
                 return sum(client.exists(*keys[i : i + 1000]) for i in range(0, n, 1000))
@@ -117,7 +118,7 @@ def drain(
                 return stored() >= n
 
             def check() -> None:
-                if not worker.alive():
+                if not worker.alive:
                     raise RuntimeError(f"{mode} worker exited:\n{worker.log_tail()}")
 
             # CPU is counted from the first stored result (worker start-up excluded) to the

@@ -638,7 +638,7 @@ def test_full_story_blocked_found_shown_released_runs_once(tmp_path: Path, ledge
             # Pool process SIGKILLed -> interrupted (worker-lost fast path) -> redelivered ->
             # takeover -> the reconciler answers unknown -> blocked.
             wait_for(lambda: status() is EntryStatus.BLOCKED, timeout=90, what="blocked entry")
-            assert "lost" in worker.log()
+            assert "lost" in worker.log_text()
             events = [e.event for e in store.entry_events(key)]
             assert "interrupted" in events and "takeover" in events
             assert effect_counts(ledger_url, order) == {}

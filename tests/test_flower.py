@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +20,7 @@ import pytest
 from celery import Celery
 from test_metrics import assert_same_gauges, cli, free_port, samples
 
+from celery_ledger.harness.processes import ProcessGroup
 from procs import REPO, processes, test_env, wait_for
 
 pytestmark = [pytest.mark.processes, pytest.mark.redis, pytest.mark.postgres]
@@ -76,7 +74,8 @@ def ledger_gauge(metrics: str, name: str, **labels: str) -> float | None:
 
 def start_flower(procs: Any, port: int) -> Any:
     """``celery flower`` with the shipped flowerconfig.py and basic auth; waits for its API."""
-    proc = procs.command(
+    proc = procs.celery(
+        "flower",
         [
             "flower",
             f"--port={port}",
@@ -84,13 +83,12 @@ def start_flower(procs: Any, port: int) -> Any:
             f"--conf={FLOWERCONFIG}",
             f"--basic-auth={USER}:{PASSWORD}",
         ],
-        "flower",
     )
     client = FlowerClient(port)
 
     def flower_up() -> bool:
-        if proc.proc is not None and proc.proc.poll() is not None:
-            raise AssertionError(f"flower exited:\n{proc.log()[-3000:]}")
+        if not proc.alive:
+            raise AssertionError(f"flower exited:\n{proc.log_tail()}")
         return client.get("/api/workers")[0] == 200
 
     wait_for(flower_up, timeout=60, what="Flower's API")
@@ -199,28 +197,16 @@ def test_flower_shows_ledger_states_events_and_gauges(
 def serve_standalone(tmp_path: Path, url: str) -> str:
     """Start ``celery-ledger metrics``, scrape it once, stop it."""
     port = free_port()
-    log_path = tmp_path / "metrics.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cli("--url", url, "metrics", "--port", str(port)),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=dict(os.environ),
-        )
-    try:
+    with ProcessGroup(tmp_path) as group:
+        proc = group.spawn("metrics", cli("--url", url, "metrics", "--port", str(port)))
         scraper = FlowerClient(port, auth=None)
 
         def page() -> str | None:
-            assert proc.poll() is None, log_path.read_text()
+            assert proc.alive, proc.log_tail()
             status, body = scraper.get("/metrics")
             return body if status == 200 else None
 
         return str(wait_for(page, timeout=30, what="the standalone metrics endpoint"))
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
 
 
 def test_worker_dash_e_alone_sends_ledger_events(tmp_path: Path, redis: str, pg_url: str) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -15,9 +13,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from celery_ledger.harness.processes import ProcessGroup
 from celery_ledger.ledger import ClaimRequest, EntryStatus, Gate, LedgerStore, Owner, StepStatus
 from celery_ledger.metrics import LedgerCollector
-from procs import wait_for
 
 OWNER = Owner(node="celery@test", boot="b1", pid=1)
 OTHER = Owner(node="celery@other", boot="b2", pid=2)
@@ -159,30 +157,11 @@ def test_standalone_endpoint_serves_the_same_gauges(store: LedgerStore, tmp_path
     populate(store)
     expected = scrape(LedgerCollector(store))
     port = free_port()
-    log_path = tmp_path / "metrics.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cli("--url", store.url, "metrics", "--port", str(port), "--address", "127.0.0.1"),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        wait_for(
-            lambda: "celery-ledger metrics on" in log_path.read_text() or proc.poll() is not None,
-            timeout=30,
-            what="the metrics endpoint",
-        )
-        assert proc.poll() is None, log_path.read_text()
+    argv = cli("--url", store.url, "metrics", "--port", str(port), "--address", "127.0.0.1")
+    with ProcessGroup(tmp_path) as group:
+        proc = group.spawn("metrics", argv)
+        proc.wait_log("celery-ledger metrics on", timeout=30)
         served = samples(http_get(f"http://127.0.0.1:{port}/metrics"))
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
     assert_same_gauges(served, expected)
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
 import threading
 import time
 from dataclasses import replace
@@ -64,7 +62,7 @@ def test_whole_worker_killed_on_embedded_default_is_recovered(tmp_path, how):
         first = procs.worker("w1", concurrency=1)
         result = app.send_task("tests_app.order", args=("emb-1", 3), kwargs={"pause": 4.0})
         wait_for(lambda: step_completed(ledger, "emb-1"), timeout=30, what="the first step")
-        first.kill_all()  # SIGKILL the whole worker: parent and pool
+        first.kill()  # SIGKILL the whole worker: parent and pool
         if how == "beat":
             procs.worker("w2", concurrency=1)
             procs.beat()
@@ -94,7 +92,7 @@ def test_pool_process_killed_is_interrupted_before_its_lease_expires(tmp_path, r
         lease_until = store.get_entry(key).lease_until
         killed_at = store.now()
         for child in worker.children():
-            os.kill(child, signal.SIGKILL)
+            worker.kill_child(child)
         wait_for(
             lambda: "interrupted" in event_names(store, key),
             timeout=20,
@@ -123,13 +121,13 @@ def test_paused_worker_is_fenced_out_after_takeover(tmp_path, redis, pg_url):
         zombie = procs.worker("zombie", concurrency=1)
         result = app.send_task("tests_app.order", args=("zz-1", 1), kwargs={"pause": 3.0})
         wait_for(lambda: step_completed(pg_url, "zz-1"), timeout=30, what="the first step")
-        os.killpg(zombie.pid, signal.SIGSTOP)  # parent, pool process and heartbeat thread
+        zombie.pause()  # SIGSTOP the group: parent, pool process and heartbeat thread
         try:
             procs.worker("w2", concurrency=1)
             procs.beat()
             value = result.get(timeout=90)
         finally:
-            os.killpg(zombie.pid, signal.SIGCONT)
+            zombie.resume()
         zombie.wait_log("superseded", timeout=30)
         time.sleep(1.0)  # let the woken attempt try whatever it would still do
     assert value["steps"] == ["reserve:zz-1", "charge:zz-1", "receipt:zz-1"]

@@ -41,7 +41,7 @@ def run_with_crash(
             value = info.value
         else:
             value = result.get(timeout=90)
-        log = worker.log()
+        log = worker.log_text()
     assert "WorkerLostError" in log or "lost" in log, "the crash point did not fire"
     return value, result.id
 

@@ -18,34 +18,26 @@ charge rows. Nothing here is hard-coded: the table shows what the run measured.
 
 from __future__ import annotations
 
-import json
-import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import click
 
 from celery_ledger.harness import demo_app
 from celery_ledger.harness.demo_app import RunReport
 from celery_ledger.harness.orchestrate import (
-    READY_TIMEOUT,
-    CeleryProcess,
-    Orchestra,
     Phases,
     RunKind,
-    Sandbox,
     Workload,
-    run_to_report,
+    concurrency_option,
+    json_option,
+    run_command,
     safe_url,
     side_by_side,
+    staged,
 )
-from celery_ledger.ledger.engine import make_engine
+from celery_ledger.harness.processes import READY_TIMEOUT, Process, ProcessFailed, wait_ready
 
-#: Short lease and sweep: a cut order is found within seconds, not minutes.
-LEASE_SECONDS = 3
-SWEEP_INTERVAL = 1
-#: The ledgered run is idle only after a lease could expire and a sweep pass.
-LEDGER_IDLE_SECONDS = LEASE_SECONDS + 3 * SWEEP_INTERVAL + 2.0
 #: Each crash waits at most this long for its moment; then it is skipped and said so.
 CRASH_WAIT_SECONDS = 20.0
 
@@ -72,7 +64,7 @@ class DemoRun:
         self._since = time.monotonic()
 
     @property
-    def worker(self) -> CeleryProcess:
+    def worker(self) -> Process:
         return self.work.workers["w"]
 
     def tick(self) -> bool:
@@ -100,9 +92,9 @@ class DemoRun:
                 self.work.mark_progress()
                 self._next("child")
             elif waited > READY_TIMEOUT:
-                raise click.ClickException(
+                raise ProcessFailed(
                     f"{self.worker.name} not ready after "
-                    f"{READY_TIMEOUT:.0f}s:\n{self.worker.log_text()[-2500:]}"
+                    f"{READY_TIMEOUT:.0f}s:\n{self.worker.log_tail()}"
                 )
         elif self.stage == "child":
             # The pool process of an order that charged the card and sent no receipt yet:
@@ -156,89 +148,58 @@ def run_demo(
 ) -> DemoReport:
     """Run the three workloads side by side; always stop every process and clean up."""
     started = time.monotonic()
-    box = Sandbox.create(prefix="celery-ledger-demo", broker=broker, ledger=ledger)
-    phases.note(f"data: {box.data_dir} ({box.describe()})")
-    ledger_engine = make_engine(box.ledger_url)
-    works: list[Workload] = []
-    reports: dict[str, RunReport] = {}
-    settings = {
-        "CELERY_LEDGER_LEASE_SECONDS": str(LEASE_SECONDS),
-        "CELERY_LEDGER_SWEEP_INTERVAL": str(SWEEP_INTERVAL),
-    }
-    try:
-        with Orchestra("celery_ledger.harness.demo_app", box.data_dir / "logs") as orch:
-            prepare(box)
-            works = [
-                Workload(
-                    k,
-                    box,
-                    orch,
-                    orders=orders,
-                    concurrency=concurrency,
-                    env=settings,
-                    ledger_idle=LEDGER_IDLE_SECONDS,
-                )
-                for k in KINDS
-            ]
-            with phases.phase("enqueue"):
-                procs = [w.start_worker("w") for w in works]
-                procs += [w.start_beat() for w in works if w.kind.ledgered]
-                phases.update(f"starting {len(procs)} processes ...")
-                orch.wait_ready(procs)
-                for w in works:
-                    w.enqueue([gap] * orders)
-                phases.done(
-                    f"{len(works)} workers (+ beat for the ledger) up; {orders} orders sent to each"
-                )
-            with phases.phase("crash"):
-                runs = [DemoRun(w) for w in works]
-                deadline = time.monotonic() + 2 * CRASH_WAIT_SECONDS + READY_TIMEOUT
-                pending = list(runs)
-                while pending and time.monotonic() < deadline:
-                    pending = [r for r in pending if not r.tick()]
-                    phases.update(" · ".join(f"{r.work.kind.id}: {r.stage}" for r in runs))
-                    time.sleep(0.05)
-                kills = sum(1 for w in works for c in w.report.crashes if c.startswith("SIGKILL"))
-                phases.done(
-                    f"SIGKILLed {kills} times: each whole worker mid-flight (restarted),"
-                    " then a pool process right after its order charged the card"
-                )
-            with phases.phase("recover"):
-                deadline = time.monotonic() + 60 + orders * gap
-                while time.monotonic() < deadline and not all(w.finished for w in works):
-                    for w in works:
-                        if not w.finished:
-                            w.settle_tick(ledger_engine)
-                    phases.update(
-                        " · ".join(
-                            f"{w.kind.id} {w.completed()}/{orders}"
-                            + (" done" if w.finished else "")
-                            for w in works
-                        )
+    with staged(
+        "celery-ledger-demo", broker=broker, ledger=ledger, keep=keep, phases=phases
+    ) as stage:
+        works = [stage.workload(k, orders=orders, concurrency=concurrency) for k in KINDS]
+        with phases.phase("enqueue"):
+            procs = [w.start_worker("w") for w in works]
+            procs += [w.start_beat() for w in works if w.kind.ledgered]
+            phases.update(f"starting {len(procs)} processes ...")
+            wait_ready(procs)
+            for w in works:
+                w.enqueue([gap] * orders)
+            phases.done(
+                f"{len(works)} workers (+ beat for the ledger) up; {orders} orders sent to each"
+            )
+        with phases.phase("crash"):
+            runs = [DemoRun(w) for w in works]
+            deadline = time.monotonic() + 2 * CRASH_WAIT_SECONDS + READY_TIMEOUT
+            pending = list(runs)
+            while pending and time.monotonic() < deadline:
+                pending = [r for r in pending if not r.tick()]
+                phases.update(" · ".join(f"{r.work.kind.id}: {r.stage}" for r in runs))
+                time.sleep(0.05)
+            kills = sum(1 for w in works for c in w.report.crashes if c.startswith("SIGKILL"))
+            phases.done(
+                f"SIGKILLed {kills} times: each whole worker mid-flight (restarted),"
+                " then a pool process right after its order charged the card"
+            )
+        with phases.phase("recover"):
+            stage.settle(
+                60 + orders * gap,
+                interval=0.2,
+                update=lambda: phases.update(
+                    " · ".join(
+                        f"{w.kind.id} {w.completed()}/{orders}" + (" done" if w.finished else "")
+                        for w in works
                     )
-                    time.sleep(0.2)
-                phases.done(
-                    "plain Celery drained what it still had; the ledger's boot sweep "
-                    "and beat sweep resumed what was cut"
-                )
-            orch.stop_all()
-            with phases.phase("verify"):
-                reports = {w.kind.id: w.tally(ledger_engine) for w in works}
-                led = reports["ledgered"]
-                phases.done(
-                    f"counted effects and ledger entries: the ledgered run lost "
-                    f"{led.lost + led.never_claimed}, duplicated "
-                    f"{led.duplicate_effects}"
-                )
-    finally:
-        order_ids = [o for w in works if w.kind.ledgered for o in w.order_ids]
-        for w in works:
-            w.db.dispose()
-        try:
-            box.remove(keep, order_ids, ledger_engine)
-        finally:
-            ledger_engine.dispose()
-    led = reports["ledgered"]
+                ),
+            )
+            phases.done(
+                "plain Celery drained what it still had; the ledger's boot sweep "
+                "and beat sweep resumed what was cut"
+            )
+        stage.orch.stop_all()
+        with phases.phase("verify"):
+            reports = stage.tally()
+            led = reports["ledgered"]
+            phases.done(
+                f"counted effects and ledger entries: the ledgered run lost "
+                f"{led.lost + led.never_claimed}, duplicated "
+                f"{led.duplicate_effects}"
+            )
+    box = stage.box
     return DemoReport(
         ok=(
             led.lost == 0
@@ -256,22 +217,6 @@ def run_demo(
         runs=reports,
         commands=box.ledger_commands(led.resumed_keys[:1]) if keep else [],
     )
-
-
-def prepare(box: Sandbox) -> None:
-    """Create the ledger schema and the effects tables before any process starts."""
-    from celery_ledger.ledger import LedgerStore
-
-    store = LedgerStore(box.ledger_url)
-    try:
-        store.ensure_ready()
-    finally:
-        store.dispose()
-    db = demo_app.EffectsDb(box.effects_url, box.namespace)
-    try:
-        db.create()
-    finally:
-        db.dispose()
 
 
 # -- output -----------------------------------------------------------------------------------
@@ -331,7 +276,7 @@ def render(report: DemoReport) -> str:
 @click.option(
     "--orders", type=click.IntRange(1, 1000), default=24, show_default=True, help="Orders per run."
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@json_option
 @click.option(
     "--keep",
     is_flag=True,
@@ -348,13 +293,7 @@ def render(report: DemoReport) -> str:
     metavar="URL",
     help="Ledger URL (e.g. postgresql://...); default: SQLite in the data directory.",
 )
-@click.option(
-    "--concurrency",
-    type=click.IntRange(1, 8),
-    default=2,
-    show_default=True,
-    help="Pool processes per worker.",
-)
+@concurrency_option
 @click.option(
     "--gap",
     type=click.FloatRange(0.05, 5.0),
@@ -372,15 +311,12 @@ def demo(
     gap: float,
 ) -> None:
     """Crash real workers under plain Celery and under the ledger; compare what survived."""
-    phases = Phases(4, stream=sys.stderr if as_json else sys.stdout, quiet=False)
-    if not as_json:
-        click.echo(
-            f"celery-ledger demo: {orders} orders per run (quote, reserve, charge, "
-            f"receipt), {concurrency} pool processes per worker, 3 runs side by side"
-        )
-    report = run_to_report(
+    run_command(
         "the demo",
-        lambda: run_demo(
+        header=f"celery-ledger demo: {orders} orders per run (quote, reserve, charge, "
+        f"receipt), {concurrency} pool processes per worker, 3 runs side by side",
+        as_json=as_json,
+        run=lambda phases: run_demo(
             orders=orders,
             concurrency=concurrency,
             gap=gap,
@@ -389,13 +325,8 @@ def demo(
             keep=keep,
             phases=phases,
         ),
+        render=render,
     )
-    if as_json:
-        data = asdict(report)
-        click.echo(json.dumps(data, indent=2, sort_keys=True))
-    else:
-        click.echo(render(report))
-    sys.exit(0 if report.ok else 1)
 
 
 COMMANDS = [demo]

@@ -1,14 +1,13 @@
-"""Real ``celery worker`` and ``celery beat`` processes for ``demo`` and ``verify``, and the
-sandbox they run in; every one of them is stopped, whatever happens.
+"""The run ``demo`` and ``verify`` share: their processes, the sandbox they run in, one
+workload under crashes, the live progress lines and the side-by-side report.
 
-- Each process runs in a session of its own (``start_new_session``): Ctrl-C in the terminal
-  reaches only this command, and stopping a process by its process group reaches its pool
-  processes too, and never anything this command did not start.
-- ``Orchestra`` is a context manager: leaving it (normally, by an exception, by Ctrl-C or by
-  SIGTERM, which it turns into ``SignalStop``) stops every process it started: SIGCONT (a
-  stopped process cannot exit), SIGTERM, a bounded wait, then SIGKILL of the group.
+- ``Orchestra``: the command's ``ProcessGroup`` (``processes``) of ``celery -A demo_app``
+  processes, with none of the caller's ``CELERY_*`` variables. Leaving it (normally, by an
+  exception, by Ctrl-C or by SIGTERM, which it turns into ``SignalStop``) stops every
+  process it started.
 - ``Sandbox`` is where a run lives: a data directory, a namespace, the broker, ledger and
   effects URLs, and the cleanup that removes exactly what the run created.
+- ``Workload`` is one run kind's queue, workers, orders and progress.
 - ``Phases`` prints one live line per phase (rewritten in place on a terminal).
 
 Every wait here is bounded in time.
@@ -18,33 +17,29 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
-import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO, TypeVar
+from typing import Any, NoReturn, TextIO
 
 import click
 from sqlalchemy.engine import make_url
 
+from celery_ledger.harness import demo_app
+from celery_ledger.harness.processes import Process, ProcessFailed, ProcessGroup
+from celery_ledger.ledger.engine import make_engine
+
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-#: How long a worker may take to print "ready": importing Celery on 2 busy cores is slow.
-READY_TIMEOUT = 90.0
-#: Graceful stop (SIGTERM) before the group is SIGKILLed.
-STOP_TIMEOUT = 8.0
 
 
 class SignalStop(KeyboardInterrupt):
@@ -55,276 +50,16 @@ class SignalStop(KeyboardInterrupt):
         self.signum = signum
 
 
-def wait_until(predicate: Callable[[], Any], *, timeout: float, interval: float = 0.1) -> Any:
-    """Poll ``predicate`` until it is truthy; return its value, or None after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(interval)
+class Orchestra(ProcessGroup):
+    """The processes of one command; all of them stopped on exit, Ctrl-C or SIGTERM.
 
-
-class CeleryProcess:
-    """One ``celery -A <app> ...`` process, started in a session of its own."""
-
-    def __init__(
-        self,
-        name: str,
-        args: list[str],
-        *,
-        env: dict[str, str],
-        log_path: Path,
-        app: str,
-        ready_marker: str,
-    ) -> None:
-        self.name = name
-        self.args = [sys.executable, "-m", "celery", "-A", app, *args]
-        self.env = env
-        self.log_path = log_path
-        self.ready_marker = ready_marker
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log: Any = None
-        self.started_at = 0.0
-        self.paused = False
-        self._ready = False
-
-    def start(self) -> CeleryProcess:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_")}
-        env.update(self.env)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            self.args,
-            cwd=self.log_path.parent,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.started_at = time.monotonic()
-        log.debug("started %s pid=%s: %s", self.name, self.proc.pid, " ".join(self.args))
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def is_ready(self) -> bool:
-        """Whether the ready marker is in the log.
-
-        Raises:
-            click.ClickException: the process exited before it was ready.
-        """
-        if self._ready:
-            return True
-        if self.proc is not None and self.proc.poll() is not None:
-            raise click.ClickException(
-                f"{self.name} exited with status {self.proc.returncode} before it was ready; "
-                f"last lines of {self.log_path}:\n{self.log_text()[-2500:]}"
-            )
-        # Once seen, remembered: the log grows with every task and is not read again.
-        self._ready = self.ready_marker in self.log_text()
-        return self._ready
-
-    def children(self) -> list[int]:
-        """Pids of this process's direct children (its prefork pool processes)."""
-        if not self.alive:
-            return []
-        try:
-            text = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text()
-            return [int(p) for p in text.split()]
-        except OSError:
-            pass
-        try:  # no /proc (macOS): pgrep knows
-            out = subprocess.run(
-                ["pgrep", "-P", str(self.pid)],
-                capture_output=True,
-                text=True,
-                timeout=5,
-                check=False,
-            ).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            return []
-        return [int(p) for p in out.split()]
-
-    def kill_child(self, pid: int) -> bool:
-        """SIGKILL one pool process, only if it is a child of this process."""
-        if pid not in self.children():
-            return False
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        return True
-
-    def kill(self) -> None:
-        """SIGKILL the process and everything in its session (its pool processes)."""
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        self.paused = False
-
-    def pause(self) -> None:
-        """SIGSTOP the whole group: the parent, its pool and its heartbeat threads."""
-        if self.alive:
-            os.killpg(self.pid, signal.SIGSTOP)
-            self.paused = True
-
-    def resume(self) -> None:
-        if self.proc is not None and self.paused:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pid, signal.SIGCONT)
-            self.paused = False
-
-    def terminate(self) -> None:
-        """Ask for a graceful stop (SIGCONT first: a stopped process cannot exit)."""
-        if self.alive:
-            try:
-                os.killpg(self.pid, signal.SIGCONT)
-                # The parent only: it shuts its pool down itself. SIGTERM to the whole group
-                # would kill the pool processes under it, and the parent would fork new ones.
-                os.kill(self.pid, signal.SIGTERM)
-            except (ProcessLookupError, PermissionError):
-                pass
-        self.paused = False
-
-    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
-        """Stop gracefully if possible, then make sure nothing of the group is left."""
-        if self.proc is None:
-            return
-        self.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=max(0.0, timeout))
-        # Also when the parent is gone: an orphaned pool process keeps the group alive.
-        self.kill()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-
-class Orchestra:
-    """The processes of one command; all of them stopped on exit, Ctrl-C or SIGTERM."""
+    The caller's ``CELERY_*`` variables are not passed on: every process is configured by
+    the sandbox alone, whatever the shell that runs the command has exported.
+    """
 
     def __init__(self, app: str, log_dir: Path) -> None:
-        self.app = app
-        self.log_dir = log_dir
-        self.started: list[CeleryProcess] = []
+        super().__init__(log_dir, app=app, drop_prefixes=("CELERY_",))
         self._previous: dict[int, Any] = {}
-        self._closed = False
-
-    def worker(
-        self,
-        name: str,
-        *,
-        env: dict[str, str],
-        queue: str,
-        node: str,
-        concurrency: int = 2,
-        extra: Iterable[str] = (),
-    ) -> CeleryProcess:
-        """Start a prefork worker (not waiting for it to be ready)."""
-        args = [
-            "worker",
-            "-P",
-            "prefork",
-            "-c",
-            str(concurrency),
-            "-Q",
-            queue,
-            "-n",
-            node,
-            "-l",
-            "info",
-            "--without-mingle",
-            "--without-gossip",
-            "--without-heartbeat",
-            *extra,
-        ]
-        return self._start(
-            CeleryProcess(
-                name,
-                args,
-                env=env,
-                app=self.app,
-                log_path=self.log_dir / f"{name}.log",
-                ready_marker=" ready.",
-            )
-        )
-
-    def beat(self, name: str, *, env: dict[str, str]) -> CeleryProcess:
-        schedule = self.log_dir / f"{name}-schedule"
-        args = ["beat", "-l", "info", "-s", str(schedule)]
-        return self._start(
-            CeleryProcess(
-                name,
-                args,
-                env=env,
-                app=self.app,
-                log_path=self.log_dir / f"{name}.log",
-                ready_marker="beat: Starting",
-            )
-        )
-
-    def _start(self, proc: CeleryProcess) -> CeleryProcess:
-        if self._closed:
-            raise RuntimeError("the orchestra is stopped")
-        self.started.append(proc)
-        return proc.start()
-
-    def wait_ready(self, procs: Iterable[CeleryProcess], timeout: float = READY_TIMEOUT) -> None:
-        """Wait until every process printed its ready line.
-
-        Raises:
-            click.ClickException: one exited, or they were not ready within ``timeout``.
-        """
-        pending = list(procs)
-        if (
-            wait_until(lambda: all(p.is_ready() for p in pending), timeout=timeout, interval=0.2)
-            is None
-        ):
-            late = [p for p in pending if not p.is_ready()]
-            raise click.ClickException(
-                f"{', '.join(p.name for p in late)} not ready after {timeout:.0f}s; last lines "
-                f"of {late[0].log_path}:\n{late[0].log_text()[-2500:]}"
-            )
-
-    def stop_all(self) -> None:
-        """Stop every process started, newest first. Safe to call twice."""
-        # A second Ctrl-C (or SIGTERM) must not abandon the cleanup half way.
-        previous = {}
-        if threading.current_thread() is threading.main_thread():
-            previous = {
-                s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)
-            }
-        try:
-            # All at once, then one shared deadline: stopping five workers one by one
-            # would take five graceful timeouts.
-            for proc in reversed(self.started):
-                with contextlib.suppress(Exception):
-                    proc.terminate()
-            deadline = time.monotonic() + STOP_TIMEOUT
-            for proc in reversed(self.started):
-                with contextlib.suppress(Exception):
-                    proc.stop(timeout=deadline - time.monotonic())
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
 
     def __enter__(self) -> Orchestra:
         if threading.current_thread() is threading.main_thread():
@@ -335,9 +70,8 @@ class Orchestra:
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            self.stop_all()
+            super().__exit__(*exc)
         finally:
-            self._closed = True
             atexit.unregister(self.stop_all)
             for signum, handler in self._previous.items():
                 signal.signal(signum, handler)
@@ -399,8 +133,6 @@ class Sandbox:
     def env_for(self, queue: str, **extra: str) -> dict[str, str]:
         """The environment of a ``celery -A celery_ledger.harness.demo_app`` process for
         ``queue``."""
-        from celery_ledger.harness import demo_app
-
         env = {
             "CELERY_LEDGER_DATA_DIR": str(self.data_dir),
             "CELERY_LEDGER_URL": self.ledger_url,
@@ -416,8 +148,6 @@ class Sandbox:
 
     def queued(self, queue: str) -> int:
         """Messages waiting in ``queue`` now (best effort; -1 if the broker cannot tell)."""
-        from celery_ledger.harness import demo_app
-
         try:
             if self.embedded:
                 return sum(1 for _ in (self.data_dir / "broker").glob(f"*.{queue}.msg"))
@@ -456,8 +186,6 @@ class Sandbox:
         """Remove what the run created: Redis keys always (they are only message
         bookkeeping); unless ``keep``, its ledger entries and effects tables, and a temporary
         data directory."""
-        from celery_ledger.harness import demo_app
-
         if self.redis:
             assert self.broker_url is not None
             try:
@@ -522,8 +250,6 @@ class Workload:
         env: dict[str, str] | None = None,
         ledger_idle: float = 10.0,
     ) -> None:
-        from celery_ledger.harness import demo_app
-
         self.kind = kind
         self.box = box
         self.orch = orch
@@ -533,10 +259,10 @@ class Workload:
         self.order_ids = [f"{self.run}-{i:04d}" for i in range(orders)]
         self.env = box.env_for(self.queue, **(env or {}))
         self.db = demo_app.EffectsDb(box.effects_url, box.namespace)
-        self.workers: dict[str, CeleryProcess] = {}
+        self.workers: dict[str, Process] = {}
         self._worker_env: dict[str, dict[str, str]] = {}
         self._generation: dict[str, int] = {}
-        self.beat: CeleryProcess | None = None
+        self.beat: Process | None = None
         self.report = demo_app.RunReport(
             task=kind.task, title=f"{kind.title} {kind.subtitle}", ledgered=kind.ledgered
         )
@@ -550,12 +276,12 @@ class Workload:
     def node(self, name: str) -> str:
         return f"{name}-{self.run}@127.0.0.1"
 
-    def start_worker(self, name: str, *, env: dict[str, str] | None = None) -> CeleryProcess:
+    def start_worker(self, name: str, *, env: dict[str, str] | None = None) -> Process:
         """Start worker ``name`` (not waiting for it to be ready)."""
         self._worker_env[name] = dict(env or {})
         return self.restart(name)
 
-    def restart(self, name: str) -> CeleryProcess:
+    def restart(self, name: str) -> Process:
         """Start worker ``name`` again, under the same node name (its boot sweep runs)."""
         self._generation[name] = self._generation.get(name, 0) + 1
         proc = self.orch.worker(
@@ -568,14 +294,12 @@ class Workload:
         self.workers[name] = proc
         return proc
 
-    def start_beat(self) -> CeleryProcess:
+    def start_beat(self) -> Process:
         self.beat = self.orch.beat(f"{self.kind.id}-beat", env=self.env)
         return self.beat
 
     def enqueue(self, gaps: Iterable[float]) -> None:
         """Send one order per id, with its gap (seconds between its effects)."""
-        from celery_ledger.harness import demo_app
-
         app = demo_app.build_app(self.env)
         try:
             self.enqueued_at = time.time()
@@ -593,8 +317,6 @@ class Workload:
 
     def refresh(self) -> Any:
         """Count the effects now; any new row is progress."""
-        from celery_ledger.harness import demo_app
-
         self.snapshot = demo_app.effect_counts(self.db, self.run)
         if self.snapshot.rows != self._rows:
             self._rows = self.snapshot.rows
@@ -610,7 +332,6 @@ class Workload:
         A ledgered order that is running or interrupted is work the ledger still owns, so
         the run is not idle while one exists.
         """
-        from celery_ledger.harness import demo_app
         from celery_ledger.ledger import EntryStatus
 
         self.refresh()
@@ -630,8 +351,6 @@ class Workload:
         return self.finished
 
     def tally(self, ledger_engine: Any) -> Any:
-        from celery_ledger.harness import demo_app
-
         self.report.queued_at_end = self.box.queued(self.queue)
         return demo_app.tally(
             self.report,
@@ -641,6 +360,119 @@ class Workload:
             ledger_engine if self.kind.ledgered else None,
             self.enqueued_at,
         )
+
+
+# -- one command's run ------------------------------------------------------------------------
+
+#: A short lease and sweep: a cut order is found within seconds, not minutes.
+LEASE_SECONDS = 3.0
+SWEEP_INTERVAL = 1.0
+#: The ledgered run is idle only after a lease could expire and a sweep pass.
+LEDGER_IDLE_SECONDS = LEASE_SECONDS + 3 * SWEEP_INTERVAL + 2.0
+#: The demo app every process of a run is.
+APP = "celery_ledger.harness.demo_app"
+
+
+class Stage:
+    """One command's run: its sandbox, its processes, the ledger engine it counts with and
+    its workloads (one per run kind, side by side)."""
+
+    def __init__(self, box: Sandbox, orch: Orchestra, ledger_engine: Any) -> None:
+        self.box = box
+        self.orch = orch
+        self.ledger_engine = ledger_engine
+        self.works: list[Workload] = []
+        #: Run once every process is stopped, before the sandbox is removed.
+        self.cleanups: list[Callable[[], None]] = []
+
+    def workload(
+        self, kind: RunKind, *, orders: int, concurrency: int, env: dict[str, str] | None = None
+    ) -> Workload:
+        """A run of ``kind``, its processes on the short lease and sweep."""
+        settings = {
+            "CELERY_LEDGER_LEASE_SECONDS": str(LEASE_SECONDS),
+            "CELERY_LEDGER_SWEEP_INTERVAL": str(SWEEP_INTERVAL),
+        }
+        work = Workload(
+            kind,
+            self.box,
+            self.orch,
+            orders=orders,
+            concurrency=concurrency,
+            env={**settings, **(env or {})},
+            ledger_idle=LEDGER_IDLE_SECONDS,
+        )
+        self.works.append(work)
+        return work
+
+    def settle(self, seconds: float, *, interval: float, update: Callable[[], None]) -> None:
+        """Tick every run until each is finished (or idle), for at most ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not all(w.finished for w in self.works):
+            for w in self.works:
+                if not w.finished:
+                    w.settle_tick(self.ledger_engine)
+            update()
+            time.sleep(interval)
+
+    def tally(self) -> dict[str, demo_app.RunReport]:
+        """Count every run's effects (and ledger entries): run kind -> its report."""
+        return {w.kind.id: w.tally(self.ledger_engine) for w in self.works}
+
+
+@contextlib.contextmanager
+def staged(
+    prefix: str,
+    *,
+    broker: str | None,
+    ledger: str | None,
+    keep: bool,
+    phases: Phases,
+    note: str = "",
+) -> Iterator[Stage]:
+    """A fresh sandbox with the ledger schema and the effects tables made, and an orchestra.
+
+    On the way out, however it is left: every process is stopped, then the stage's cleanups
+    run, then what the run created is removed (``Sandbox.remove``).
+    """
+    box = Sandbox.create(prefix=prefix, broker=broker, ledger=ledger)
+    phases.note(f"data: {box.data_dir} ({box.describe()}){note}")
+    ledger_engine = make_engine(box.ledger_url)
+    stage: Stage | None = None
+    try:
+        with Orchestra(APP, box.data_dir / "logs") as orch:
+            stage = Stage(box, orch, ledger_engine)
+            prepare(box)
+            yield stage
+    finally:
+        works = stage.works if stage is not None else []
+        try:
+            for cleanup in reversed(stage.cleanups if stage is not None else []):
+                cleanup()
+        finally:
+            order_ids = [o for w in works if w.kind.ledgered for o in w.order_ids]
+            for w in works:
+                w.db.dispose()
+            try:
+                box.remove(keep, order_ids, ledger_engine)
+            finally:
+                ledger_engine.dispose()
+
+
+def prepare(box: Sandbox) -> None:
+    """Create the ledger schema and the effects tables before any process starts."""
+    from celery_ledger.ledger import LedgerStore
+
+    store = LedgerStore(box.ledger_url)
+    try:
+        store.ensure_ready()
+    finally:
+        store.dispose()
+    db = demo_app.EffectsDb(box.effects_url, box.namespace)
+    try:
+        db.create()
+    finally:
+        db.dispose()
 
 
 # -- live progress ----------------------------------------------------------------------------
@@ -708,18 +540,43 @@ def quiet_logging() -> Iterator[None]:
         root.setLevel(level)
 
 
-def run_to_report(what: str, run: Callable[[], T]) -> T:
-    """``run()`` with library logging quieted; on Ctrl-C or SIGTERM, exit the command the way
-    a shell expects (128 + signal) once every process it started is stopped."""
+def run_command(
+    what: str,
+    *,
+    header: str,
+    as_json: bool,
+    run: Callable[[Phases], Any],
+    render: Callable[[Any], str],
+) -> NoReturn:
+    """The body of ``demo`` and ``verify``: ``run(phases)`` with library logging quieted, then
+    its report (a dataclass with ``ok``) as one JSON document on stdout (the phases on
+    stderr) or as ``render`` makes it; exit 0 if it is ok, else 1.
+
+    On Ctrl-C or SIGTERM, exit the way a shell expects (128 + signal) once every process
+    the command started is stopped.
+
+    Raises:
+        click.ClickException: a process exited before it was ready, or was not ready in time.
+    """
+    phases = Phases(4, stream=sys.stderr if as_json else sys.stdout)
+    if not as_json:
+        click.echo(header)
     try:
         with quiet_logging():
-            return run()
+            report = run(phases)
+    except ProcessFailed as exc:
+        raise click.ClickException(str(exc)) from None
     except SignalStop as stop:
         click.echo(f"\ninterrupted ({stop}); every process {what} started is stopped", err=True)
         sys.exit(128 + stop.signum)
     except KeyboardInterrupt:
         click.echo(f"\ninterrupted; every process {what} started is stopped", err=True)
         sys.exit(130)
+    if as_json:
+        click.echo(json.dumps(asdict(report), indent=2, sort_keys=True))
+    else:
+        click.echo(render(report))
+    sys.exit(0 if report.ok else 1)
 
 
 def side_by_side(
@@ -740,3 +597,14 @@ def side_by_side(
     for label, cell in rows:
         lines.append(f"{label:<20}" + "".join(f"{cell(r, total):>{width}}" for r in runs))
     return lines
+
+
+#: ``--json`` and ``--concurrency``, the same in ``demo`` and ``verify``.
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+concurrency_option = click.option(
+    "--concurrency",
+    type=click.IntRange(1, 8),
+    default=2,
+    show_default=True,
+    help="Pool processes per worker.",
+)

@@ -31,40 +31,39 @@ lost or duplicated anything.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import sqlite3
-import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import click
 from sqlalchemy.engine import make_url
 
 from celery_ledger.harness import demo_app
-from celery_ledger.harness.demo import prepare
 from celery_ledger.harness.demo_app import RunReport
 from celery_ledger.harness.orchestrate import (
-    Orchestra,
+    LEASE_SECONDS,
     Phases,
     RunKind,
     Sandbox,
     Workload,
-    run_to_report,
+    concurrency_option,
+    json_option,
+    run_command,
     safe_url,
     side_by_side,
+    staged,
 )
+from celery_ledger.harness.processes import wait_ready
 from celery_ledger.harness.tcpproxy import TcpProxy
-from celery_ledger.ledger.engine import is_sqlite, make_engine
+from celery_ledger.ledger.engine import is_sqlite
 
 log = logging.getLogger(__name__)
 
-LEASE_SECONDS = 3.0
-SWEEP_INTERVAL = 1.0
 #: Redis only: the second worker's visibility timeout; shorter than the long orders below.
 VISIBILITY_TIMEOUT = 1.0
 #: Seconds of work between an order's effects, drawn per order. Most orders are short; the
@@ -76,8 +75,6 @@ CHAOS_INTERVAL = (0.7, 2.5)
 MAX_ACTIONS = 400
 #: How long a ledger outage lasts (PostgreSQL) or the SQLite write lock is held.
 OUTAGE_SECONDS = {"postgresql": 2.5, "sqlite": LEASE_SECONDS + 1.0}
-#: The ledgered run is idle only after a lease could expire and a sweep pass.
-LEDGER_IDLE_SECONDS = LEASE_SECONDS + 3 * SWEEP_INTERVAL + 2.0
 #: After the chaos, how long the runs get to finish.
 SETTLE_SECONDS = 120.0
 
@@ -343,97 +340,74 @@ def run_verify(
 ) -> VerifyReport:
     started = time.monotonic()
     rng = random.Random(seed)
-    box = Sandbox.create(prefix="celery-ledger-verify", broker=broker, ledger=ledger)
-    phases.note(f"data: {box.data_dir} ({box.describe()}); seed {seed}")
-    ledger_engine = make_engine(box.ledger_url)
     chaos_log = ChaosLog()
-    works: list[Workload] = []
-    reports: dict[str, RunReport] = {}
-    outage: LedgerOutage = NoOutage("not started")
     gaps = [rng.choice(GAPS) for _ in range(tasks)]
-    try:
-        with Orchestra("celery_ledger.harness.demo_app", box.data_dir / "logs") as orch:
-            prepare(box)
-            outage = outage_for(box)
-            if outage.unavailable:
-                chaos_log.skipped.append(f"ledger-outage: {outage.unavailable}")
-            settings = {
-                "CELERY_LEDGER_LEASE_SECONDS": str(LEASE_SECONDS),
-                "CELERY_LEDGER_SWEEP_INTERVAL": str(SWEEP_INTERVAL),
-            }
-            second: dict[str, str] = {}
-            if box.redis:
-                second = {demo_app.ENV_VISIBILITY: str(VISIBILITY_TIMEOUT)}
-            else:
-                chaos_log.skipped.append(
-                    "visibility-timeout redelivery: Redis only (filesystem:// never "
-                    "redelivers a message a worker holds)"
-                )
-            for kind in KINDS:
-                env = dict(settings)
-                if kind.ledgered:
-                    env["CELERY_LEDGER_URL"] = outage.worker_url(box.ledger_url)
-                works.append(
-                    Workload(
-                        kind,
-                        box,
-                        orch,
-                        orders=tasks,
-                        concurrency=concurrency,
-                        env=env,
-                        ledger_idle=LEDGER_IDLE_SECONDS,
-                    )
-                )
-            with phases.phase("start"):
-                procs = []
-                for w in works:
-                    procs += [w.start_worker("w1"), w.start_worker("w2", env=second)]
-                    if w.kind.ledgered:
-                        procs.append(w.start_beat())
-                phases.update(f"starting {len(procs)} processes ...")
-                orch.wait_ready(procs)
-                for w in works:
-                    w.enqueue(gaps)
-                phases.done(f"{len(procs)} processes up; {tasks} orders sent to each run")
-            with phases.phase("chaos"):
-                chaos = Chaos(works, rng, outage, chaos_log)
-                deadline = time.monotonic() + duration
-                try:
-                    while time.monotonic() < deadline and not _drained(works, ledger_engine):
-                        chaos.tick()
-                        phases.update(_status(works, chaos_log))
-                        time.sleep(0.1)
-                finally:
-                    chaos.finish()
-                counts = chaos_log.counts()
-                phases.done(
-                    ", ".join(f"{n} {a}" for a, n in sorted(counts.items())) or "no action was due"
-                )
-            with phases.phase("settle"):
-                for w in works:  # a worker killed last is still starting: let it come up
-                    w.finished = False
-                    w.mark_progress()
-                deadline = time.monotonic() + SETTLE_SECONDS
-                while time.monotonic() < deadline and not all(w.finished for w in works):
-                    for w in works:
-                        if not w.finished:
-                            w.settle_tick(ledger_engine)
+    with staged(
+        "celery-ledger-verify",
+        broker=broker,
+        ledger=ledger,
+        keep=keep,
+        phases=phases,
+        note=f"; seed {seed}",
+    ) as stage:
+        box = stage.box
+        outage = outage_for(box)
+        stage.cleanups.append(outage.close)
+        if outage.unavailable:
+            chaos_log.skipped.append(f"ledger-outage: {outage.unavailable}")
+        second: dict[str, str] = {}
+        if box.redis:
+            second = {demo_app.ENV_VISIBILITY: str(VISIBILITY_TIMEOUT)}
+        else:
+            chaos_log.skipped.append(
+                "visibility-timeout redelivery: Redis only (filesystem:// never "
+                "redelivers a message a worker holds)"
+            )
+        for kind in KINDS:
+            env = {}
+            if kind.ledgered:
+                env["CELERY_LEDGER_URL"] = outage.worker_url(box.ledger_url)
+            stage.workload(kind, orders=tasks, concurrency=concurrency, env=env)
+        works = stage.works
+        with phases.phase("start"):
+            procs = []
+            for w in works:
+                procs += [w.start_worker("w1"), w.start_worker("w2", env=second)]
+                if w.kind.ledgered:
+                    procs.append(w.start_beat())
+            phases.update(f"starting {len(procs)} processes ...")
+            wait_ready(procs)
+            for w in works:
+                w.enqueue(gaps)
+            phases.done(f"{len(procs)} processes up; {tasks} orders sent to each run")
+        with phases.phase("chaos"):
+            chaos = Chaos(works, rng, outage, chaos_log)
+            deadline = time.monotonic() + duration
+            try:
+                while time.monotonic() < deadline and not _drained(works, stage.ledger_engine):
+                    chaos.tick()
                     phases.update(_status(works, chaos_log))
-                    time.sleep(0.25)
-                phases.done("every run finished or went idle")
-            orch.stop_all()
-            with phases.phase("count"):
-                reports = {w.kind.id: w.tally(ledger_engine) for w in works}
-                phases.done("effects and ledger entries counted")
-    finally:
-        outage.close()
-        order_ids = [o for w in works if w.kind.ledgered for o in w.order_ids]
-        for w in works:
-            w.db.dispose()
-        try:
-            box.remove(keep, order_ids, ledger_engine)
-        finally:
-            ledger_engine.dispose()
+                    time.sleep(0.1)
+            finally:
+                chaos.finish()
+            counts = chaos_log.counts()
+            phases.done(
+                ", ".join(f"{n} {a}" for a, n in sorted(counts.items())) or "no action was due"
+            )
+        with phases.phase("settle"):
+            for w in works:  # a worker killed last is still starting: let it come up
+                w.finished = False
+                w.mark_progress()
+            stage.settle(
+                SETTLE_SECONDS,
+                interval=0.25,
+                update=lambda: phases.update(_status(works, chaos_log)),
+            )
+            phases.done("every run finished or went idle")
+        stage.orch.stop_all()
+        with phases.phase("count"):
+            reports = stage.tally()
+            phases.done("effects and ledger entries counted")
     led = reports["ledgered"]
     ok = (
         led.lost == 0
@@ -555,7 +529,7 @@ def render(report: VerifyReport) -> str:
     help="Longest the chaos loop runs, in seconds.",
 )
 @click.option("--seed", type=int, help="Seed of the random choices (printed when not given).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@json_option
 @click.option(
     "--broker",
     envvar="CELERY_BROKER_URL",
@@ -569,13 +543,7 @@ def render(report: VerifyReport) -> str:
     help="Ledger URL; default: the group's --url / CELERY_LEDGER_URL, else SQLite "
     "in a temporary directory.",
 )
-@click.option(
-    "--concurrency",
-    type=click.IntRange(1, 8),
-    default=2,
-    show_default=True,
-    help="Pool processes per worker.",
-)
+@concurrency_option
 @click.option("--keep", is_flag=True, help="Keep the data directory and the ledger rows.")
 @click.pass_context
 def verify(
@@ -594,15 +562,12 @@ def verify(
         ledger_url = ctx.parent.params.get("url")
     if seed is None:
         seed = random.SystemRandom().randrange(1, 2**31)
-    phases = Phases(4, stream=sys.stderr if as_json else sys.stdout)
-    if not as_json:
-        click.echo(
-            f"celery-ledger verify: {tasks} orders per run under chaos for at most "
-            f"{duration:.0f}s (reproduce the choices with --seed {seed})"
-        )
-    report = run_to_report(
+    run_command(
         "verify",
-        lambda: run_verify(
+        header=f"celery-ledger verify: {tasks} orders per run under chaos for at most "
+        f"{duration:.0f}s (reproduce the choices with --seed {seed})",
+        as_json=as_json,
+        run=lambda phases: run_verify(
             tasks=tasks,
             duration=duration,
             seed=seed,
@@ -612,12 +577,8 @@ def verify(
             keep=keep,
             phases=phases,
         ),
+        render=render,
     )
-    if as_json:
-        click.echo(json.dumps(asdict(report), indent=2, sort_keys=True))
-    else:
-        click.echo(render(report))
-    sys.exit(0 if report.ok else 1)
 
 
 COMMANDS = [verify]
