@@ -66,22 +66,46 @@ def drop_pg_database(name: str) -> None:
 
 
 _redis_db = 0
+#: Database 0 holds one claim key per database number, so that concurrent pytest runs on one
+#: Redis (a developer and a helper, several helpers) never flush each other's database.
+_CLAIM = "celery-ledger-test:redis-db:{}"
+#: A claim outlives any one test (the per-test timeout is 180 s) and then lapses by itself, so a
+#: run that was SIGKILLed frees its database without anyone cleaning up.
+_CLAIM_SECONDS = 900
 
 
 def redis_url() -> str:
     """A Redis URL on a database number of its own, emptied for this test.
 
     kombu keeps its unacked-message bookkeeping in fixed key names per database, so two tests
-    sharing one database would restore each other's messages.
+    sharing one database would restore each other's messages. Each test takes the next number
+    (1-15) that no other live pytest run has claimed, and gives up this run's previous one.
     """
     global _redis_db
     if not port_open(REDIS_HOST, REDIS_PORT):
         missing("Redis")
     import redis
 
-    # Start from this process's pid: two pytest runs at once (a developer and a helper)
-    # then walk different database numbers instead of flushing each other's.
-    _redis_db = (_redis_db or os.getpid()) % 15 + 1
+    me = f"{socket.gethostname()}:{os.getpid()}"
+    admin = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=0)
+    try:
+        previous = _redis_db
+        start = (_redis_db or os.getpid()) % 15
+        for step in range(15):
+            candidate = (start + step) % 15 + 1
+            key = _CLAIM.format(candidate)
+            if admin.set(key, me, nx=True, ex=_CLAIM_SECONDS) or (
+                candidate == previous and admin.get(key) == me.encode()
+            ):
+                admin.expire(key, _CLAIM_SECONDS)
+                break
+        else:
+            raise RuntimeError("all 15 Redis test databases are claimed by other pytest runs")
+        if previous and previous != candidate and admin.get(_CLAIM.format(previous)) == me.encode():
+            admin.delete(_CLAIM.format(previous))
+    finally:
+        admin.close()
+    _redis_db = candidate
     client = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=_redis_db)
     client.flushdb()
     client.close()
