@@ -129,7 +129,10 @@ def test_paused_worker_is_fenced_out_after_takeover(tmp_path, redis, pg_url):
         finally:
             zombie.resume()
         zombie.wait_log("superseded", timeout=30)
-        time.sleep(1.0)  # let the woken attempt try whatever it would still do
+        # Whatever the woken attempt would still do, it does before its worker exits: a warm
+        # shutdown waits for the running task. Count the effects only after that.
+        zombie.terminate()
+        zombie.proc.wait(timeout=60)
     assert value["steps"] == ["reserve:zz-1", "charge:zz-1", "receipt:zz-1"]
     assert effects_of(pg_url, "zz-1") == ORDER_EFFECTS
     store = LedgerStore(pg_url)

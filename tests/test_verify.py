@@ -80,7 +80,9 @@ def check(report: dict[str, Any]) -> dict[str, Any]:
     assert led["duplicate_effects"] == 0 and led["charged_twice"] == 0, led
     assert led["ledger_duplicate_executions"] == 0, led
     assert led["duplicate_rate"] == 0.0
-    accounted = led["completed"] + led["failed"] + led["blocked"] + led["never_claimed"]
+    # An order never claimed is not accounted for: it is an accepted task that did not end
+    # completed, failed or blocked (issue 14).
+    accounted = led["completed"] + led["failed"] + led["blocked"]
     assert accounted == TASKS, led
     for blocked in led["blocked_orders"]:  # parked with the step that may have executed
         assert blocked["reason"] and blocked["ambiguous_steps"], blocked
@@ -100,16 +102,11 @@ def test_verify_on_the_embedded_default():
     assert report["broker"] == "filesystem://"
     assert any(s.startswith("visibility-timeout") for s in report["chaos"]["skipped"])
     assert not Path(report["data_dir"]).exists()
-    # filesystem:// forgets a message a SIGKILLed worker had fetched but not yet claimed:
-    # such orders are "never claimed", reported, and never counted as done. Only a
-    # whole-worker kill does it, and only to what that worker held (its pool's messages plus
-    # one per countdown message it was holding).
-    kills = report["chaos"]["counts"].get("kill-worker", 0)
-    assert led["never_claimed"] <= 5 * kills, (led["never_claimed"], kills)
-    # Publish intents are on for filesystem://, and the orders are sent by name
-    # (send_task) before the chaos starts: every one of them is in the ledger, to be
-    # re-sent by the sweep when its intent's lease passes.
-    assert led["never_claimed_with_intent"] == led["never_claimed"], led
+    # filesystem:// forgets a message a SIGKILLed worker had fetched but not yet claimed.
+    # Publish intents are on for filesystem://, and the orders are sent by name before the
+    # chaos starts: every one of them is in the ledger, and the sweep must re-send it, so no
+    # order may end the run never claimed (check() counts only completed, failed, blocked).
+    assert led["never_claimed"] == 0, led
 
 
 def test_verify_on_postgresql_and_redis(redis, pg_url):
