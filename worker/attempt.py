@@ -11,15 +11,17 @@ safety argument:
 A crash between 1 and 3 is the ambiguous window; it is resolved by the side-effect class, a
 reconciler, or an operator, never by guessing. Read/idempotent steps skip 1 (re-running them is
 harmless) and write once.
+
+Which row a step call is (its name and position, its input checked) is ``replay``'s.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
-from typing import Any, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 from celery_ledger.backoff import retry_while_unavailable
 from celery_ledger.codec import arguments_hash, decode, encode
@@ -28,6 +30,7 @@ from celery_ledger.ledger import (
     BODY_STEP,
     EntryStatus,
     Fenced,
+    LedgerBlocked,
     LedgerStore,
     LedgerUnavailable,
     PayloadError,
@@ -35,22 +38,116 @@ from celery_ledger.ledger import (
     StepRecord,
     StepStatus,
     Verdict,
-    provider_key,
+    declared_identity,
+    step_provider_key,
 )
+from celery_ledger.replay import Drift, Ident, ReplayBook
 from celery_ledger.settings import LedgerSettings
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: A step's identity: (name, input hash, occurrence).
-Ident = tuple[str, str, int]
+#: Longest step name (the column holds 255; a name is read on one line of ``show``).
+MAX_STEP_NAME = 200
+
+#: What ``identify=`` may be: names of the step function's parameters, or a callable of the
+#: step's arguments returning the identifying material.
+Identify = Sequence[str] | Callable[..., Any]
 
 #: The replay row of a body that records no steps (the body itself is the effect).
 BODY_IDENT: Ident = (BODY_STEP, "", 0)
 
 #: The attempt running in this thread/context (None outside a ledgered body).
 current_attempt: ContextVar[Attempt | None] = ContextVar("ledger_attempt", default=None)
+
+
+class StepUsageError(RuntimeError):
+    """Raised when a body misuses the step API: a programming error, the same on every run.
+
+    The task settles ``failed`` with it; it never makes a step ambiguous, never blocks the
+    entry, and nothing re-runs it.
+    """
+
+
+class NestedStepError(StepUsageError):
+    """Raised when a step is started inside another step's function (steps do not nest)."""
+
+
+def check_step_name(name: Any) -> None:
+    """Refuse a step name that cannot be stored and shown as it is.
+
+    Raises:
+        ValueError: empty, longer than ``MAX_STEP_NAME``, or holding a character that is not
+            printable (a newline, a tab, a terminal escape sequence ...), or the name the
+            ledger reserves for a body without steps.
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"step name must be a string, not {type(name).__name__}")
+    if not name:
+        raise ValueError("step name is empty")
+    if len(name) > MAX_STEP_NAME:
+        raise ValueError(
+            f"step name {name[:40]!r}... is {len(name)} characters, over the limit of "
+            f"{MAX_STEP_NAME}"
+        )
+    if not name.isprintable():
+        bad = next(c for c in name if not c.isprintable())
+        raise ValueError(
+            f"step name {name[:60]!r} holds the unprintable character {bad!r} at {name.index(bad)}"
+        )
+    if name == BODY_STEP:
+        raise ValueError(f"step name {name!r} is reserved for a body that records no steps")
+
+
+def identity_of(
+    name: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    identify: Identify,
+) -> str:
+    """The stored identity of a step whose identifying arguments are declared: the hash of
+    ``identify(*args, **kwargs)``, or of ``{parameter: value}`` for the named parameters of
+    ``fn`` (bound as ``fn`` would bind them, defaults applied).
+
+    Raises:
+        TypeError: ``identify`` is a bare string, or the arguments do not fit ``fn``.
+        ValueError: it names parameters ``fn`` does not have.
+        IdentityError: the identifying material is not JSON.
+    """
+    if callable(identify):
+        material = identify(*args, **kwargs)
+    else:
+        if isinstance(identify, str):
+            raise TypeError(
+                f"step {name!r}: identify= takes a tuple of parameter names or a callable, "
+                f"not the string {identify!r}"
+            )
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"step {name!r}: identify= names parameters, but {fn!r} has no signature to "
+                "bind them by; pass a callable of the step's arguments instead"
+            ) from exc
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"step {name!r}: {exc}") from None
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        for param in sig.parameters.values():
+            if param.kind is param.VAR_KEYWORD:
+                values.update(values.pop(param.name, {}))
+        missing = [n for n in identify if n not in values]
+        if missing:
+            raise ValueError(
+                f"step {name!r}: identify= names {missing}, which are not parameters of "
+                f"{getattr(fn, '__name__', fn)!r}{sig}"
+            )
+        material = {n: values[n] for n in identify}
+    return declared_identity(arguments_hash(material))
 
 
 class AttemptTask(Protocol):
@@ -100,12 +197,13 @@ class Attempt:
         self.actor = actor
         self.side_effect = SideEffect(task.side_effect)
         self._emit = emit
-        self._replay: dict[Ident, StepRecord] = {r.ident: r for r in replay}
-        self._occurrences: Counter[tuple[str, str]] = Counter()
+        self._replay = ReplayBook(replay)
         self._seq = max((r.seq for r in replay), default=0)
         self.superseded: str | None = None
         #: The step whose body is running now (for record_external_ref / provider_key).
         self.current: Ident | None = None
+        #: Whether ``current`` wrote a ``started`` row (the row an external ref goes on).
+        self._current_has_row = False
         #: Set when an exception escaped from a started effect step: it may have crossed.
         self.ambiguous: Ident | None = None
         self.replayed = 0
@@ -133,6 +231,19 @@ class Attempt:
         """The replay row of ``ident`` as this attempt knows it (loaded at claim, or written
         since by ``record_verdict``)."""
         return self._replay.get(ident)
+
+    def park(self, reason: str) -> NoReturn:
+        """Park the entry ``blocked`` for an operator and stop the attempt.
+
+        Raises:
+            LedgerBlocked: the entry is parked (or the ledger stayed unreachable and the entry
+                is left running for recovery, which will come to the same verdict).
+            Fenced: this attempt was superseded; another one owns the entry.
+        """
+        if not self.block(reason):
+            raise Fenced(f"key {self.key} fence {self.fence}: block refused")
+        self.emit("blocked", reason=reason)
+        raise LedgerBlocked(f"{self.task.name}[{self.task_id}] key {self.key}: {reason}")
 
     def _check_fence(self) -> None:
         if self.superseded is not None:
@@ -170,12 +281,6 @@ class Attempt:
             on_retry=warn,
         )
 
-    def next_ident(self, name: str, args: Any) -> Ident:
-        ihash = arguments_hash(args)
-        occurrence = self._occurrences[(name, ihash)]
-        self._occurrences[(name, ihash)] += 1
-        return (name, ihash, occurrence)
-
     # -- the step runner ------------------------------------------------------------------
 
     def step(
@@ -187,20 +292,35 @@ class Attempt:
         *,
         effect: bool | None = None,
         not_executed_on: tuple[type[BaseException], ...] = (),
+        identify: Identify | None = None,
     ) -> Any:
         """Run ``fn`` as the named step, or return its stored output if it completed before.
 
+        The step is its name and position, its input checked (``replay``); ``identify``
+        declares which of its arguments identify it instead (``identity_of``).
+
         Raises:
+            ValueError: a bad step name or ``identify`` (nothing was written or run).
+            NestedStepError: called inside another step's function.
+            LedgerBlocked: an effect step's input drifted; the entry is parked.
             Fenced: this attempt was superseded; the step did not run.
             PayloadError: the output cannot be stored; the step stays ambiguous.
         """
+        check_step_name(name)
         self._check_fence()
         if self.current is not None:
-            raise RuntimeError(
+            raise NestedStepError(
                 f"step {name!r} started inside step {self.current[0]!r}; steps do not nest"
             )
-        ident = self.next_ident(name, [list(args), kwargs])
-        row = self._replay.get(ident)
+        writes_intent = self.side_effect.writes_intent if effect is None else effect
+        input_hash = arguments_hash([list(args), kwargs])
+        identity = None if identify is None else identity_of(name, fn, args, kwargs, identify)
+        try:
+            ident, row = self._replay.place(
+                name, input_hash, identity=identity, effect=writes_intent
+            )
+        except Drift as drift:
+            self.park(drift.reason)
         if row is not None and row.status is StepStatus.COMPLETED:
             self.replayed += 1
             log.debug(
@@ -212,15 +332,17 @@ class Attempt:
                 ident[2],
             )
             return decode(row.output)
-        writes_intent = self.side_effect.writes_intent if effect is None else effect
         self._seq += 1
         seq = row.seq if row is not None else self._seq
         if writes_intent:
             self._fenced(self._write(ident, seq, StepStatus.STARTED), f"step {name} start")
             crash_point(self.settings, f"step-started:{name}")
         self.current = ident
+        self._current_has_row = writes_intent
         try:
             output = fn(*args, **kwargs)
+        except StepUsageError:
+            raise  # a programming error in the step's function: never ambiguous, never re-run
         except not_executed_on as exc:
             if writes_intent:
                 self._fenced(
@@ -290,14 +412,16 @@ class Attempt:
         row = self._replay.get(ident)
         seq = row.seq if row else 0
         self._fenced(self._write(ident, seq, status, output=output), f"step {ident[0]} reconcile")
-        self._replay[ident] = StepRecord(
-            name=ident[0],
-            input_hash=ident[1],
-            occurrence=ident[2],
-            seq=seq,
-            status=status,
-            fence=self.fence,
-            output=output,
+        self._replay.put(
+            StepRecord(
+                name=ident[0],
+                input_hash=ident[1],
+                occurrence=ident[2],
+                seq=seq,
+                status=status,
+                fence=self.fence,
+                output=output,
+            )
         )
 
     def start_body(self) -> None:
@@ -313,11 +437,24 @@ class Attempt:
         self._fenced(self._write(BODY_IDENT, seq, StepStatus.STARTED), "body start")
 
     def record_external_ref(self, ref: str) -> None:
-        """Durably attach a provider handle to the running step, before the external call."""
+        """Durably attach a provider handle to the running step, before the external call.
+
+        Raises:
+            StepUsageError: outside a step, or inside one that records no intent (a
+                ``read``/``idempotent`` task's step, or ``effect=False``): there is no row to
+                hold the reference, and nothing that would ever read it.
+            Fenced: this attempt was superseded.
+        """
         if self.current is None:
-            raise RuntimeError("record_external_ref() is only meaningful inside a step")
-        self._check_fence()
+            raise StepUsageError("record_external_ref() is only meaningful inside a step")
         ident = self.current
+        if not self._current_has_row:
+            raise StepUsageError(
+                f"record_external_ref() inside step {ident[0]!r}, which records no intent "
+                f"({self.side_effect.value} task, or effect=False): only an effect step "
+                "keeps an external reference for its reconciler"
+            )
+        self._check_fence()
         self._fenced(
             self._retrying(
                 lambda: self._store.record_external_ref(self.key, self.fence, ident, ref),
@@ -331,9 +468,8 @@ class Attempt:
     def provider_key(self) -> str:
         """Stable provider idempotency key of the running step (same on every resume)."""
         if self.current is None:
-            raise RuntimeError("provider_key is only available inside a step")
-        name, _, occurrence = self.current
-        return provider_key(self.key, name, occurrence)
+            raise StepUsageError("provider_key is only available inside a step")
+        return step_provider_key(self.key, self.current)
 
     # -- the entry: lease and settle ------------------------------------------------------
 
