@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from celery_ledger.attempt import MAX_STEP_NAME, check_step_name, identity_of
 from celery_ledger.codec import MAX_ARGUMENT_DEPTH, arguments_hash, check_depth
 from celery_ledger.ledger import (
     PayloadTooLarge,
@@ -24,7 +23,13 @@ from celery_ledger.ledger import (
     is_declared,
     step_provider_key,
 )
-from celery_ledger.replay import Drift, ReplayBook
+from celery_ledger.replay import (
+    MAX_STEP_NAME,
+    Drift,
+    ReplayBook,
+    check_step_name,
+    identity_of,
+)
 
 H = {c: c * 64 for c in "abcdx"}  # input hashes
 

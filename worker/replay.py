@@ -26,20 +26,109 @@ the other way round.
 
 Read, idempotent and ``effect=False`` steps record no intent: re-running them is harmless by
 their class, so they never drift; a changed input simply runs and is stored at its position.
+
+What is checked before a call is placed lives here too: the step's name (``check_step_name``)
+and its declared identity (``identity_of``).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
-from celery_ledger.ledger import StepRecord, StepStatus, is_declared
+from celery_ledger.codec import arguments_hash
+from celery_ledger.ledger import BODY_STEP, StepRecord, StepStatus, declared_identity, is_declared
 
 #: A step's replay row identity: (name, stored input hash, occurrence).
 Ident = tuple[str, str, int]
 
-#: How much of a hash a drift reason prints (enough to compare by eye with ``show --json``).
+#: How much of a hash a drift reason prints (enough to tell two hashes apart by eye).
 HASH_SHOWN = 16
+
+#: Longest step name (the column holds 255; a name is read on one line of ``show``).
+MAX_STEP_NAME = 200
+
+#: What ``identify=`` may be: names of the step function's parameters, or a callable of the
+#: step's arguments returning the identifying material.
+Identify = Sequence[str] | Callable[..., Any]
+
+
+def check_step_name(name: Any) -> None:
+    """Refuse a step name that cannot be stored and shown as it is.
+
+    Raises:
+        ValueError: empty, longer than ``MAX_STEP_NAME``, or holding a character that is not
+            printable (a newline, a tab, a terminal escape sequence ...), or the name the
+            ledger reserves for a body without steps.
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"step name must be a string, not {type(name).__name__}")
+    if not name:
+        raise ValueError("step name is empty")
+    if len(name) > MAX_STEP_NAME:
+        raise ValueError(
+            f"step name {name[:40]!r}... is {len(name)} characters, over the limit of "
+            f"{MAX_STEP_NAME}"
+        )
+    if not name.isprintable():
+        bad = next(c for c in name if not c.isprintable())
+        raise ValueError(
+            f"step name {name[:60]!r} holds the unprintable character {bad!r} at {name.index(bad)}"
+        )
+    if name == BODY_STEP:
+        raise ValueError(f"step name {name!r} is reserved for a body that records no steps")
+
+
+def identity_of(
+    name: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    identify: Identify,
+) -> str:
+    """The stored identity of a step whose identifying arguments are declared: the hash of
+    ``identify(*args, **kwargs)``, or of ``{parameter: value}`` for the named parameters of
+    ``fn`` (bound as ``fn`` would bind them, defaults applied).
+
+    Raises:
+        TypeError: ``identify`` is a bare string, or the arguments do not fit ``fn``.
+        ValueError: it names parameters ``fn`` does not have.
+        IdentityError: the identifying material is not JSON.
+    """
+    if callable(identify):
+        material = identify(*args, **kwargs)
+    else:
+        if isinstance(identify, str):
+            raise TypeError(
+                f"step {name!r}: identify= takes a tuple of parameter names or a callable, "
+                f"not the string {identify!r}"
+            )
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"step {name!r}: identify= names parameters, but {fn!r} has no signature to "
+                "bind them by; pass a callable of the step's arguments instead"
+            ) from exc
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"step {name!r}: {exc}") from None
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        for param in sig.parameters.values():
+            if param.kind is param.VAR_KEYWORD:
+                values.update(values.pop(param.name, {}))
+        missing = [n for n in identify if n not in values]
+        if missing:
+            raise ValueError(
+                f"step {name!r}: identify= names {missing}, which are not parameters of "
+                f"{getattr(fn, '__name__', fn)!r}{sig}"
+            )
+        material = {n: values[n] for n in identify}
+    return declared_identity(arguments_hash(material))
 
 
 class Drift(Exception):  # noqa: N818 - a verdict about a step, not an error of this module

@@ -29,7 +29,7 @@ from celery.utils import uuid
 
 from celery_ledger import intents, runtime
 from celery_ledger.ambiguity import RUN_BODY, Ambiguity
-from celery_ledger.attempt import Attempt, Identify, current_attempt
+from celery_ledger.attempt import Attempt, current_attempt
 from celery_ledger.codec import arguments_hash, check_depth, decode, encode, encode_snapshot
 from celery_ledger.crashpoints import crash_point
 from celery_ledger.heartbeat import heartbeat
@@ -49,6 +49,7 @@ from celery_ledger.ledger import (
 )
 from celery_ledger.recovery.reconcile import Reconciler
 from celery_ledger.redelivery import header, ledger_unavailable, redeliver, wait_briefly
+from celery_ledger.replay import Identify
 from celery_ledger.settings import LedgerSettings
 
 log = logging.getLogger(__name__)
