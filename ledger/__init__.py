@@ -19,11 +19,20 @@ from celery_ledger.ledger.errors import (
     SchemaError,
     SchemaTooNew,
 )
-from celery_ledger.ledger.identity import canonical_json, entry_key, input_hash, provider_key
+from celery_ledger.ledger.identity import (
+    canonical_json,
+    declared_identity,
+    entry_key,
+    input_hash,
+    is_declared,
+    provider_key,
+    step_provider_key,
+)
 from celery_ledger.ledger.operator import BODY_STEP, LedgerStats, OperatorQueries, Release
 from celery_ledger.ledger.states import EntryStatus, Gate, SideEffect, StepStatus, Verdict
 from celery_ledger.ledger.store import LedgerStore
 from celery_ledger.ledger.values import (
+    NO_ARGS_HASH,
     RESUME_OWNER,
     ArgumentSnapshot,
     Claim,
@@ -53,6 +62,7 @@ __all__ = [
     "Owner",
     "StepRecord",
     "RESUME_OWNER",
+    "NO_ARGS_HASH",
     "BODY_STEP",
     # States
     "EntryStatus",
@@ -65,6 +75,9 @@ __all__ = [
     "entry_key",
     "input_hash",
     "provider_key",
+    "step_provider_key",
+    "declared_identity",
+    "is_declared",
     # Crash loops
     "CrashLoop",
     "crash_loop_reason",

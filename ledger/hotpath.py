@@ -9,15 +9,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, String, literal, select, update
+from sqlalchemy import Connection, String, delete, literal, select, update
 
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.core import Note, StoreCore
 from celery_ledger.ledger.crashloop import crash_loop_reason
 from celery_ledger.ledger.dbclock import db_now
+from celery_ledger.ledger.identity import is_declared
 from celery_ledger.ledger.schema import entries, steps
 from celery_ledger.ledger.states import EntryStatus, Gate, StepStatus
-from celery_ledger.ledger.values import RESUME_OWNER, Claim, ClaimRequest, StepRecord
+from celery_ledger.ledger.values import (
+    NO_ARGS_HASH,
+    RESUME_OWNER,
+    Claim,
+    ClaimRequest,
+    StepRecord,
+)
 
 
 class HotPath(StoreCore):
@@ -109,7 +116,7 @@ class HotPath(StoreCore):
             self._append_events(conn, Note(event, req.owner.node, detail), [seen])
             return Claim(gate, req.key, row.fence, found=found, **kw)
 
-        if row.args_hash != req.args_hash:
+        if _conflicts(row.args_hash, req):
             detail = f"args_hash {req.args_hash} != {row.args_hash}"
             return decided(Gate.CONFLICT, "conflict", detail)
         if found.settled:
@@ -144,6 +151,7 @@ class HotPath(StoreCore):
             "k": req.key,
             "new_fence": fence,
             "new_task_id": req.task_id,
+            "new_args_hash": req.args_hash,
             "new_snapshot": req.snapshot if req.snapshot is not None else row.snapshot,
             "new_owner": req.owner.node,
             "new_owner_boot": req.owner.boot,
@@ -191,6 +199,40 @@ class HotPath(StoreCore):
         note = Note("blocked", req.owner.node, reason)
         self._write_with_event(conn, sql.with_event(self.dialect, upd), {}, note)
 
+    def args_hash_of(self, key: str) -> str | None:
+        """The ``args_hash`` the entry of ``key`` was claimed (or published) with; None when
+        there is no entry (read-only)."""
+        with self._read() as conn:
+            return conn.execute(
+                select(entries.c.args_hash).where(entries.c.key == key)
+            ).scalar_one_or_none()
+
+    def withdraw_intent(self, key: str, task_id: str, *, actor: str | None, why: str) -> bool:
+        """Delete the publish intent of ``task_id`` whose publish failed, in one statement
+        (atomic with its ``withdrawn`` event).
+
+        Only an intent that no claim touched goes: ``executions = 0`` (no attempt ran the
+        body), the resume marker as owner (no claim owns it), the same task id (not another
+        publish of the key). A claim or a takeover that got there first wins the race: nothing
+        is deleted and this returns False. An intent the sweep already re-sent is deleted
+        too: its message then claims a new entry, exactly as it would have claimed this one.
+        """
+        stmt = (
+            delete(entries)
+            .where(
+                entries.c.key == key,
+                entries.c.task_id == task_id,
+                entries.c.executions == 0,
+                entries.c.owner == RESUME_OWNER,
+            )
+            .returning(*sql.RETURNED)
+        )
+        with self._one_statement() as conn:
+            rows = self._write_with_event(
+                conn, sql.with_event(self.dialect, stmt), {}, Note("withdrawn", actor, why)
+            )
+        return bool(rows)
+
     def peek_status(self, key: str) -> tuple[EntryStatus, float | None] | None:
         """Read the entry's status and seconds left on its lease (no lock, no write)."""
         with self._read() as conn:
@@ -233,11 +275,18 @@ class HotPath(StoreCore):
         a ``started`` row or directly for read/idempotent steps); ``not_executed`` records a
         proven non-execution. A completed row is never overwritten. A ``started`` write onto
         an existing row from a new fence, or after a not_executed verdict, counts one more
-        attempt of the step's body (``not_executed`` counts one more authorized attempt).
-        Returns False when this attempt was superseded, or when the row is completed already
-        (nothing is written either way).
+        attempt of the step's body (``not_executed`` counts one more authorized attempt). So
+        does a new ``started`` row at a step name and position (``occurrence``) where a row
+        of another input started or completed: the same step, run a second time with a
+        drifted input (the runtime refuses to; this keeps the duplicate-execution rate honest
+        if anything ever does). Returns False when this attempt was superseded, or when the
+        row is completed already (nothing is written either way).
         """
         name, ihash, occurrence = ident
+        # A started row new at its position while another input's row may have run there:
+        # counted as a second execution (see ``sql.step_upsert``). A declared identity has no
+        # position to share.
+        at_position = status is StepStatus.STARTED and not is_declared(ihash)
         params = {
             "key": key,
             "name": name,
@@ -251,7 +300,10 @@ class HotPath(StoreCore):
             "authorized": 1 if status is StepStatus.NOT_EXECUTED else 0,
         }
         started = status is StepStatus.STARTED
-        stmt = self.fast.compiled(("step", started), lambda: sql.step_upsert(self.dialect, started))
+        stmt = self.fast.compiled(
+            ("step", started, at_position),
+            lambda: sql.step_upsert(self.dialect, started, at_position=at_position),
+        )
         with self.fast.cursor() as cur:
             cur.execute(stmt.sql, stmt.params(params))
             return cur.fetchone() is not None
@@ -262,6 +314,10 @@ class HotPath(StoreCore):
         """Store a provider handle on a started step, fenced, in one statement (atomic).
 
         Returns False if superseded (nothing is written then).
+
+        Raises:
+            ValueError: the attempt is current but the step has no replay row (a step that
+                records no intent); nothing is written.
         """
         name, ihash, occurrence = ident
         with self._one_statement() as conn:
@@ -276,7 +332,24 @@ class HotPath(StoreCore):
                 )
                 .values(external_ref=ref)
             )
-        return res.rowcount == 1
+        if res.rowcount == 1:
+            return True
+        # Not written: the fence moved (an expected lost race), or there is no row to hold the
+        # reference (a usage error, which must not pass for "superseded"). Read which.
+        with self._read() as conn:
+            live = conn.execute(
+                select(entries.c.key).where(
+                    entries.c.key == key,
+                    entries.c.fence == fence,
+                    entries.c.status == EntryStatus.RUNNING.value,
+                )
+            ).first()
+        if live is None:
+            return False
+        raise ValueError(
+            f"step {name!r} #{occurrence} of {key} has no started row to hold an external "
+            "reference (it records no intent)"
+        )
 
     def load_steps(self, key: str) -> tuple[StepRecord, ...]:
         """Every replay row of ``key`` in one query, in execution order (read-only)."""
@@ -345,3 +418,14 @@ class HotPath(StoreCore):
             Note("settled", actor, reason or error),
         )
         return bool(rows)
+
+
+def _conflicts(stored: str, req: ClaimRequest) -> bool:
+    """Whether a delivery's arguments conflict with the entry's (gate CONFLICT).
+
+    Other arguments under one key are a conflict, except where they may change: the entry
+    holds no hash (``NO_ARGS_HASH``, written before task-id keyed entries were hashed), or
+    the delivery says they may (``ClaimRequest.args_may_change``: a retry of an entry keyed
+    by its task id). The claim then stores the new hash with the fence it takes.
+    """
+    return stored != req.args_hash and stored != NO_ARGS_HASH and not req.args_may_change

@@ -11,10 +11,22 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-from sqlalchemy import Float, Integer, String, Text, bindparam, insert, literal, select, update
+from sqlalchemy import (
+    Float,
+    Integer,
+    String,
+    Text,
+    bindparam,
+    case,
+    insert,
+    literal,
+    select,
+    update,
+)
 
 from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.dialect import Dialect
+from celery_ledger.ledger.identity import DECLARED_PREFIX
 from celery_ledger.ledger.schema import entries, events, steps
 from celery_ledger.ledger.states import EntryStatus, StepStatus
 
@@ -110,8 +122,9 @@ def claim_insert(dialect: Dialect) -> Any:
 
 @cache
 def claim_takeover(dialect: Dialect) -> Any:
-    """Hand an existing entry to the claiming attempt: running, its fence, task id, owner and
-    lease, one more execution (the claim's slow path, under the row lock its read took)."""
+    """Hand an existing entry to the claiming attempt: running, its fence, task id, arguments
+    hash, owner and lease, one more execution (the claim's slow path, under the row lock its
+    read took)."""
     now = db_now()
     upd = (
         update(entries)
@@ -120,6 +133,7 @@ def claim_takeover(dialect: Dialect) -> Any:
             status=_RUNNING,
             fence=B("new_fence", Integer),
             task_id=B("new_task_id", String),
+            args_hash=B("new_args_hash", String),
             snapshot=B("new_snapshot", Text),
             owner=B("new_owner", String),
             owner_boot=B("new_owner_boot", String),
@@ -181,9 +195,37 @@ def live_entry(key: Any, fence: Any) -> Any:
     )
 
 
+def _second_at_position() -> Any:
+    """1 for a new row, 2 when a row of another input already started or completed at the same
+    step name and position (``occurrence``): that is the step running a second time.
+
+    Only rows that sit at a position compare: a declared identity (``DECLARED_PREFIX``) has
+    none. The probe reads the primary key's (key, name) prefix, so it costs one index range
+    over the entry's rows of that step name, inside the same statement.
+    """
+    other = steps.alias("other")
+    ran_there = (
+        select(literal(1))
+        .where(
+            other.c.key == B("key", String),
+            other.c.name == B("name", String),
+            other.c.occurrence == B("occurrence", Integer),
+            other.c.input_hash != B("input_hash", String),
+            ~other.c.input_hash.like(DECLARED_PREFIX + "%"),  # the prefix has no wildcard
+            other.c.status != StepStatus.NOT_EXECUTED.value,  # started or completed: it may run
+        )
+        .exists()
+    )
+    return case((ran_there, 2), else_=1)
+
+
 @cache
-def step_upsert(dialect: Dialect, started: bool) -> Any:
-    """Upsert one replay row, fenced on the entry (see ``HotPath.write_step``)."""
+def step_upsert(dialect: Dialect, started: bool, *, at_position: bool = False) -> Any:
+    """Upsert one replay row, fenced on the entry (see ``HotPath.write_step``).
+
+    ``at_position``: a ``started`` row of a step that sits at a position; a new one counts a
+    second execution when another input already ran there (``_second_at_position``).
+    """
     now = db_now()
     values: dict[str, Any] = {
         "key": B("key", String),
@@ -195,7 +237,7 @@ def step_upsert(dialect: Dialect, started: bool) -> Any:
         "output": B("output", Text),
         "error": B("error", Text),
         "fence": B("fence", Integer),
-        "attempts": literal(1),
+        "attempts": _second_at_position() if at_position else literal(1),
         "authorized": B("authorized", Integer),
         "started_at": now,
         "completed_at": None if started else now,

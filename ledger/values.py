@@ -12,6 +12,11 @@ from celery_ledger.ledger.states import EntryStatus, Gate, StepStatus
 #: takes it over at once instead of waiting for the lease recovery holds for it.
 RESUME_OWNER = "celery-ledger:resume"
 
+#: ``args_hash`` that entries keyed by their task id held before the arguments were hashed for
+#: them too: "no hash", so it conflicts with nothing (the next claim that writes the entry
+#: stores the real one).
+NO_ARGS_HASH = "task-id"
+
 
 @dataclass(frozen=True)
 class Owner:
@@ -74,6 +79,10 @@ class ClaimRequest:
     lease_seconds: float
     #: An entry interrupted more often than this is blocked as a crash loop at its next claim.
     max_interruptions: int = 5
+    #: The arguments may differ from the entry's (a retry, or the ledger's own re-send, of an
+    #: entry keyed by its task id: ``retry(args=...)`` may change them). The claim then takes
+    #: the new ``args_hash`` instead of answering CONFLICT.
+    args_may_change: bool = False
 
 
 @dataclass(frozen=True)

@@ -240,6 +240,36 @@ def test_task_id_reused_with_other_arguments_is_a_conflict(tmp_path):
         assert ran == {1: 1, 2: 0}
 
 
+def test_task_id_reused_with_other_arguments_conflicts_at_the_claim(tmp_path):
+    """Fault 13, the claim's side: sent by name (``send_task``, nothing checks at publish),
+    the second publish of a task id with other arguments reaches a worker. Its claim must
+    answer CONFLICT (the arguments are hashed for task-id keys too), run nothing, and keep
+    the first call's result in the ledger."""
+    ledger = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    env = test_env(tmp_path, broker=None, ledger_url=ledger)
+    app = client_app(env)
+    store = LedgerStore(ledger)
+    key = key_of("faults_app.echo", "same-2")
+    with processes(tmp_path, env) as procs:
+        worker = procs.worker("w1", concurrency=1, extra=FAULT_TASKS)
+        first = app.send_task("faults_app.echo", args=("same2", 1), task_id="same-2")
+        assert first.get(timeout=60) == 1
+        app.send_task("faults_app.echo", args=("same2", 2), task_id="same-2")
+        wait_for(
+            lambda: "conflict" in event_names(store, key),
+            timeout=30,
+            what=f"the second delivery's claim to record a conflict; events "
+            f"{event_names(store, key)}",
+        )
+        # Both calls share one task id, so one result in Celery's backend: the worker's
+        # log is where the second delivery's refusal is said.
+        worker.wait_log("task id was first claimed with different arguments", timeout=30)
+    ran = {value: sum(effect_counts(ledger, f"same2:{value}").values()) for value in (1, 2)}
+    assert ran == {1: 1, 2: 0}, ran
+    entry = store.get_entry(key)
+    assert (entry.status, entry.result) == (EntryStatus.COMPLETED, "1")
+
+
 def test_retry_may_change_the_arguments_under_one_task_id(tmp_path):
     """Fault 13's counterpart (passes today; guards the fix): ``self.retry(args=...)`` changes
     the arguments of the same effect under the same task id, and that is no conflict."""

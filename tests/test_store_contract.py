@@ -15,12 +15,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from celery_ledger.ledger import (
     BODY_STEP,
+    NO_ARGS_HASH,
     RESUME_OWNER,
     Claim,
     ClaimRequest,
@@ -255,6 +257,36 @@ def test_same_key_different_arguments_conflicts(store: LedgerStore) -> None:
     assert event.detail is not None and "args-2" in event.detail
 
 
+def test_arguments_that_may_change_take_the_new_hash_instead_of_a_conflict(
+    store: LedgerStore,
+) -> None:
+    """Issue 14, fault 13: a retry of an entry keyed by its task id may change its arguments
+    (``args_may_change``); the claim stores the new hash with the fence it takes, so that the
+    next fresh delivery is checked against it."""
+    store.claim(request())
+    store.settle("key-1", 1, EntryStatus.RETRYING)
+    retry = replace(request(owner=OTHER, args_hash="args-2"), args_may_change=True)
+    claim = store.claim(retry)
+    assert (claim.gate, claim.fence) == (Gate.RUN, 2)
+    assert store.get_entry("key-1").args_hash == "args-2"
+    store.settle("key-1", 2, EntryStatus.COMPLETED, result="2")
+    assert store.claim(request(owner=OTHER)).gate is Gate.CONFLICT  # a fresh one, args-1
+    assert store.claim(request(owner=OTHER, args_hash="args-2")).gate is Gate.RETURN
+
+
+def test_an_entry_without_an_arguments_hash_conflicts_with_nothing(store: LedgerStore) -> None:
+    """Entries keyed by task id held ``NO_ARGS_HASH`` ("task-id") before their arguments were
+    hashed: that is "no hash". A takeover stores the real one."""
+    store.claim(request(args_hash=NO_ARGS_HASH, lease=LEASE_SHORT))
+    wait_lease_expired(store, "key-1")
+    claim = store.claim(request(owner=OTHER, args_hash="args-2"))
+    assert claim.gate is Gate.TAKEOVER
+    assert store.get_entry("key-1").args_hash == "args-2"
+    store.claim(request(key="key-2", args_hash=NO_ARGS_HASH))
+    store.settle("key-2", 1, EntryStatus.COMPLETED, result="1")
+    assert store.claim(request(key="key-2", owner=OTHER, args_hash="x")).gate is Gate.RETURN
+
+
 def test_previous_boot_of_same_node_is_taken_over(store: LedgerStore) -> None:
     store.claim(request())  # long lease, still live
     reboot = Owner(OWNER.node, "boot-a2", 303)
@@ -457,8 +489,15 @@ def test_step_started_then_completed(store: LedgerStore) -> None:
 
 
 def test_record_external_ref_needs_a_step_row(store: LedgerStore) -> None:
+    """Issue 14, fault 8: a live attempt whose step has no row (a step that records no intent)
+    is a usage error, never "superseded"; a moved fence is the lost race, and says so."""
     store.claim(request())
-    assert store.record_external_ref("key-1", 1, STEP, "ch_1") is False
+    with pytest.raises(ValueError, match="no started row"):
+        store.record_external_ref("key-1", 1, STEP, "ch_1")
+    assert store.load_steps("key-1") == ()
+    assert store.record_external_ref("key-1", 2, STEP, "ch_1") is False  # not the fence
+    assert store.settle("key-1", 1, EntryStatus.RETRYING)
+    assert store.record_external_ref("key-1", 1, STEP, "ch_1") is False  # not running
     assert store.load_steps("key-1") == ()
 
 
@@ -1413,6 +1452,40 @@ def test_publish_intent_is_claimed_as_a_first_run(store: LedgerStore) -> None:
     assert (claim.gate, claim.fence, claim.executions) == (Gate.RUN, 2, 0)
     assert [e.event for e in store.entry_events("key-1")] == ["queued", "claimed"]
     assert store.get_entry("key-1").interruptions == 0
+
+
+def test_withdrawn_intent_leaves_nothing_to_send(store: LedgerStore) -> None:
+    """Issue 14, fault 7: the publish of an intent failed; withdrawing it deletes the entry
+    (one statement, with a ``withdrawn`` event), only while no claim touched it and only for
+    the same task id."""
+    assert store.record_intent(request(lease=60))
+    assert not store.withdraw_intent("key-1", "another-id", actor="p", why="publish failed")
+    assert store.withdraw_intent("key-1", "tid-1", actor="p", why="publish failed: boom")
+    assert store.peek_status("key-1") is None
+    assert [(e.event, e.actor, e.detail) for e in store.entry_events("key-1")] == [
+        ("queued", OWNER.node, None),
+        ("withdrawn", "p", "publish failed: boom"),
+    ]
+    assert not store.withdraw_intent("key-1", "tid-1", actor="p", why="again")
+    # The key is free: a later publish records it afresh.
+    assert store.record_intent(request(lease=60))
+
+
+def test_an_intent_a_claim_touched_is_not_withdrawn(store: LedgerStore) -> None:
+    assert store.record_intent(request(lease=60))
+    assert store.claim(request()).gate is Gate.RUN
+    assert not store.withdraw_intent("key-1", "tid-1", actor="p", why="publish failed")
+    assert store.get_entry("key-1").status is EntryStatus.RUNNING
+
+
+def test_an_intent_the_sweep_interrupted_is_still_withdrawn(store: LedgerStore) -> None:
+    """The publish took longer than the intent's lease and the sweep got there first: the
+    entry is withdrawn all the same (no claim ran it)."""
+    assert store.record_intent(request(lease=LEASE_SHORT))
+    wait_lease_expired(store, "key-1")
+    assert [i.key for i in store.interrupt_expired()] == ["key-1"]
+    assert store.withdraw_intent("key-1", "tid-1", actor="p", why="publish failed")
+    assert store.peek_status("key-1") is None
 
 
 def test_lost_publish_intent_is_swept_and_run(store: LedgerStore) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from celery_ledger.app import create_app, install, sweep_now
+    from celery_ledger.attempt import NestedStepError, StepUsageError
     from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciled
     from celery_ledger.settings import LedgerSettings
     from celery_ledger.task import LedgerTask
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 _EXPORTS = {
     # Tasks
     "LedgerTask": "celery_ledger.task",
+    "StepUsageError": "celery_ledger.attempt",
+    "NestedStepError": "celery_ledger.attempt",
     # Reconcilers
     "AmbiguousStep": "celery_ledger.recovery.reconcile",
     "Reconciled": "celery_ledger.recovery.reconcile",
@@ -38,6 +41,8 @@ _EXPORTS = {
 
 __all__ = [
     "LedgerTask",
+    "StepUsageError",
+    "NestedStepError",
     "AmbiguousStep",
     "Reconciled",
     "create_app",

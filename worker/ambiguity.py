@@ -33,7 +33,7 @@ from celery_ledger.ledger import (
     SideEffect,
     StepStatus,
     Verdict,
-    provider_key,
+    step_provider_key,
 )
 from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciler, ask
 
@@ -143,7 +143,7 @@ class Ambiguity:
             input_hash=ident[1],
             occurrence=ident[2],
             external_ref=ref,
-            provider_key=provider_key(attempt.key, name, ident[2]),
+            provider_key=step_provider_key(attempt.key, ident),
             args=self.args,
             kwargs=self.kwargs,
         )
@@ -186,12 +186,10 @@ class Ambiguity:
         return rec
 
     def block(self, reason: str) -> NoReturn:
-        """Park the entry ``blocked`` for an operator and stop the attempt.
+        """Park the entry ``blocked`` for an operator and stop the attempt (``Attempt.park``).
 
         Raises:
-            LedgerBlocked: always (the message is acked, not redelivered).
+            LedgerBlocked: the entry is parked (the message is acked, not redelivered).
+            Fenced: this attempt was superseded.
         """
-        attempt = self.attempt
-        attempt.block(reason)
-        attempt.emit("blocked", reason=reason)
-        raise LedgerBlocked(f"{attempt.task.name}[{attempt.task_id}] key {attempt.key}: {reason}")
+        self.attempt.park(reason)

@@ -137,20 +137,20 @@ def _connect_signals() -> None:
     _connected = True
     signals.worker_init.connect(_on_worker_init, weak=False)
     signals.worker_before_create_process.connect(_on_before_fork, weak=False)
-    signals.before_task_publish.connect(on_before_task_publish, weak=False)
+    signals.after_task_publish.connect(on_task_published, weak=False)
     signals.worker_ready.connect(_on_worker_ready, weak=False)
     signals.beat_init.connect(_on_beat_init, weak=False)
 
 
-def on_before_task_publish(
+def on_task_published(
     sender: str | None = None,
     body: Any = None,
     headers: dict[str, Any] | None = None,
     routing_key: str | None = None,
     **_: Any,
 ) -> None:
-    """``before_task_publish``: the publish intent of a ledgered task sent by name
-    (``app.send_task``; ``celery_ledger.intents``)."""
+    """``after_task_publish``: the publish intent of a ledgered task sent by name
+    (``app.send_task``; ``celery_ledger.intents``), once the broker took it."""
     headers = headers or {}
     task_id = headers.get("id")
     if not sender or not task_id or intents.recorded_by_this_publish(task_id):

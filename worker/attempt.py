@@ -11,15 +11,16 @@ safety argument:
 A crash between 1 and 3 is the ambiguous window; it is resolved by the side-effect class, a
 reconciler, or an operator, never by guessing. Read/idempotent steps skip 1 (re-running them is
 harmless) and write once.
+
+Which row a step call is (its name and position, its input checked) is ``replay``'s.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable
 from contextvars import ContextVar
-from typing import Any, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 from celery_ledger.backoff import retry_while_unavailable
 from celery_ledger.codec import arguments_hash, decode, encode
@@ -28,6 +29,7 @@ from celery_ledger.ledger import (
     BODY_STEP,
     EntryStatus,
     Fenced,
+    LedgerBlocked,
     LedgerStore,
     LedgerUnavailable,
     PayloadError,
@@ -35,22 +37,33 @@ from celery_ledger.ledger import (
     StepRecord,
     StepStatus,
     Verdict,
-    provider_key,
+    step_provider_key,
 )
+from celery_ledger.replay import Drift, Ident, Identify, ReplayBook, check_step_name, identity_of
 from celery_ledger.settings import LedgerSettings
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: A step's identity: (name, input hash, occurrence).
-Ident = tuple[str, str, int]
 
 #: The replay row of a body that records no steps (the body itself is the effect).
 BODY_IDENT: Ident = (BODY_STEP, "", 0)
 
 #: The attempt running in this thread/context (None outside a ledgered body).
 current_attempt: ContextVar[Attempt | None] = ContextVar("ledger_attempt", default=None)
+
+
+class StepUsageError(RuntimeError):
+    """Raised when a body misuses the step API: a programming error, the same on every run.
+
+    The task settles ``failed`` with it; it never makes a step ambiguous, never blocks the
+    entry, and nothing re-runs it.
+    """
+
+
+class NestedStepError(StepUsageError):
+    """Raised when a step is started inside another step's function (steps do not nest)."""
 
 
 class AttemptTask(Protocol):
@@ -100,12 +113,13 @@ class Attempt:
         self.actor = actor
         self.side_effect = SideEffect(task.side_effect)
         self._emit = emit
-        self._replay: dict[Ident, StepRecord] = {r.ident: r for r in replay}
-        self._occurrences: Counter[tuple[str, str]] = Counter()
+        self._replay = ReplayBook(replay)
         self._seq = max((r.seq for r in replay), default=0)
         self.superseded: str | None = None
         #: The step whose body is running now (for record_external_ref / provider_key).
         self.current: Ident | None = None
+        #: Whether ``current`` wrote a ``started`` row (the row an external ref goes on).
+        self._current_has_row = False
         #: Set when an exception escaped from a started effect step: it may have crossed.
         self.ambiguous: Ident | None = None
         self.replayed = 0
@@ -133,6 +147,19 @@ class Attempt:
         """The replay row of ``ident`` as this attempt knows it (loaded at claim, or written
         since by ``record_verdict``)."""
         return self._replay.get(ident)
+
+    def park(self, reason: str) -> NoReturn:
+        """Park the entry ``blocked`` for an operator and stop the attempt.
+
+        Raises:
+            LedgerBlocked: the entry is parked (or the ledger stayed unreachable and the entry
+                is left running for recovery, which will come to the same verdict).
+            Fenced: this attempt was superseded; another one owns the entry.
+        """
+        if not self.block(reason):
+            raise Fenced(f"key {self.key} fence {self.fence}: block refused")
+        self.emit("blocked", reason=reason)
+        raise LedgerBlocked(f"{self.task.name}[{self.task_id}] key {self.key}: {reason}")
 
     def _check_fence(self) -> None:
         if self.superseded is not None:
@@ -170,12 +197,6 @@ class Attempt:
             on_retry=warn,
         )
 
-    def next_ident(self, name: str, args: Any) -> Ident:
-        ihash = arguments_hash(args)
-        occurrence = self._occurrences[(name, ihash)]
-        self._occurrences[(name, ihash)] += 1
-        return (name, ihash, occurrence)
-
     # -- the step runner ------------------------------------------------------------------
 
     def step(
@@ -187,20 +208,35 @@ class Attempt:
         *,
         effect: bool | None = None,
         not_executed_on: tuple[type[BaseException], ...] = (),
+        identify: Identify | None = None,
     ) -> Any:
         """Run ``fn`` as the named step, or return its stored output if it completed before.
 
+        The step is its name and position, its input checked (``replay``); ``identify``
+        declares which of its arguments identify it instead (``identity_of``).
+
         Raises:
+            ValueError: a bad step name or ``identify`` (nothing was written or run).
+            NestedStepError: called inside another step's function.
+            LedgerBlocked: an effect step's input drifted; the entry is parked.
             Fenced: this attempt was superseded; the step did not run.
             PayloadError: the output cannot be stored; the step stays ambiguous.
         """
+        check_step_name(name)
         self._check_fence()
         if self.current is not None:
-            raise RuntimeError(
+            raise NestedStepError(
                 f"step {name!r} started inside step {self.current[0]!r}; steps do not nest"
             )
-        ident = self.next_ident(name, [list(args), kwargs])
-        row = self._replay.get(ident)
+        writes_intent = self.side_effect.writes_intent if effect is None else effect
+        input_hash = arguments_hash([list(args), kwargs])
+        identity = None if identify is None else identity_of(name, fn, args, kwargs, identify)
+        try:
+            ident, row = self._replay.place(
+                name, input_hash, identity=identity, effect=writes_intent
+            )
+        except Drift as drift:
+            self.park(drift.reason)
         if row is not None and row.status is StepStatus.COMPLETED:
             self.replayed += 1
             log.debug(
@@ -212,15 +248,17 @@ class Attempt:
                 ident[2],
             )
             return decode(row.output)
-        writes_intent = self.side_effect.writes_intent if effect is None else effect
         self._seq += 1
         seq = row.seq if row is not None else self._seq
         if writes_intent:
             self._fenced(self._write(ident, seq, StepStatus.STARTED), f"step {name} start")
             crash_point(self.settings, f"step-started:{name}")
         self.current = ident
+        self._current_has_row = writes_intent
         try:
             output = fn(*args, **kwargs)
+        except StepUsageError:
+            raise  # a programming error in the step's function: never ambiguous, never re-run
         except not_executed_on as exc:
             if writes_intent:
                 self._fenced(
@@ -290,14 +328,16 @@ class Attempt:
         row = self._replay.get(ident)
         seq = row.seq if row else 0
         self._fenced(self._write(ident, seq, status, output=output), f"step {ident[0]} reconcile")
-        self._replay[ident] = StepRecord(
-            name=ident[0],
-            input_hash=ident[1],
-            occurrence=ident[2],
-            seq=seq,
-            status=status,
-            fence=self.fence,
-            output=output,
+        self._replay.put(
+            StepRecord(
+                name=ident[0],
+                input_hash=ident[1],
+                occurrence=ident[2],
+                seq=seq,
+                status=status,
+                fence=self.fence,
+                output=output,
+            )
         )
 
     def start_body(self) -> None:
@@ -313,11 +353,24 @@ class Attempt:
         self._fenced(self._write(BODY_IDENT, seq, StepStatus.STARTED), "body start")
 
     def record_external_ref(self, ref: str) -> None:
-        """Durably attach a provider handle to the running step, before the external call."""
+        """Durably attach a provider handle to the running step, before the external call.
+
+        Raises:
+            StepUsageError: outside a step, or inside one that records no intent (a
+                ``read``/``idempotent`` task's step, or ``effect=False``): there is no row to
+                hold the reference, and nothing that would ever read it.
+            Fenced: this attempt was superseded.
+        """
         if self.current is None:
-            raise RuntimeError("record_external_ref() is only meaningful inside a step")
-        self._check_fence()
+            raise StepUsageError("record_external_ref() is only meaningful inside a step")
         ident = self.current
+        if not self._current_has_row:
+            raise StepUsageError(
+                f"record_external_ref() inside step {ident[0]!r}, which records no intent "
+                f"({self.side_effect.value} task, or effect=False): only an effect step "
+                "keeps an external reference for its reconciler"
+            )
+        self._check_fence()
         self._fenced(
             self._retrying(
                 lambda: self._store.record_external_ref(self.key, self.fence, ident, ref),
@@ -331,9 +384,8 @@ class Attempt:
     def provider_key(self) -> str:
         """Stable provider idempotency key of the running step (same on every resume)."""
         if self.current is None:
-            raise RuntimeError("provider_key is only available inside a step")
-        name, _, occurrence = self.current
-        return provider_key(self.key, name, occurrence)
+            raise StepUsageError("provider_key is only available inside a step")
+        return step_provider_key(self.key, self.current)
 
     # -- the entry: lease and settle ------------------------------------------------------
 

@@ -75,6 +75,45 @@ def encode_snapshot(
     )
 
 
+#: Deepest nesting of lists, tuples and dicts a task's arguments may have. A worker decodes a
+#: message with the JSON decoder's C recursion, bounded by Python's recursion limit (1000 by
+#: default) minus the frames already on the worker's stack; a sender that raised its own limit
+#: can encode what no worker can read, and the worker then drops the message. 200 is far below
+#: that bound and far above any argument seen in practice.
+MAX_ARGUMENT_DEPTH = 200
+
+
+def check_depth(value: Any, *, what: str, limit: int = MAX_ARGUMENT_DEPTH) -> None:
+    """Refuse ``value`` if lists, tuples and dicts nest in it deeper than ``limit``.
+
+    Walks the value without recursion (a value too deep for Python's recursion is exactly
+    what it looks for), once over every container.
+
+    Raises:
+        PayloadTooLarge: the value nests deeper than ``limit``; the message names the depth.
+    """
+    if not isinstance(value, _NESTED):
+        return
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    push = stack.append
+    while stack:
+        item, depth = stack.pop()
+        if depth > deepest:
+            deepest = depth
+        for child in item.values() if isinstance(item, dict) else item:
+            if isinstance(child, _NESTED):
+                push((child, depth + 1))
+    if deepest > limit:
+        raise PayloadTooLarge(
+            f"{what} nest {deepest} levels deep, over the limit of {limit}: a worker could "
+            "not decode the message; pass a flatter structure or a reference to the data"
+        )
+
+
+_NESTED = (dict, list, tuple)
+
+
 def decode(text: str | None) -> Any:
     return None if text is None else loads(text)
 

@@ -8,10 +8,17 @@ task like any interrupted entry (``LedgerStore.record_intent``).
 
 Two ways in, one record (``record``):
 
-- ``LedgerTask.apply_async`` (``delay``, signatures, canvas): the task knows its app;
-- ``app.send_task("name")``: Celery's ``before_task_publish`` signal
-  (``celery_ledger.app.on_before_task_publish``), for a name that the publishing ledger app
-  has registered as a ``LedgerTask``.
+- ``LedgerTask.apply_async`` (``delay``, signatures, canvas): the task knows its app. The intent
+  is recorded *before* the publish, so that a fresh publish whose key the ledger holds with
+  other arguments is refused (``KeyConflict``) before anything is sent; if the publish then
+  raises, the intent is withdrawn in the same call (``withdraw``), or the sweep would send the
+  task that the caller saw fail;
+- ``app.send_task("name")``: Celery's ``after_task_publish`` signal
+  (``celery_ledger.app.on_task_published``), for a name that the publishing ledger app has
+  registered as a ``LedgerTask``. Celery offers no hook around that publish (Celery's signal
+  dispatch swallows what a ``before_task_publish`` receiver raises, and no signal is sent when
+  the publish raises), so this intent is recorded once the broker took the message: a failed
+  publish records nothing. A worker that claims first makes the late insert a no-op.
 
 A task sent by a name that no ledger app of the publishing process knows has no intent: only its
 class knows its key and side-effect class.
@@ -25,8 +32,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from celery_ledger import runtime
-from celery_ledger.codec import encode_snapshot
-from celery_ledger.ledger import ClaimRequest
+from celery_ledger.codec import check_depth, encode_snapshot
+from celery_ledger.ledger import NO_ARGS_HASH, ClaimRequest, KeyConflict
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -47,6 +54,8 @@ class PublishedTask(Protocol):
         self, args: Sequence[Any], kwargs: Mapping[str, Any], task_id: str, header_key: Any = None
     ) -> tuple[str, str]: ...
 
+    def keyed_by_task_id(self, header_key: Any = None) -> bool: ...
+
 
 #: Task id whose intent ``LedgerTask.apply_async`` recorded while it publishes, so the signal
 #: that the same publish sends does not record it again.
@@ -57,8 +66,9 @@ _recorded: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 
 def wanted(task: PublishedTask, headers: dict[str, Any] | None) -> bool:
     """Whether publishing ``task`` now should record an intent."""
-    if (headers or {}).get("ledger_redelivery"):  # the ledger's own re-send: the entry exists
-        return False
+    headers = headers or {}
+    if headers.get("ledger_redelivery") or headers.get("ledger_unavailable"):
+        return False  # a worker's or the sweep's own re-send: the entry exists or will
     app = task.app
     return not app.conf.task_always_eager and runtime.publish_intent_enabled(app)
 
@@ -71,10 +81,20 @@ def record(
     *,
     ledger_key: str | None,
     queue: str | None,
-) -> None:
-    """Record ``task``'s intent; never raises (an intent must not stop a publish: without one
-    the task is still claimed, or redelivered, as usual)."""
+    check_conflict: bool = False,
+) -> str | None:
+    """Record ``task``'s intent. Returns its entry key when this call recorded it (None when
+    the key has an entry already, or the intent could not be recorded).
+
+    An intent must not stop a publish (without one the task is still claimed, or redelivered,
+    as usual): any failure to record it is logged, never raised, with one exception.
+
+    Raises:
+        KeyConflict: ``check_conflict`` (a fresh publish) and the key's entry holds other
+            arguments: the claim would refuse the message, so it is better not sent.
+    """
     try:
+        check_depth([args, kwargs], what=f"arguments of {task.name}")
         key, args_hash = task.ledger_key(args, kwargs, task_id, ledger_key)
         settings = runtime.settings_for(task.app)
         snapshot = encode_snapshot(
@@ -84,7 +104,8 @@ def record(
             ledger_key=ledger_key,
             limit=settings.max_snapshot_bytes,
         )
-        runtime.store_for(task.app).record_intent(
+        store = runtime.store_for(task.app)
+        if store.record_intent(
             ClaimRequest(
                 key=key,
                 task_name=task.name,
@@ -96,9 +117,47 @@ def record(
                 lease_seconds=settings.publish_intent_seconds,
                 max_interruptions=settings.max_resumes,
             )
-        )
+        ):
+            return key
+        existing = store.args_hash_of(key) if check_conflict else None
     except Exception as exc:  # noqa: BLE001 - an intent must never stop a publish
         log.warning("no publish intent for %s[%s]: %s", task.name, task_id, exc)
+        return None
+    if existing is not None and existing not in (args_hash, NO_ARGS_HASH):
+        what = "task id" if task.keyed_by_task_id(ledger_key) else f"business key {key}"
+        raise KeyConflict(
+            f"{task.name}[{task_id}]: {what} is recorded in the ledger with different "
+            "arguments; nothing was published (use a different key, or the same arguments)"
+        )
+    return None
+
+
+def withdraw(task: PublishedTask, key: str, task_id: str, exc: BaseException) -> None:
+    """Withdraw the intent ``record`` made for a publish that raised ``exc``; never raises
+    (the caller re-raises ``exc``). If the ledger cannot be reached, the intent stays and the
+    sweep sends the task once its lease expires: the publish the caller saw fail then happens
+    after all (logged)."""
+    why = f"publish failed: {type(exc).__name__}: {exc}"[:500]
+    try:
+        gone = runtime.store_for(task.app).withdraw_intent(
+            key, task_id, actor=runtime.owner_for(None).node, why=why
+        )
+    except Exception as err:  # noqa: BLE001 - the publish error is the one to report
+        log.error(
+            "publish of %s[%s] failed and its intent could not be withdrawn (%s): the sweep "
+            "will send it once the intent's lease expires",
+            task.name,
+            task_id,
+            err,
+        )
+        return
+    if not gone:
+        log.warning(
+            "publish of %s[%s] failed; its intent key=%s was already claimed or resent",
+            task.name,
+            task_id,
+            key,
+        )
 
 
 class recorded_by_apply_async:  # noqa: N801 - reads as a with-statement clause
@@ -118,5 +177,5 @@ class recorded_by_apply_async:  # noqa: N801 - reads as a with-statement clause
 
 def recorded_by_this_publish(task_id: str) -> bool:
     """Whether ``LedgerTask.apply_async`` recorded ``task_id``'s intent for the publish now
-    under way (the ``before_task_publish`` signal of that publish then records none)."""
+    under way (the ``after_task_publish`` signal of that publish then records none)."""
     return _recorded.get() == task_id

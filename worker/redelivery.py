@@ -3,8 +3,10 @@
 A ledgered task re-queues itself, with the same task id and without spending one of Celery's
 retries, when it must not run now: another attempt holds a live lease (WAIT), or the ledger
 cannot be reached at claim (fail closed: the body does not run). The re-sent message carries
-``ledger_redelivery`` (the entry exists, or will: no publish intent is recorded for it) and,
-after an unreachable ledger, ``ledger_unavailable``: how many times in a row, for the backoff.
+``ledger_redelivery`` (the entry exists with these arguments: no publish intent is recorded
+for it, and its claim does not treat it as a fresh publish) or, after an unreachable ledger,
+``ledger_unavailable``: how many times in a row, for the backoff (no intent either; the
+delivery never reached a claim, so it stays as fresh as it came).
 """
 
 from __future__ import annotations
@@ -41,8 +43,13 @@ def redeliver(
     *,
     countdown: float,
     headers: dict[str, Any] | None = None,
+    vouched: bool = True,
 ) -> NoReturn:
     """Send this delivery again later with the same task id, without spending a retry.
+
+    ``vouched``: the claim saw this delivery's arguments and found them the entry's, so the
+    re-send is marked ``ledger_redelivery`` (not a fresh publish). A delivery that never
+    reached a claim (ledger unreachable) keeps whatever mark it came with.
 
     Raises:
         Ignore: always; Celery then acks this message and records no state, so a RETURN
@@ -50,11 +57,12 @@ def redeliver(
     """
     sig = task.signature_from_request(task.request, args, kwargs, countdown=countdown)
     # The entry exists (WAIT) or the ledger is down (claim): no publish intent to record.
-    sig.options["headers"] = {
-        **(sig.options.get("headers") or {}),
-        **(headers or {}),
-        "ledger_redelivery": True,
-    }
+    merged = {**(sig.options.get("headers") or {}), **(headers or {})}
+    if vouched or header(task.request, "ledger_redelivery"):
+        merged["ledger_redelivery"] = True
+    else:
+        merged.pop("ledger_redelivery", None)
+    sig.options["headers"] = merged
     sig.apply_async()
     raise Ignore()
 
@@ -81,7 +89,14 @@ def ledger_unavailable(
         countdown,
         exc,
     )
-    redeliver(task, args, kwargs, countdown=countdown, headers={"ledger_unavailable": n + 1})
+    redeliver(
+        task,
+        args,
+        kwargs,
+        countdown=countdown,
+        headers={"ledger_unavailable": n + 1},
+        vouched=False,
+    )
 
 
 def wait_briefly(store: LedgerStore, key: str, settings: LedgerSettings) -> bool:

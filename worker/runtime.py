@@ -41,8 +41,19 @@ def default_node() -> str:
     return f"celery@{socket.gethostname()}"
 
 
-def owner_for(hostname: str | None) -> Owner:
-    return Owner(node=hostname or default_node(), boot=boot_id(), pid=os.getpid())
+def owner_for(hostname: str | None, *, per_process: bool = False) -> Owner:
+    """Who runs an attempt in this process: the worker's node name (``hostname``), or with
+    ``per_process`` (eager ``apply()``, no worker) a node of this process alone,
+    ``eager-<pid>@<host>``.
+
+    A node name stands for one worker: its boot id tells its previous, dead boot from itself
+    (``LedgerStore.claim``). Processes without a worker each make their own boot id, so under
+    one shared name each would take the others' live leases for a previous boot; a name per
+    process cannot match another live process (a reused pid belongs to a process that died).
+    """
+    pid = os.getpid()
+    node = f"eager-{pid}@{socket.gethostname()}" if per_process else hostname or default_node()
+    return Owner(node=node, boot=boot_id(), pid=pid)
 
 
 def settings_for(app: Any) -> LedgerSettings:

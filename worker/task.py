@@ -30,7 +30,7 @@ from celery.utils import uuid
 from celery_ledger import intents, runtime
 from celery_ledger.ambiguity import RUN_BODY, Ambiguity
 from celery_ledger.attempt import Attempt, current_attempt
-from celery_ledger.codec import arguments_hash, decode, encode, encode_snapshot
+from celery_ledger.codec import arguments_hash, check_depth, decode, encode, encode_snapshot
 from celery_ledger.crashpoints import crash_point
 from celery_ledger.heartbeat import heartbeat
 from celery_ledger.ledger import (
@@ -49,13 +49,10 @@ from celery_ledger.ledger import (
 )
 from celery_ledger.recovery.reconcile import Reconciler
 from celery_ledger.redelivery import header, ledger_unavailable, redeliver, wait_briefly
+from celery_ledger.replay import Identify
 from celery_ledger.settings import LedgerSettings
 
 log = logging.getLogger(__name__)
-
-#: args_hash of entries keyed by task id: the same id is the same effect whatever the
-#: arguments (``retry(args=...)`` may change them), so there is nothing to conflict with.
-TASK_ID_KEYED = "task-id"
 
 
 class LedgerTask(Task):
@@ -129,11 +126,21 @@ class LedgerTask(Task):
         *args: Any,
         effect: bool | None = None,
         not_executed_on: tuple[type[BaseException], ...] = (),
+        identify: Identify | None = None,
         **kwargs: Any,
     ) -> Any:
         """Run ``fn(*args, **kwargs)`` as the named step; on resume, return its stored output.
 
+        A step is its name and its position (the n-th step of that name in the body); its
+        input is checked on resume. An effect step found at its position with another input
+        (a timestamp, a uuid, a value read outside any step) is drift: the entry is blocked,
+        never run again silently. ``identify`` declares which arguments identify the step
+        instead: names of ``fn``'s parameters, or a callable of the step's arguments; the
+        others may change between attempts.
+
         ``effect=False`` marks a pure read inside an effect task (one write, no intent row).
+        ``effect``, ``not_executed_on`` and ``identify`` are the step's options, never passed
+        to ``fn``.
         """
         attempt = self._attempt()
         return attempt.step(
@@ -143,6 +150,7 @@ class LedgerTask(Task):
             kwargs,
             effect=effect,
             not_executed_on=not_executed_on + tuple(self.not_executed_on),
+            identify=identify,
         )
 
     def record_external_ref(self, ref: str) -> None:
@@ -174,11 +182,15 @@ class LedgerTask(Task):
     ) -> tuple[str, str]:
         """Return (entry key, args hash) for a delivery.
 
+        The arguments are hashed for every key, the task id too: a fresh publish that reuses a
+        task id with other arguments is a conflict, not the first call's result.
+
         Raises:
             IdentityError: key material or arguments are not JSON.
         """
+        args_hash = arguments_hash([list(args), dict(kwargs)])
         if header_key is None and self.key_from is None:
-            return entry_key(self.name, task_id), TASK_ID_KEYED
+            return entry_key(self.name, task_id), args_hash
         if header_key is not None:
             material = header_key
         elif callable(self.key_from):
@@ -186,8 +198,11 @@ class LedgerTask(Task):
         else:
             bound = self._signature().bind_partial(*args, **kwargs).arguments
             material = {n: bound.get(n) for n in (self.key_from or ())}
-        args_hash = arguments_hash([list(args), dict(kwargs)])
         return entry_key(self.name, material), args_hash
+
+    def keyed_by_task_id(self, header_key: Any = None) -> bool:
+        """Whether a delivery's entry is keyed by its task id (no business key)."""
+        return header_key is None and self.key_from is None
 
     def _signature(self) -> inspect.Signature:
         if self._signature_cache is None:
@@ -209,31 +224,50 @@ class LedgerTask(Task):
         **options: Any,
     ) -> Any:
         """Send the task; with publish intents on, record it in the ledger first
-        (``celery_ledger.intents``). An unreachable ledger never stops the publish."""
+        (``celery_ledger.intents``). An unreachable ledger never stops the publish.
+
+        Raises:
+            PayloadTooLarge: the arguments nest deeper than a worker can decode; nothing was
+                published or recorded.
+            KeyConflict: (intents on) a fresh publish whose key is recorded with other
+                arguments; nothing was published.
+            Exception: whatever the publish raised; the intent this call recorded is
+                withdrawn first, so the sweep never sends what the caller saw fail.
+        """
         headers = options.get("headers") or {}
+        check_depth([args or (), kwargs or {}], what=f"arguments of {self.name}")
         publishing: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        intent: str | None = None
         if intents.wanted(self, headers):
             task_id = task_id or uuid()
-            intents.record(
+            intent = intents.record(
                 self,
                 tuple(args or ()),
                 dict(kwargs or {}),
                 task_id,
                 ledger_key=headers.get("ledger_key"),
                 queue=options.get("queue"),
+                # A retry may change its arguments under its task id; a fresh publish may not.
+                check_conflict=not options.get("retries"),
             )
             publishing = intents.recorded_by_apply_async(task_id)
-        with publishing:
-            return super().apply_async(
-                args,
-                kwargs,
-                task_id=task_id,
-                producer=producer,
-                link=link,
-                link_error=link_error,
-                shadow=shadow,
-                **options,
-            )
+        try:
+            with publishing:
+                return super().apply_async(
+                    args,
+                    kwargs,
+                    task_id=task_id,
+                    producer=producer,
+                    link=link,
+                    link_error=link_error,
+                    shadow=shadow,
+                    **options,
+                )
+        except BaseException as exc:
+            if intent is not None:
+                assert task_id is not None
+                intents.withdraw(self, intent, task_id, exc)
+            raise
 
     # -- delivery -------------------------------------------------------------------------
 
@@ -243,8 +277,12 @@ class LedgerTask(Task):
             return self.run(*args, **kwargs)
         settings = runtime.settings_for(self.app)
         store = runtime.store_for(self.app)
-        key, args_hash = self.ledger_key(args, kwargs, req.id, header(req, "ledger_key"))
+        header_key = header(req, "ledger_key")
+        key, args_hash = self.ledger_key(args, kwargs, req.id, header_key)
         lease = float(self.lease_seconds or settings.lease_seconds)
+        # A fresh publish (no retry count, not the ledger's own re-send) must bring the
+        # arguments its task id was first claimed with; a retry may change them.
+        fresh = not req.retries and not header(req, "ledger_redelivery")
         claim_req = ClaimRequest(
             key=key,
             task_name=self.name,
@@ -252,9 +290,12 @@ class LedgerTask(Task):
             args_hash=args_hash,
             snapshot=self._snapshot(args, kwargs, settings),
             side_effect=self.side_effect,
-            owner=runtime.owner_for(req.hostname),
+            # Eager apply() has no worker node: each process is its own owner, so that one
+            # process never takes another's live lease for a previous boot of its own.
+            owner=runtime.owner_for(req.hostname, per_process=bool(req.is_eager)),
             lease_seconds=lease,
             max_interruptions=settings.max_resumes,
+            args_may_change=not fresh and self.keyed_by_task_id(header_key),
         )
         claim = None
         for _ in range(3):  # a WAIT that sees the other attempt end claims again, at most twice
@@ -283,8 +324,9 @@ class LedgerTask(Task):
                 f"see `celery-ledger show {key}`"
             )
         if claim.gate is Gate.CONFLICT:
+            what = "task id" if self.keyed_by_task_id(header_key) else f"business key {key}"
             raise KeyConflict(
-                f"{self.name}[{req.id}]: business key {key} was first claimed with different "
+                f"{self.name}[{req.id}]: {what} was first claimed with different "
                 "arguments; the body did not run (use a different key, or the same arguments)"
             )
         return self._run_attempt(claim, store, settings, lease, args, kwargs)
@@ -345,6 +387,21 @@ class LedgerTask(Task):
                 )
                 redeliver(self, args, kwargs, countdown=lease + 1.0)
             except BaseException as exc:
+                if not isinstance(exc, Exception):
+                    # SystemExit, KeyboardInterrupt: the process is going away, the task did
+                    # not fail. Settle nothing (a stored BaseException would be raised again
+                    # by every later delivery): the entry stays running, the worker's parent
+                    # sees the pool process lost (``request.LedgerRequest``) or the lease
+                    # expires, and the resume replays what completed.
+                    log.warning(
+                        "%s raised in the body key=%s task_id=%s fence=%s; entry left "
+                        "running for recovery",
+                        type(exc).__name__,
+                        attempt.key,
+                        attempt.task_id,
+                        attempt.fence,
+                    )
+                    raise
                 self._settle_failure(attempt, exc, args, kwargs)
                 raise
             try:
@@ -406,8 +463,10 @@ class LedgerTask(Task):
             exc = self.backend.exception_to_python(data)
         except Exception:  # noqa: BLE001
             exc = None
-        if isinstance(exc, BaseException):
+        if isinstance(exc, Exception):
             return exc
+        # Never raise a stored SystemExit/KeyboardInterrupt again (older versions stored
+        # them): in a worker it would end the pool process on every delivery.
         return RuntimeError(f"stored failure: {data!r}")
 
     def _snapshot(
