@@ -1272,22 +1272,45 @@ def test_a_statement_on_a_terminated_connection_is_translated_by_the_one_functio
 
 
 def test_only_the_unavailable_classes_are_translated(store: LedgerStore) -> None:
-    """An error that does not mean "unreachable" (here a unique violation) is not turned into
-    ``LedgerUnavailable``: it would retry forever what can never succeed."""
+    """A bug in our SQL (here a unique violation) is not turned into ``LedgerUnavailable``: it
+    would retry forever what can never succeed. Every other driver error is (issue 14, fault
+    2): a read-only standby, a corrupt SQLite file, a full disk mean "not now", never "failed"."""
     from sqlalchemy import exc as sa_exc
 
     dbapi = store.fast.dbapi
-    assert ledger_errors.UNAVAILABLE_ERRORS == ("OperationalError", "InterfaceError")
-    assert ledger_errors.as_unavailable(dbapi.IntegrityError("dup"), dbapi) is None
+    assert ledger_errors.BUG_ERRORS == (
+        "ProgrammingError",
+        "IntegrityError",
+        "DataError",
+        "NotSupportedError",
+    )
+    assert ledger_errors.UNAVAILABLE_ERRORS == (
+        "OperationalError",
+        "InterfaceError",
+        "InternalError",
+        "DatabaseError",
+    )
     assert ledger_errors.as_unavailable(ValueError("not a driver error"), dbapi) is None
-    wrapped = sa_exc.IntegrityError("INSERT", {}, dbapi.IntegrityError("dup"))
-    assert ledger_errors.as_unavailable(wrapped) is None
+    for name in ledger_errors.BUG_ERRORS:
+        raw = getattr(dbapi, name)("our bug")
+        assert ledger_errors.as_unavailable(raw, dbapi) is None, name
+        assert ledger_errors.as_unavailable(getattr(sa_exc, name)("INSERT", {}, raw)) is None
     for name in ledger_errors.UNAVAILABLE_ERRORS:
         raw = getattr(dbapi, name)("gone")
         assert str(ledger_errors.as_unavailable(raw, dbapi)) == "ledger database unavailable: gone"
         assert ledger_errors.as_unavailable(raw) is None, "a raw error needs its driver module"
         wrapped = getattr(sa_exc, name)("SELECT 1", {}, raw)
         assert str(ledger_errors.as_unavailable(wrapped)) == "ledger database unavailable: gone"
+
+
+def test_revoked_write_access_is_unavailable_not_a_bug(pg_url: str) -> None:
+    """PostgreSQL files insufficient_privilege (42501) under ProgrammingError; it means the
+    database refuses writes, like a read-only standby, so it is unavailability."""
+    import psycopg
+
+    raw = psycopg.errors.InsufficientPrivilege("permission denied for table ledger_entries")
+    assert ledger_errors.as_unavailable(raw, psycopg) is not None
+    assert ledger_errors.as_unavailable(psycopg.errors.UndefinedColumn("typo"), psycopg) is None
 
 
 def _pool_events(store: LedgerStore, name: str) -> list[object]:
