@@ -12,6 +12,7 @@ from celery_ledger.ledger.errors import (
     LedgerBlocked,
     LedgerError,
     LedgerUnavailable,
+    OperatorTextError,
     PayloadError,
     PayloadNotSerializable,
     PayloadTooLarge,
@@ -20,7 +21,15 @@ from celery_ledger.ledger.errors import (
     SchemaTooNew,
 )
 from celery_ledger.ledger.identity import canonical_json, entry_key, input_hash, provider_key
-from celery_ledger.ledger.operator import BODY_STEP, LedgerStats, OperatorQueries, Release
+from celery_ledger.ledger.operator import (
+    BODY_STEP,
+    MAX_RELEASE_BY_CHARS,
+    MAX_RELEASE_REASON_CHARS,
+    LedgerStats,
+    OperatorQueries,
+    Release,
+    check_release_text,
+)
 from celery_ledger.ledger.states import EntryStatus, Gate, SideEffect, StepStatus, Verdict
 from celery_ledger.ledger.store import LedgerStore
 from celery_ledger.ledger.values import (
@@ -31,6 +40,7 @@ from celery_ledger.ledger.values import (
     Entry,
     EventRecord,
     Interrupted,
+    Overdue,
     Owner,
     Resuming,
     StepRecord,
@@ -42,6 +52,9 @@ __all__ = [
     "OperatorQueries",
     "LedgerStats",
     "Release",
+    "check_release_text",
+    "MAX_RELEASE_BY_CHARS",
+    "MAX_RELEASE_REASON_CHARS",
     # Values
     "ArgumentSnapshot",
     "Claim",
@@ -49,6 +62,7 @@ __all__ = [
     "Entry",
     "EventRecord",
     "Interrupted",
+    "Overdue",
     "Resuming",
     "Owner",
     "StepRecord",
@@ -80,6 +94,7 @@ __all__ = [
     "KeyConflict",
     "LedgerBlocked",
     "ReleaseRefused",
+    "OperatorTextError",
     "EntryNotFound",
     "Fenced",
 ]

@@ -25,6 +25,7 @@ PARTIAL_INDEXES = {
     "ix_ledger_entries_running_owner": "running",
     "ix_ledger_entries_attention": "interrupted",
     "ix_ledger_entries_settled_at": "settled_at",
+    "ix_ledger_entries_due": "due_at",
 }
 
 
@@ -83,13 +84,13 @@ def partial_index_clauses(engine: Engine) -> dict[str, str]:
 
 
 def test_head_revision_matches_schema_module() -> None:
-    assert head_revision() == SCHEMA_REVISION == "0001"
+    assert head_revision() == SCHEMA_REVISION == "0002"
 
 
 def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine) -> None:
     assert tables(raw_engine) == set()
     with raw_engine.connect() as conn:
-        assert pending_revisions(conn) == ["0001"]
+        assert pending_revisions(conn) == ["0001", "0002"]
         assert current_revision(conn) is None
     store = LedgerStore(ledger_url)
     try:

@@ -267,6 +267,12 @@ def next_action(entry: Entry, now: float, prefix: str) -> NextAction:
             return NextAction("wait", f"re-enqueued, waiting for a worker ({duration(left)})")
         return NextAction("wait", f"running (lease {duration(left)} left)")
     if entry.status is EntryStatus.RETRYING:
+        if entry.due_at is not None and entry.due_at < now:
+            return NextAction(
+                "sweep",
+                f"retry overdue by {duration(now - entry.due_at)}: the sweep re-sends it",
+                f"{prefix} sweep",
+            )
         return NextAction("wait", "Celery retry pending")
     return NextAction("none", "-")
 
@@ -297,6 +303,7 @@ def entry_view(entry: Entry, now: float, prefix: str) -> dict[str, Any]:
         "created_at": entry.created_at,
         "updated_at": entry.updated_at,
         "settled_at": entry.settled_at,
+        "due_at": entry.due_at,
         "executions": entry.executions,
         "interruptions": entry.interruptions,
         "reason": entry.reason,

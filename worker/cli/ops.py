@@ -46,7 +46,11 @@ from celery_ledger.recovery import ResumeOutcome, resume_entry, run_sweep
 
 
 @click.command("list")
-@click.option("--stuck", is_flag=True, help="Interrupted, blocked, or running past its lease.")
+@click.option(
+    "--stuck",
+    is_flag=True,
+    help="Interrupted, blocked, running past its lease, or a retry past its due time.",
+)
 @click.option(
     "--status", "statuses", multiple=True, help="Only these statuses (repeat, or comma-separate)."
 )

@@ -251,9 +251,8 @@ def entry(page: LedgerPage, key: str) -> EntryView:
         arguments = _json({"args": args, "kwargs": kwargs})
     lease_left = None if e.lease_until is None else e.lease_until - now
     live_lease = e.status is EntryStatus.RUNNING and lease_left is not None and lease_left > 0
-    released_pending = e.released_at is not None and any(
-        ev.event == "released" and ev.fence == e.fence for ev in events
-    )
+    # The store's one-shot rule: released, and no attempt has run the body since.
+    released_pending = e.released_executions is not None and e.executions == e.released_executions
     release_blocked = None
     if e.status not in RELEASABLE:
         release_blocked = f"{e.status.value}: there is nothing to release"
