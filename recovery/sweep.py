@@ -32,8 +32,10 @@ fault; it ends the sweep (the next one retries).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+from functools import partial
 from typing import Any
 
 from kombu.utils.json import loads
@@ -299,10 +301,10 @@ def resend_retry(
     return ResumeOutcome.RESUMED
 
 
-def _contained(key: str, what: str, run: Any) -> ResumeOutcome | None:
+def _contained(key: str, what: str, run: Callable[[], ResumeOutcome]) -> ResumeOutcome | None:
     """``run()``, or None (logged) when it fails for this entry alone."""
     try:
-        return run()  # type: ignore[no-any-return]
+        return run()
     except LedgerUnavailable:
         raise  # no entry's fault: the sweep ends, the next one retries
     except Exception:  # noqa: BLE001 - one entry must not abort the sweep or the prune
@@ -336,8 +338,14 @@ def run_sweep(
         outcome = _contained(
             entry.key,
             "resume",
-            lambda e=entry: resume_entry(
-                store, app, e, lease_seconds=lease_seconds, max_resumes=max_resumes, actor=actor
+            partial(
+                resume_entry,
+                store,
+                app,
+                entry,
+                lease_seconds=lease_seconds,
+                max_resumes=max_resumes,
+                actor=actor,
             ),
         )
         outcomes.setdefault(outcome, []).append(entry.key)
@@ -358,7 +366,7 @@ def run_sweep(
             "re-send the overdue retry of",
             # Due again after a lease, as a resumed entry's marker is: long enough for a
             # worker to claim it, short enough that a lost re-send is soon sent again.
-            lambda e=late: resend_retry(store, app, e, resend_after=lease_seconds, actor=actor),
+            partial(resend_retry, store, app, late, resend_after=lease_seconds, actor=actor),
         )
         resent.setdefault(outcome, []).append(late.key)
     pruned = store.prune_settled(retention_days * 86400.0, limit=batch)
@@ -389,8 +397,14 @@ def boot_sweep(
         _contained(
             e.key,
             "resume",
-            lambda e=e: resume_entry(
-                store, app, e, lease_seconds=lease_seconds, max_resumes=max_resumes, actor=node
+            partial(
+                resume_entry,
+                store,
+                app,
+                e,
+                lease_seconds=lease_seconds,
+                max_resumes=max_resumes,
+                actor=node,
             ),
         )
         for e in mine

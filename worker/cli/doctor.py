@@ -305,9 +305,11 @@ def migrate_cmd(ctx: click.Context, plan: bool, as_json: bool) -> None:
             raise click.ClickException(problem)  # never write into a file that is not ours
     if plan:
         _require_existing_or_empty_plan(url)
+    current: str | None = None
+    applied: list[str] = []
     if plan and empty:
         # Answered without opening it: SQLite writes its header into an empty file it opens.
-        current, pending, applied = None, all_revisions(), []
+        pending = all_revisions()
     else:
         engine = make_engine(url)
         try:
