@@ -254,3 +254,31 @@ def test_show_prints_stored_text_escaped_and_an_unreadable_snapshot_in_words(
     assert data["snapshot"] is None and "nested too deeply" in data["unreadable"]["snapshot"]
     listed = cli("--url", url, "list", "--stuck")
     assert listed.exit_code == 0 and "\x1b" not in listed.output
+
+
+def test_an_overdue_retry_is_stuck_with_what_moves_it_on(cli: Any, tmp_path: Path) -> None:
+    """Issue 14, fault 3: a retry past its due time is in ``list --stuck``; with a snapshot
+    the sweep re-sends it, without one the operator must."""
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    store = LedgerStore(url)
+    try:
+        for key, snapshot in (("k-late", '{"args":[1],"kwargs":{}}'), ("k-bare", None)):
+            claim = store.claim(
+                ClaimRequest(
+                    key=key,
+                    task_name="shop.charge",
+                    task_id=f"t-{key}",
+                    args_hash="task-id",
+                    snapshot=snapshot,
+                    side_effect="non_idempotent",
+                    owner=Owner("w@h", "b", 1),
+                    lease_seconds=60.0,
+                )
+            )
+            assert store.settle(key, claim.fence, EntryStatus.RETRYING, due_in=-5.0)
+    finally:
+        store.dispose()
+    data = json.loads(cli("--url", url, "list", "--stuck", "--json").stdout)
+    actions = {e["key"]: (e["status"], e["next_action"]) for e in data["entries"]}
+    assert actions == {"k-late": ("retrying", "sweep"), "k-bare": ("retrying", "resend")}
+    assert all(e["due_at"] is not None for e in data["entries"])

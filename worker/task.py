@@ -466,7 +466,7 @@ class LedgerTask(Task):
                 limit=settings.max_snapshot_bytes,
                 retries=int(options.get("retries") or (req.retries or 0) + 1),
             )
-        except PayloadError as exc_:
+        except Exception as exc_:  # noqa: BLE001 - nothing here may stop the retry itself
             # The entry keeps the snapshot it has, as a claim does for arguments it cannot
             # snapshot; the retry's own message carries the new arguments.
             log.warning(

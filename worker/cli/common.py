@@ -350,10 +350,17 @@ def next_action(entry: Entry, now: float, prefix: str) -> NextAction:
         return NextAction("wait", f"running (lease {duration(left)} left)")
     if entry.status is EntryStatus.RETRYING:
         if entry.due_at is not None and entry.due_at < now:
+            late = duration(now - entry.due_at)
+            if entry.snapshot is None:
+                return NextAction(
+                    "resend",
+                    f"retry overdue by {late}, no argument snapshot: re-send task id "
+                    f"{entry.task_id} by hand",
+                    f"{prefix} release {key} --verified completed --result-json JSON --by WHO "
+                    "--reason WHY",
+                )
             return NextAction(
-                "sweep",
-                f"retry overdue by {duration(now - entry.due_at)}: the sweep re-sends it",
-                f"{prefix} sweep",
+                "sweep", f"retry overdue by {late}: the sweep re-sends it", f"{prefix} sweep"
             )
         return NextAction("wait", "Celery retry pending")
     return NextAction("none", "-")

@@ -55,10 +55,13 @@ def stuck_reason(kind: q.StuckKind, entry: Entry, now: float, page: LedgerPage) 
         return f"{why}; the next sweep re-enqueues it (or resume it now)"
     if kind.status is EntryStatus.RETRYING:
         late = duration(now - entry.due_at) if entry.due_at is not None else "-"
-        return (
-            f"retry past its due time by {late}: no worker claimed it (its message may be "
-            "lost); the next sweep re-sends it with its task id"
-        )
+        why = f"retry past its due time by {late}: no worker claimed it (its message may be lost)"
+        if entry.snapshot is None:
+            return (
+                f"{why}; it has no argument snapshot, so it cannot be re-sent: re-send task id "
+                f"{entry.task_id} by hand, or release it"
+            )
+        return f"{why}; the next sweep re-sends it with its task id"
     ago = duration(now - entry.lease_until) if entry.lease_until is not None else "-"
     if entry.owner == RESUME_OWNER:
         return (
