@@ -12,6 +12,7 @@ from celery_ledger.ledger.errors import (
     LedgerBlocked,
     LedgerError,
     LedgerUnavailable,
+    OperatorTextError,
     PayloadError,
     PayloadNotSerializable,
     PayloadTooLarge,
@@ -28,7 +29,15 @@ from celery_ledger.ledger.identity import (
     provider_key,
     step_provider_key,
 )
-from celery_ledger.ledger.operator import BODY_STEP, LedgerStats, OperatorQueries, Release
+from celery_ledger.ledger.operator import (
+    BODY_STEP,
+    MAX_RELEASE_BY_CHARS,
+    MAX_RELEASE_REASON_CHARS,
+    LedgerStats,
+    OperatorQueries,
+    Release,
+    check_release_text,
+)
 from celery_ledger.ledger.states import EntryStatus, Gate, SideEffect, StepStatus, Verdict
 from celery_ledger.ledger.store import LedgerStore
 from celery_ledger.ledger.values import (
@@ -40,6 +49,7 @@ from celery_ledger.ledger.values import (
     Entry,
     EventRecord,
     Interrupted,
+    Overdue,
     Owner,
     Resuming,
     StepRecord,
@@ -51,6 +61,9 @@ __all__ = [
     "OperatorQueries",
     "LedgerStats",
     "Release",
+    "check_release_text",
+    "MAX_RELEASE_BY_CHARS",
+    "MAX_RELEASE_REASON_CHARS",
     # Values
     "ArgumentSnapshot",
     "Claim",
@@ -58,6 +71,7 @@ __all__ = [
     "Entry",
     "EventRecord",
     "Interrupted",
+    "Overdue",
     "Resuming",
     "Owner",
     "StepRecord",
@@ -93,6 +107,7 @@ __all__ = [
     "KeyConflict",
     "LedgerBlocked",
     "ReleaseRefused",
+    "OperatorTextError",
     "EntryNotFound",
     "Fenced",
 ]

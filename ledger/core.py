@@ -172,6 +172,10 @@ class StoreCore:
             current = current_revision(conn)
             # Raises SchemaTooNew for a newer database: `migrate` would be the wrong advice.
             pending = pending_revisions(conn)
+        if pending and current is None:
+            raise SchemaError(
+                "no ledger schema in this database yet: run `celery-ledger migrate` to create it"
+            )
         if pending:
             raise SchemaError(
                 f"ledger schema is at {current!r}, this code needs {head_revision()!r}: "

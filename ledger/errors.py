@@ -3,7 +3,7 @@
 The tree::
 
     LedgerError
-    ├── LedgerUnavailable        the database cannot be reached
+    ├── LedgerUnavailable        the database cannot be reached or take a write
     ├── SchemaError
     │   └── SchemaTooNew         the database was migrated by newer code
     ├── IdentityError            key material or arguments are not canonical JSON
@@ -13,6 +13,7 @@ The tree::
     ├── KeyConflict              a business key reused with different arguments
     ├── LedgerBlocked            the entry is parked for an operator
     ├── ReleaseRefused           an operator release that is not allowed
+    │   └── OperatorTextError    its who or why is empty, too long or unprintable
     └── EntryNotFound
 
     Fenced (BaseException)       this attempt was superseded and must stop
@@ -24,7 +25,8 @@ reason rq's ``ShutDownImminentException`` and asyncio's ``CancelledError`` sit o
 
 A database error becomes ``LedgerUnavailable`` in one place, ``as_unavailable``: the SQLAlchemy
 path, the hot path's raw cursors and every connect go through ``translate_db_errors``, which asks
-it.
+it. The rule: anything a driver raises is unavailability, except a bug in our SQL
+(``BUG_ERRORS``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class LedgerError(Exception):
 
 
 class LedgerUnavailable(LedgerError):
-    """Raised when the ledger database cannot be reached or refuses the connection."""
+    """Raised when the ledger database cannot be reached, or cannot take a statement now
+    (refused, read-only, corrupt, full): every driver error but a bug in our SQL."""
 
 
 class SchemaError(LedgerError):
@@ -80,6 +83,10 @@ class ReleaseRefused(LedgerError):
     """Raised when an operator release is not allowed (settled, live lease, released already)."""
 
 
+class OperatorTextError(ReleaseRefused, ValueError):
+    """Raised when the who or why of a release is empty, too long, or not printable text."""
+
+
 class EntryNotFound(LedgerError, KeyError):
     """Raised when no entry has the given key."""
 
@@ -93,31 +100,50 @@ class Fenced(BaseException):
 
 # -- database errors ---------------------------------------------------------------------------
 
-#: PEP 249 error classes that mean "the ledger database cannot be reached, or not now": the
-#: only ones that become ``LedgerUnavailable`` (and so retry the task later instead of failing
-#: it). Matched by name on SQLAlchemy's wrappers and on the driver's own classes alike, so a
-#: name added here widens the classification for every path at once.
-UNAVAILABLE_ERRORS = ("OperationalError", "InterfaceError")
+#: PEP 249 error classes that mean a bug in our SQL or in the data we sent: the statement is
+#: wrong (ProgrammingError), or a value or constraint it carries is (DataError, IntegrityError,
+#: NotSupportedError). Retrying would repeat what can never succeed, so these propagate.
+BUG_ERRORS = ("ProgrammingError", "IntegrityError", "DataError", "NotSupportedError")
 
-_SA_UNAVAILABLE = tuple(getattr(sa_exc, name) for name in UNAVAILABLE_ERRORS)
+#: Every other PEP 249 class means the ledger cannot take the statement now, whatever the
+#: statement: ``LedgerUnavailable`` (the body does not run, the message comes back with
+#: backoff). OperationalError: unreachable, ended by the administrator (57P01), disk full
+#: (53100, SQLITE_FULL), locked, serialization failure, statement timeout. InternalError:
+#: read-only transaction (25006, a failover to a standby), data or index corrupted (XX001,
+#: XX002). DatabaseError itself: what SQLite raises for a file that is not, or no longer, a
+#: database (SQLITE_NOTADB, SQLITE_CORRUPT). InterfaceError: the driver lost its connection.
+UNAVAILABLE_ERRORS = ("OperationalError", "InterfaceError", "InternalError", "DatabaseError")
+
+#: SQLSTATEs a driver files under a bug class that still mean the database refuses us, not
+#: that our SQL is wrong: 42501 insufficient_privilege (write access revoked: the same
+#: "refuses writes" as a read-only standby).
+REFUSED_SQLSTATES = frozenset({"42501"})
+
+_SA_BUGS = tuple(getattr(sa_exc, name) for name in BUG_ERRORS)
 
 
 def as_unavailable(exc: BaseException, dbapi: ModuleType | None = None) -> LedgerUnavailable | None:
     """Classify a database error: the ``LedgerUnavailable`` it means, or None.
 
+    The rule: every driver error is unavailability except a bug in our SQL (``BUG_ERRORS``,
+    less ``REFUSED_SQLSTATES``). When in doubt the ledger fails closed: a bug misread as an
+    outage re-sends the task with backoff, loudly, and runs nothing; an outage misread as a bug
+    would fail the task for good.
+
     ``exc`` is a SQLAlchemy ``DBAPIError`` (statements through SQLAlchemy, and every connect
-    through a pool), or a raw error of the driver module ``dbapi`` (the hot path's cursors). The
-    message carries the driver's own words, never SQLAlchemy's wrapper text.
+    through a pool), or a raw error of the driver module ``dbapi`` (the hot path's cursors).
+    Anything else (not a driver error) is None. The message carries the driver's own words,
+    never SQLAlchemy's wrapper text.
     """
     if isinstance(exc, sa_exc.DBAPIError):
-        if not isinstance(exc, _SA_UNAVAILABLE):
-            return None
         cause: BaseException = exc.orig or exc
-    elif dbapi is not None and isinstance(
-        exc, tuple(getattr(dbapi, name) for name in UNAVAILABLE_ERRORS)
-    ):
+        bug = isinstance(exc, _SA_BUGS)
+    elif dbapi is not None and isinstance(exc, dbapi.Error):  # PEP 249's root class
         cause = exc
+        bug = isinstance(exc, tuple(getattr(dbapi, name) for name in BUG_ERRORS))
     else:
+        return None
+    if bug and getattr(cause, "sqlstate", None) not in REFUSED_SQLSTATES:
         return None
     return LedgerUnavailable(f"ledger database unavailable: {cause}")
 

@@ -391,17 +391,31 @@ class HotPath(StoreCore):
         error: str | None = None,
         reason: str | None = None,
         actor: str | None = None,
+        due_in: float | None = None,
+        due_at: float | None = None,
+        snapshot: str | None = None,
     ) -> bool:
         """Move a running entry to ``status`` (completed, failed, retrying or blocked), fenced.
+
+        ``retrying`` may say when the retry is due (``due_in`` seconds from now on the
+        database clock, or ``due_at`` seconds since the epoch) and with which arguments
+        (``snapshot``): a retry not claimed by then is re-sent by the sweep
+        (``resend_retry``). Every other settle clears the due time.
 
         Atomic with its audit event (one statement on PostgreSQL). Returns False when this
         attempt was superseded; nothing is written then.
 
         Raises:
-            ValueError: ``status`` is running or interrupted (not a settlement).
+            ValueError: ``status`` is running or interrupted (not a settlement), or a due time
+                or snapshot is given for another status than retrying.
         """
         if status in (EntryStatus.RUNNING, EntryStatus.INTERRUPTED):
             raise ValueError(f"settle cannot move an entry to {status.value}")
+        waits = (due_in, due_at, snapshot) != (None, None, None)
+        if waits and status is not EntryStatus.RETRYING:
+            raise ValueError(
+                f"only a retrying settle has a due time or a new snapshot, not {status.value}"
+            )
         params = {
             "k": key,
             "f": fence,
@@ -409,6 +423,9 @@ class HotPath(StoreCore):
             "new_result": result,
             "new_error": error,
             "new_reason": reason,
+            "due_in": due_in,
+            "due_abs": due_at,
+            "new_snapshot": snapshot,
         }
         settled = status.settled
         rows = self._fast_write(

@@ -87,6 +87,15 @@ def pending_revisions(conn: Connection) -> list[str]:
     return [r.revision for r in reversed(revs) if r.revision != current]
 
 
+def all_revisions() -> list[str]:
+    """Every revision from base to head, oldest first: what an empty database is migrated
+    through (no connection needed)."""
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(_config())
+    return [r.revision for r in reversed(list(script.iterate_revisions("head", "base")))]
+
+
 def _too_new_message(current: str) -> str:
     return (
         f"ledger schema revision {current!r} is newer than this celery-ledger "

@@ -14,7 +14,7 @@ from sqlalchemy import case, func, or_, select, update
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.core import Note, StoreCore
 from celery_ledger.ledger.dbclock import db_now, db_now_stable
-from celery_ledger.ledger.errors import EntryNotFound, ReleaseRefused
+from celery_ledger.ledger.errors import EntryNotFound, OperatorTextError, ReleaseRefused
 from celery_ledger.ledger.schema import entries, events, steps
 from celery_ledger.ledger.states import EntryStatus, SideEffect, StepStatus, Verdict
 from celery_ledger.ledger.values import Entry, EventRecord
@@ -31,6 +31,45 @@ RELEASABLE = (
 
 #: Name of the implicit step that stands for the whole body of a task that recorded no steps.
 BODY_STEP = "__body__"
+
+#: Longest ``by`` of a release: a name or an operator token, printed in every ``show`` and
+#: audit line (and the width of its column, ``released_by``).
+MAX_RELEASE_BY_CHARS = 255
+#: Longest ``reason`` of a release: a few sentences, or a ticket link. It is read back by every
+#: ``show`` and audit view of the entry; a pasted log (1 MB was accepted once and made every
+#: later ``show`` take seconds) belongs in the ticket, not in the ledger.
+MAX_RELEASE_REASON_CHARS = 4096
+
+
+def check_release_text(
+    by: str, reason: str, *, by_name: str = "by", reason_name: str = "reason"
+) -> None:
+    """Refuse a release's who or why before anything is read or written.
+
+    ``by`` must be 1 to ``MAX_RELEASE_BY_CHARS`` printable characters; ``reason`` 1 to
+    ``MAX_RELEASE_REASON_CHARS`` characters, printable but for line breaks and tabs (terminal
+    escapes and other control characters would rewrite an operator's screen on ``show``).
+    ``by_name``/``reason_name`` are how the caller calls the fields (``--by`` in the CLI).
+
+    Raises:
+        OperatorTextError: naming the field and what is wrong with it.
+    """
+    for name, value, limit, allowed in (
+        (by_name, by, MAX_RELEASE_BY_CHARS, ""),
+        (reason_name, reason, MAX_RELEASE_REASON_CHARS, "\n\t"),
+    ):
+        if not isinstance(value, str) or not value.strip():
+            raise OperatorTextError(f"release {name} is required and must not be blank")
+        if len(value) > limit:
+            raise OperatorTextError(
+                f"release {name} is {len(value)} characters, over the limit of {limit}"
+                + ("; put the details in a ticket and give its link" if allowed else "")
+            )
+        bad = next((c for c in value if not (c.isprintable() or c in allowed)), None)
+        if bad is not None:
+            raise OperatorTextError(
+                f"release {name} contains the control character {bad!r}; use printable text"
+            )
 
 
 @dataclass(frozen=True)
@@ -112,7 +151,8 @@ class OperatorQueries(StoreCore):
         since_seconds: float | None = None,
         limit: int = 50,
     ) -> list[Entry]:
-        """Entries, newest first. ``stuck``: interrupted, blocked, or running past the lease."""
+        """Entries, newest first. ``stuck``: interrupted, blocked, running past the lease, or
+        retrying past the due time (the retry never arrived; the sweep re-sends it)."""
         q = select(entries).order_by(entries.c.updated_at.desc()).limit(limit)
         if statuses:
             q = q.where(entries.c.status.in_(statuses))
@@ -126,6 +166,8 @@ class OperatorQueries(StoreCore):
                     ),
                     (entries.c.status == EntryStatus.RUNNING.value)
                     & (entries.c.lease_until < db_now_stable()),
+                    (entries.c.status == EntryStatus.RETRYING.value)
+                    & (entries.c.due_at < db_now_stable()),
                 )
             )
         if since_seconds is not None:
@@ -164,9 +206,12 @@ class OperatorQueries(StoreCore):
             EntryNotFound: no such key.
             ReleaseRefused: completed entry, live lease, released already and not run since,
                 or the verdict is not completed/not_executed.
+            OperatorTextError: ``by`` or ``reason`` is blank, too long or not printable
+                (``check_release_text``); nothing is read or written.
         """
         if verified is Verdict.UNKNOWN:
             raise ReleaseRefused("release needs --verified completed or not-executed")
+        check_release_text(by, reason)
         with self._txn() as conn:
             row = conn.execute(
                 select(entries, (entries.c.lease_until - db_now()).label("remaining"))
@@ -185,10 +230,11 @@ class OperatorQueries(StoreCore):
                 )
             if found not in RELEASABLE:  # pragma: no cover - every other status is listed
                 raise ReleaseRefused(f"{key} is {found.value}")
-            if row.released_at is not None and self._released_at_fence(conn, key, row.fence):
-                # One-shot: the entry still carries the fence its release wrote, so nothing
-                # has run since. A second verdict (two operators, a retried command) must not
-                # authorize a second re-run or overwrite the first operator's stamp.
+            if row.released_executions is not None and row.executions == row.released_executions:
+                # One-shot: no attempt has run the body since the release (executions counts
+                # the attempts that did; the fence also moves for a resume whose message never
+                # ran, or a sweep). A second verdict (two operators, a retried command) must
+                # not authorize a second re-run or overwrite the first operator's stamp.
                 raise ReleaseRefused(
                     f"{key} was released already by {row.released_by} "
                     f"({row.released_reason!r}) and has not run since; release is one-shot"
@@ -226,6 +272,8 @@ class OperatorQueries(StoreCore):
                     released_reason=reason,
                     released_at=now,
                     released_from=found.value,
+                    released_executions=row.executions,
+                    due_at=None,
                 )
                 .returning(*sql.RETURNED)
             )
@@ -244,18 +292,6 @@ class OperatorQueries(StoreCore):
             row.task_name,
             row.task_id,
             row.snapshot,
-        )
-
-    @staticmethod
-    def _released_at_fence(conn: Any, key: str, fence: int) -> bool:
-        """Whether ``fence`` was written by a release (every later transition bumps it)."""
-        return (
-            conn.execute(
-                select(events.c.id)
-                .where(events.c.key == key, events.c.event == "released", events.c.fence == fence)
-                .limit(1)
-            ).first()
-            is not None
         )
 
     def _release_ambiguous_steps(self, conn: Any, key: str, fence: int) -> tuple[str, ...]:

@@ -23,7 +23,7 @@ from sqlalchemy import (
 metadata = MetaData()
 
 #: Bumped with every Alembic revision; the migration head must equal it.
-SCHEMA_REVISION = "0001"
+SCHEMA_REVISION = "0002"
 
 KEY = String(64)
 
@@ -54,6 +54,12 @@ entries = Table(
     Column("released_reason", Text),
     Column("released_at", Float),
     Column("released_from", String(16)),
+    # ``executions`` when the last release was made: release is one-shot until the body runs
+    # again (executions moves), whatever the fence did meanwhile (0002).
+    Column("released_executions", Integer),
+    # When recovery acts on an entry that waits for a time, on the database clock: a retry
+    # whose message has not arrived by then is re-sent. Set only while the entry waits (0002).
+    Column("due_at", Float),
 )
 
 # Hot predicates. Partial indexes stay as small as the work in flight, so the stale-lease
@@ -85,6 +91,15 @@ Index(
     sqlite_where=entries.c.settled_at.is_not(None),
 )
 Index("ix_ledger_entries_task_status", entries.c.task_name, entries.c.status)
+# Entries waiting for a time (``retrying`` today; any later status that waits for a due time
+# joins without a new index). ``due_at < :now`` implies ``due_at IS NOT NULL`` on both
+# databases, so the sweep's range query uses it; it holds only the entries that wait.
+Index(
+    "ix_ledger_entries_due",
+    entries.c.due_at,
+    postgresql_where=entries.c.due_at.is_not(None),
+    sqlite_where=entries.c.due_at.is_not(None),
+)
 
 steps = Table(
     "ledger_steps",

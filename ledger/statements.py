@@ -18,6 +18,7 @@ from sqlalchemy import (
     Text,
     bindparam,
     case,
+    func,
     insert,
     literal,
     select,
@@ -142,6 +143,7 @@ def claim_takeover(dialect: Dialect) -> Any:
             executions=entries.c.executions + 1,
             interruptions=B("new_interruptions", Integer),
             updated_at=now,
+            due_at=None,  # a retry that is claimed waits for no time any more
         )
         .returning(*RETURNED)
     )
@@ -152,6 +154,9 @@ def claim_takeover(dialect: Dialect) -> Any:
 def settle_update(dialect: Dialect, settled: bool) -> Any:
     """Move a running entry at ``fence`` to ``status`` (a terminal one when ``settled``).
 
+    ``due_at`` becomes db-now + ``due_in``, else ``due_abs``, else NULL: only a ``retrying``
+    settle passes either, so every other settle clears it. ``new_snapshot``, when given,
+    replaces the argument snapshot (a retry's own arguments), else it is kept.
     (Bind parameters of an UPDATE may not share a column's name, hence ``k``, ``f`` ...)
     """
     now = db_now()
@@ -166,6 +171,8 @@ def settle_update(dialect: Dialect, settled: bool) -> Any:
             lease_until=None,
             updated_at=now,
             settled_at=now if settled else None,
+            due_at=func.coalesce(now + B("due_in", Float), B("due_abs", Float)),
+            snapshot=func.coalesce(B("new_snapshot", Text), entries.c.snapshot),
         )
         .returning(*RETURNED)
     )

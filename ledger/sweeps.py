@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, Select, delete, func, select, update
+from sqlalchemy import Connection, Select, case, delete, func, select, update
 
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.core import Note, StoreCore
@@ -19,10 +19,11 @@ from celery_ledger.ledger.crashloop import CrashLoop, crash_loop_reason
 from celery_ledger.ledger.dbclock import db_now, db_now_stable
 from celery_ledger.ledger.schema import entries, events, steps
 from celery_ledger.ledger.states import EntryStatus, StepStatus
-from celery_ledger.ledger.values import RESUME_OWNER, Interrupted, Resuming
+from celery_ledger.ledger.values import RESUME_OWNER, Interrupted, Overdue, Resuming
 
 _RUNNING = EntryStatus.RUNNING.value
 _INTERRUPTED = EntryStatus.INTERRUPTED.value
+_RETRYING = EntryStatus.RETRYING.value
 
 
 class SweepQueries(StoreCore):
@@ -100,14 +101,32 @@ class SweepQueries(StoreCore):
         # rescan skips the rows this very statement already updated and picks the next n,
         # so the limit bounded nothing (measured: limit=2 interrupted all 5 expired entries).
         # A MATERIALIZED CTE is evaluated once.
-        picked = keys.cte("picked").prefix_with("MATERIALIZED", dialect="postgresql")
+        #
+        # The UPDATE is a compare-and-set on the fence the pick read. The boot sweep and the
+        # fast path pick by owner without a row lock: if another worker's takeover commits
+        # between the pick and the UPDATE, PostgreSQL's UPDATE waits for it and then re-checks
+        # its WHERE on the new row version; with the fence in the WHERE, that re-check sees
+        # the new owner's fence and leaves its live attempt alone (issue 14, fault 1).
+        picked = (
+            keys.add_columns(entries.c.fence.label("picked_fence"))
+            .cte("picked")
+            .prefix_with("MATERIALIZED", dialect="postgresql")
+        )
         upd = (
             update(entries)
-            .where(entries.c.key.in_(select(picked.c.key)), entries.c.status == _RUNNING)
+            .where(
+                entries.c.key == picked.c.key,
+                entries.c.fence == picked.c.picked_fence,
+                entries.c.status == _RUNNING,
+            )
             .values(
                 status=_INTERRUPTED,
                 fence=entries.c.fence + 1,
-                interruptions=entries.c.interruptions + 1,
+                # Only an attempt that started the body can be lost; the lapse of a publish
+                # intent or of the resume marker (both owned by RESUME_OWNER, nothing ran)
+                # is a queue that was slow, not a crash (issue 14, fault 5).
+                interruptions=entries.c.interruptions
+                + case((entries.c.owner == RESUME_OWNER, 0), else_=1),
                 lease_until=None,
                 updated_at=db_now(),
                 reason=why,
@@ -128,28 +147,48 @@ class SweepQueries(StoreCore):
             for r in rows
         ]
 
-    def list_interrupted(self, *, limit: int = 500) -> list[Interrupted]:
-        """Interrupted entries, oldest first (read-only)."""
+    def list_interrupted(self, *, limit: int = 500, resumable: bool = False) -> list[Interrupted]:
+        """Interrupted entries, oldest first (read-only).
+
+        ``resumable``: only those with an argument snapshot, the ones a sweep can re-send.
+        The sweep lists these, so that entries it can never resume (it reports them) do not
+        fill every batch and hide newer work behind them (issue 14, fault 4).
+        """
+        query = (
+            select(
+                entries.c.key,
+                entries.c.task_name,
+                entries.c.task_id,
+                entries.c.fence,
+                entries.c.interruptions,
+                entries.c.snapshot.is_not(None).label("has_snapshot"),
+            )
+            .where(entries.c.status == _INTERRUPTED)
+            .order_by(entries.c.updated_at)
+            .limit(limit)
+        )
+        if resumable:
+            query = query.where(entries.c.snapshot.is_not(None))
         with self._read() as conn:
-            rows = conn.execute(
-                select(
-                    entries.c.key,
-                    entries.c.task_name,
-                    entries.c.task_id,
-                    entries.c.fence,
-                    entries.c.interruptions,
-                    entries.c.snapshot.is_not(None).label("has_snapshot"),
-                )
-                .where(entries.c.status == _INTERRUPTED)
-                .order_by(entries.c.updated_at)
-                .limit(limit)
-            ).all()
+            rows = conn.execute(query).all()
         return [
             Interrupted(
                 r.key, r.task_name, r.task_id, r.fence, r.interruptions, bool(r.has_snapshot)
             )
             for r in rows
         ]
+
+    def count_unresumable(self, *, limit: int = 500) -> int:
+        """How many interrupted entries have no argument snapshot, counting up to ``limit``
+        (read-only): what a sweep reports and leaves for an operator or the broker."""
+        bare = (
+            select(entries.c.key)
+            .where(entries.c.status == _INTERRUPTED, entries.c.snapshot.is_(None))
+            .limit(limit)
+            .subquery()
+        )
+        with self._read() as conn:
+            return int(conn.execute(select(func.count()).select_from(bare)).scalar_one())
 
     def begin_resume(
         self, key: str, fence: int, *, lease_seconds: float, actor: str = "sweep"
@@ -192,6 +231,67 @@ class SweepQueries(StoreCore):
             row.task_name, row.task_id, row.fence, row.snapshot, int(row.completed_steps)
         )
 
+    def list_overdue_retries(self, *, limit: int = 500) -> list[Overdue]:
+        """``retrying`` entries whose due time passed on the database clock, with an argument
+        snapshot to re-send from, most overdue first (read-only; the due-time index).
+
+        The worker settles ``retrying`` with the retry's ETA plus ``ledger_retry_grace_seconds``
+        as the due time: an entry still ``retrying`` then was never claimed by its retry, whose
+        message may be lost.
+        """
+        with self._read() as conn:
+            rows = conn.execute(
+                select(
+                    entries.c.key,
+                    entries.c.task_name,
+                    entries.c.task_id,
+                    entries.c.fence,
+                    entries.c.due_at,
+                )
+                .where(
+                    entries.c.status == _RETRYING,
+                    entries.c.due_at < db_now_stable(),
+                    entries.c.snapshot.is_not(None),
+                )
+                .order_by(entries.c.due_at)
+                .limit(limit)
+            ).all()
+        return [Overdue(r.key, r.task_name, r.task_id, r.fence, r.due_at) for r in rows]
+
+    def begin_resend(
+        self, key: str, fence: int, *, resend_after: float, actor: str = "sweep"
+    ) -> Resuming | None:
+        """CAS an overdue ``retrying`` entry at ``fence`` to fence+1, due again ``resend_after``
+        seconds from now, in one statement that also returns what the winner re-sends.
+
+        The entry stays ``retrying``: the claim of the re-sent message RUNs it like the retry
+        it stands for (completed steps replay; nothing is ambiguous). Exactly one of any number
+        of concurrent resenders gets a ``Resuming``; the others get None. If the re-sent
+        message is lost too, the entry is overdue again after ``resend_after``.
+        """
+        completed = (
+            select(func.count())
+            .where(steps.c.key == key, steps.c.status == StepStatus.COMPLETED.value)
+            .scalar_subquery()
+            .label("completed_steps")
+        )
+        upd = (
+            update(entries)
+            .where(entries.c.key == key, entries.c.fence == fence, entries.c.status == _RETRYING)
+            .values(fence=fence + 1, due_at=db_now() + resend_after, updated_at=db_now())
+            .returning(*sql.RETURNED, entries.c.task_name, entries.c.snapshot, completed)
+        )
+        with self._one_statement() as conn:
+            stmt = sql.with_event(self.dialect, upd)
+            note = Note("resent", actor, "retry overdue: re-sent with its task id")
+            rows = self._write_with_event(conn, stmt, {}, note)
+        if not rows:
+            return None
+        row = rows[0]
+        return Resuming(
+            row.task_name, row.task_id, row.fence, row.snapshot, int(row.completed_steps)
+        )
+
     def block(
         self,
         key: str,
@@ -219,6 +319,7 @@ class SweepQueries(StoreCore):
                 fence=fence + 1,
                 reason=reason,
                 lease_until=None,
+                due_at=None,
                 updated_at=db_now(),
             )
             .returning(*sql.RETURNED)

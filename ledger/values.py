@@ -35,7 +35,8 @@ class ArgumentSnapshot:
     Stored as a JSON object in ``entries.snapshot``; the JSON encoding itself is the Celery
     side's (kombu's, which keeps datetimes and UUIDs intact), so the ledger only maps this value
     to and from that object. The object's keys are ``args``, ``kwargs``, ``queue``,
-    ``ledger_key``, in that order; ``from_data`` reads snapshots that lack any of them.
+    ``ledger_key``, in that order, then ``retries`` for a retry's snapshot; ``from_data``
+    reads snapshots that lack any of them.
     """
 
     args: tuple[Any, ...] = ()
@@ -44,15 +45,21 @@ class ArgumentSnapshot:
     queue: str | None = None
     #: The ``ledger_key`` header the task was sent with (business key material), if any.
     ledger_key: Any = None
+    #: Celery's retry count of the delivery to re-send (a retry's: 1 for the first retry), so
+    #: that a re-sent retry counts against ``max_retries`` like the message it replaces.
+    retries: int = 0
 
     def as_data(self) -> dict[str, Any]:
-        """The JSON object stored for this snapshot."""
-        return {
+        """The JSON object stored for this snapshot (``retries`` only when not 0)."""
+        data = {
             "args": list(self.args),
             "kwargs": dict(self.kwargs),
             "queue": self.queue,
             "ledger_key": self.ledger_key,
         }
+        if self.retries:
+            data["retries"] = self.retries
+        return data
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> ArgumentSnapshot:
@@ -62,6 +69,7 @@ class ArgumentSnapshot:
             kwargs=dict(data.get("kwargs") or {}),
             queue=data.get("queue") or None,
             ledger_key=data.get("ledger_key"),
+            retries=int(data.get("retries") or 0),
         )
 
 
@@ -156,6 +164,11 @@ class Entry:
     released_reason: str | None
     released_at: float | None
     released_from: str | None
+    #: ``executions`` when the last release was made: a second release waits for it to move.
+    released_executions: int | None = None
+    #: When recovery acts on an entry that waits for a time (database clock): a ``retrying``
+    #: entry whose retry has not been claimed by then is re-sent. None when it waits for none.
+    due_at: float | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> Entry:
@@ -204,3 +217,16 @@ class Resuming:
     snapshot: str | None
     #: Replay rows already completed, which the resumed attempt will short-circuit.
     completed_steps: int
+
+
+@dataclass(frozen=True)
+class Overdue:
+    """A ``retrying`` entry whose due time passed without a claim: its retry message may be
+    lost (``SweepQueries.list_overdue_retries``)."""
+
+    key: str
+    task_name: str
+    task_id: str
+    fence: int
+    #: When it was due (database clock, seconds since the epoch).
+    due_at: float

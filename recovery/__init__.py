@@ -5,7 +5,10 @@ from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciled, Reconcil
 from celery_ledger.recovery.sweep import (
     ResumeOutcome,
     SweepReport,
+    UnreadableSnapshot,
     boot_sweep,
+    read_snapshot,
+    resend_retry,
     resume_entry,
     run_sweep,
 )
@@ -16,7 +19,10 @@ __all__ = [
     "run_sweep",
     "boot_sweep",
     "resume_entry",
+    "resend_retry",
     "ResumeOutcome",
+    "read_snapshot",
+    "UnreadableSnapshot",
     # Reconcilers
     "AmbiguousStep",
     "Reconciled",

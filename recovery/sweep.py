@@ -14,18 +14,41 @@ is lost, the lease the resumer holds expires and the next sweep interrupts the e
 Why the crash-loop rule is not here: whether an entry has been interrupted too often is the
 ledger's decision (``celery_ledger.ledger.crash_loop_reason``), made the same way by the claim
 of its next delivery and by ``store.block_crash_loop`` here.
+
+Why an entry without a snapshot is passed over, not parked: the sweep cannot re-send it, but
+the broker may still deliver it (Redis and RabbitMQ give back a killed worker's message), and
+that delivery must find it ``interrupted`` and take it over, not ``blocked``; an operator sees
+it in ``list --stuck`` meanwhile. The sweep lists only entries it can resume, so any number of
+them never hides newer work.
+
+Why an unreadable snapshot is parked: nothing can ever re-send it (no process decodes it, the
+broker's copy included), so it is ``blocked`` with the reason, before any resume is begun.
+
+Why errors are contained per entry: one entry the sweep cannot handle must not cost every other
+entry of the batch its resume, nor the retention its prune. An unavailable ledger is no entry's
+fault; it ends the sweep (the next one retries).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+from functools import partial
 from typing import Any
 
 from kombu.utils.json import loads
 
-from celery_ledger.ledger import ArgumentSnapshot, Interrupted, LedgerStore
+from celery_ledger.ledger import (
+    ArgumentSnapshot,
+    EntryNotFound,
+    EntryStatus,
+    Interrupted,
+    LedgerStore,
+    LedgerUnavailable,
+    Overdue,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +58,8 @@ class ResumeOutcome(str, Enum):
 
     #: Re-enqueued with its original task id and argument snapshot.
     RESUMED = "resumed"
-    #: Parked as a crash loop (the ledger's crash-loop rule): an operator must release it.
+    #: Parked for an operator: a crash loop (the ledger's crash-loop rule), or an argument
+    #: snapshot no process can read.
     BLOCKED = "blocked"
     #: No argument snapshot to re-send from: reported, never guessed; it stays interrupted.
     NO_SNAPSHOT = "no-snapshot"
@@ -56,16 +80,92 @@ class SweepReport:
     resumed: int = 0
     #: Parked as crash loops (interrupted more than max_resumes times).
     blocked: int = 0
-    #: Interrupted entries without an argument snapshot: reported, never guessed.
+    #: Interrupted entries without an argument snapshot: reported, never guessed (counted up
+    #: to one batch).
     no_snapshot: int = 0
     #: Settled entries deleted by retention.
     pruned: int = 0
     resumed_keys: tuple[str, ...] = field(default=())
+    #: ``retrying`` entries past their due time (their retry never arrived) ...
+    overdue: int = 0
+    #: ... of which re-sent with their task id.
+    resent: int = 0
+    #: Entries the sweep could not handle (logged with the error); the rest went on.
+    errors: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["resumed_keys"] = list(self.resumed_keys)
         return data
+
+
+class UnreadableSnapshot(ValueError):
+    """Raised when a stored argument snapshot cannot be decoded (the reason says why)."""
+
+
+def read_snapshot(text: str) -> ArgumentSnapshot:
+    """The ``ArgumentSnapshot`` that a stored snapshot (kombu's JSON) holds.
+
+    Raises:
+        UnreadableSnapshot: it does not decode (too deeply nested, not JSON, not an object).
+    """
+    try:
+        # The worker encoded it with kombu's JSON (celery_ledger.codec.encode_snapshot).
+        data = loads(text)
+        if not isinstance(data, dict):
+            raise TypeError(f"a JSON {type(data).__name__}, not an object")
+        return ArgumentSnapshot.from_data(data)
+    except RecursionError:
+        raise UnreadableSnapshot("nested too deeply for any Python process to decode") from None
+    except Exception as exc:  # noqa: BLE001 - whatever the decoder says, it is unreadable
+        raise UnreadableSnapshot(f"{type(exc).__name__}: {str(exc)[:200]}") from None
+
+
+def _snapshot_at(
+    store: LedgerStore, key: str, fence: int, status: EntryStatus
+) -> ArgumentSnapshot | str | None:
+    """The entry's decoded snapshot while it is still ``status`` at ``fence``; the reason
+    it cannot be read (a str); or None when the entry moved on (a lost race)."""
+    try:
+        entry = store.get_entry(key)
+    except EntryNotFound:
+        return None
+    if entry.fence != fence or entry.status is not status or entry.snapshot is None:
+        return None
+    try:
+        return read_snapshot(entry.snapshot)
+    except UnreadableSnapshot as exc:
+        return f"argument snapshot cannot be read: {exc}; release it once you know what it was"
+
+
+def _park_unreadable(
+    store: LedgerStore,
+    key: str,
+    task_id: str,
+    fence: int,
+    reason: str,
+    *,
+    status: EntryStatus,
+    actor: str,
+) -> ResumeOutcome:
+    if not store.block(key, fence, reason, actor=actor, from_status=status):
+        return ResumeOutcome.LOST_RACE
+    log.warning("blocked key=%s task_id=%s fence=%s: %s", key, task_id, fence + 1, reason)
+    return ResumeOutcome.BLOCKED
+
+
+def _send(app: Any, name: str, task_id: str, snapshot: ArgumentSnapshot) -> None:
+    """Re-send a task with its original task id and its argument snapshot."""
+    # ledger_redelivery: the entry exists, so the publisher records no publish intent.
+    headers: dict[str, Any] = {"ledger_redelivery": True}
+    if snapshot.ledger_key is not None:
+        headers["ledger_key"] = snapshot.ledger_key
+    options: dict[str, Any] = {"task_id": task_id, "headers": headers}
+    if snapshot.queue:
+        options["queue"] = snapshot.queue
+    if snapshot.retries:
+        options["retries"] = snapshot.retries
+    app.send_task(name, args=list(snapshot.args), kwargs=dict(snapshot.kwargs), **options)
 
 
 def resume_entry(
@@ -77,7 +177,8 @@ def resume_entry(
     max_resumes: int,
     actor: str = "sweep",
 ) -> ResumeOutcome:
-    """Re-enqueue one interrupted entry, or block it as a crash loop (the ledger decides).
+    """Re-enqueue one interrupted entry, or block it as a crash loop (the ledger decides) or
+    for a snapshot no process can read.
 
     Returns the ``ResumeOutcome``.
     """
@@ -103,26 +204,28 @@ def resume_entry(
             entry.key,
         )
         return ResumeOutcome.NO_SNAPSHOT
+    # Decode before the resume begins: an entry whose snapshot no process can read is parked
+    # where an operator sees it, not hidden under a resume lease that lapses again and again.
+    snapshot = _snapshot_at(store, entry.key, entry.fence, EntryStatus.INTERRUPTED)
+    if snapshot is None:
+        return ResumeOutcome.LOST_RACE
+    if isinstance(snapshot, str):
+        return _park_unreadable(
+            store,
+            entry.key,
+            entry.task_id,
+            entry.fence,
+            snapshot,
+            status=EntryStatus.INTERRUPTED,
+            actor=actor,
+        )
+    # The CAS re-checks the fence the snapshot was read at, so what is sent is that snapshot.
     won = store.begin_resume(entry.key, entry.fence, lease_seconds=lease_seconds, actor=actor)
     if won is None:
         return ResumeOutcome.LOST_RACE
     fence, replay = won.fence, won.completed_steps
-    # The worker encoded it with kombu's JSON (celery_ledger.codec.encode_snapshot).
-    snapshot = ArgumentSnapshot.from_data(loads(won.snapshot) if won.snapshot else {})
-    # ledger_redelivery: the entry exists, so the publisher records no publish intent.
-    headers: dict[str, Any] = {"ledger_redelivery": True}
-    if snapshot.ledger_key is not None:
-        headers["ledger_key"] = snapshot.ledger_key
-    options: dict[str, Any] = {"task_id": won.task_id, "headers": headers}
-    if snapshot.queue:
-        options["queue"] = snapshot.queue
     try:
-        app.send_task(
-            won.task_name,
-            args=list(snapshot.args),
-            kwargs=dict(snapshot.kwargs),
-            **options,
-        )
+        _send(app, won.task_name, won.task_id, snapshot)
     except Exception as exc:  # noqa: BLE001 - the lease brings it back to the next sweep
         log.error(
             "resume of key=%s task_id=%s fence=%s could not be sent (%r); the next sweep "
@@ -147,6 +250,68 @@ def resume_entry(
     return ResumeOutcome.RESUMED
 
 
+def resend_retry(
+    store: LedgerStore, app: Any, entry: Overdue, *, resend_after: float, actor: str = "sweep"
+) -> ResumeOutcome:
+    """Re-send an overdue retry (its message never arrived) with its task id and the retry's
+    arguments; the entry stays ``retrying``, due again after ``resend_after`` seconds.
+
+    A retry that was only late costs a duplicate message, never a duplicate run: whichever
+    delivery claims first RUNs it; the other finds it running (WAIT) or settled (RETURN).
+    Returns RESUMED (re-sent), BLOCKED (its snapshot cannot be read) or LOST_RACE.
+    """
+    snapshot = _snapshot_at(store, entry.key, entry.fence, EntryStatus.RETRYING)
+    if snapshot is None:
+        return ResumeOutcome.LOST_RACE
+    if isinstance(snapshot, str):
+        return _park_unreadable(
+            store,
+            entry.key,
+            entry.task_id,
+            entry.fence,
+            snapshot,
+            status=EntryStatus.RETRYING,
+            actor=actor,
+        )
+    won = store.begin_resend(entry.key, entry.fence, resend_after=resend_after, actor=actor)
+    if won is None:
+        return ResumeOutcome.LOST_RACE
+    try:
+        _send(app, won.task_name, won.task_id, snapshot)
+    except Exception as exc:  # noqa: BLE001 - due again after resend_after
+        log.error(
+            "re-send of overdue retry key=%s task_id=%s fence=%s failed (%r); the sweep "
+            "tries again in %ss",
+            entry.key,
+            won.task_id,
+            won.fence,
+            exc,
+            resend_after,
+        )
+        return ResumeOutcome.LOST_RACE
+    log.warning(
+        "re-sent overdue retry key=%s task_id=%s fence=%s task=%s (due at %.3f, never "
+        "claimed: its message was lost or is late)",
+        entry.key,
+        won.task_id,
+        won.fence,
+        won.task_name,
+        entry.due_at,
+    )
+    return ResumeOutcome.RESUMED
+
+
+def _contained(key: str, what: str, run: Callable[[], ResumeOutcome]) -> ResumeOutcome | None:
+    """``run()``, or None (logged) when it fails for this entry alone."""
+    try:
+        return run()
+    except LedgerUnavailable:
+        raise  # no entry's fault: the sweep ends, the next one retries
+    except Exception:  # noqa: BLE001 - one entry must not abort the sweep or the prune
+        log.exception("sweep could not %s key=%s; the sweep goes on", what, key)
+        return None
+
+
 def run_sweep(
     store: LedgerStore,
     app: Any,
@@ -157,29 +322,68 @@ def run_sweep(
     batch: int = 500,
     actor: str = "sweep",
 ) -> SweepReport:
-    """One full sweep: interrupt expired leases, resume or block interrupted work, prune.
+    """One full sweep: interrupt expired leases, resume or block interrupted work, re-send
+    overdue retries, prune.
 
-    Idempotent and safe to run concurrently with itself on SQLite and PostgreSQL.
+    Idempotent and safe to run concurrently with itself on SQLite and PostgreSQL. An entry it
+    cannot handle is logged and counted (``errors``); the others, and the prune, go on.
+
+    Raises:
+        LedgerUnavailable: the ledger went away; the next sweep does the rest.
     """
     interrupted = store.interrupt_expired(limit=batch, actor=actor)
-    candidates = store.list_interrupted(limit=batch)
-    outcomes: dict[ResumeOutcome, list[str]] = {}
+    candidates = store.list_interrupted(limit=batch, resumable=True)
+    outcomes: dict[ResumeOutcome | None, list[str]] = {}
     for entry in candidates:
-        outcome = resume_entry(
-            store, app, entry, lease_seconds=lease_seconds, max_resumes=max_resumes, actor=actor
+        outcome = _contained(
+            entry.key,
+            "resume",
+            partial(
+                resume_entry,
+                store,
+                app,
+                entry,
+                lease_seconds=lease_seconds,
+                max_resumes=max_resumes,
+                actor=actor,
+            ),
         )
         outcomes.setdefault(outcome, []).append(entry.key)
+    no_snapshot = store.count_unresumable(limit=batch)
+    if no_snapshot:
+        log.warning(
+            "ledger sweep: %d%s interrupted entr%s without an argument snapshot wait for the "
+            "broker or an operator: celery-ledger list --stuck",
+            no_snapshot,
+            "+" if no_snapshot >= batch else "",
+            "y" if no_snapshot == 1 else "ies",
+        )
+    overdue = store.list_overdue_retries(limit=batch)
+    resent: dict[ResumeOutcome | None, list[str]] = {}
+    for late in overdue:
+        outcome = _contained(
+            late.key,
+            "re-send the overdue retry of",
+            # Due again after a lease, as a resumed entry's marker is: long enough for a
+            # worker to claim it, short enough that a lost re-send is soon sent again.
+            partial(resend_retry, store, app, late, resend_after=lease_seconds, actor=actor),
+        )
+        resent.setdefault(outcome, []).append(late.key)
     pruned = store.prune_settled(retention_days * 86400.0, limit=batch)
     report = SweepReport(
         interrupted=len(interrupted),
         found=len(candidates),
         resumed=len(outcomes.get(ResumeOutcome.RESUMED, [])),
-        blocked=len(outcomes.get(ResumeOutcome.BLOCKED, [])),
-        no_snapshot=len(outcomes.get(ResumeOutcome.NO_SNAPSHOT, [])),
+        blocked=len(outcomes.get(ResumeOutcome.BLOCKED, []))
+        + len(resent.get(ResumeOutcome.BLOCKED, [])),
+        no_snapshot=no_snapshot,
         pruned=pruned,
         resumed_keys=tuple(outcomes.get(ResumeOutcome.RESUMED, [])),
+        overdue=len(overdue),
+        resent=len(resent.get(ResumeOutcome.RESUMED, [])),
+        errors=len(outcomes.get(None, [])) + len(resent.get(None, [])),
     )
-    if report.interrupted or report.found or report.pruned:
+    if report.interrupted or report.found or report.pruned or report.overdue or report.errors:
         log.info("ledger sweep: %s", report.as_dict())
     return report
 
@@ -190,8 +394,18 @@ def boot_sweep(
     """A worker's boot sweep: its own previous boot is gone, so its entries resume now."""
     mine = store.interrupt_previous_boot(node, boot, actor=node)
     outcomes = [
-        resume_entry(
-            store, app, e, lease_seconds=lease_seconds, max_resumes=max_resumes, actor=node
+        _contained(
+            e.key,
+            "resume",
+            partial(
+                resume_entry,
+                store,
+                app,
+                e,
+                lease_seconds=lease_seconds,
+                max_resumes=max_resumes,
+                actor=node,
+            ),
         )
         for e in mine
     ]
@@ -204,6 +418,7 @@ def boot_sweep(
         resumed_keys=tuple(
             e.key for e, o in zip(mine, outcomes, strict=True) if o is ResumeOutcome.RESUMED
         ),
+        errors=outcomes.count(None),
     )
     if mine:
         log.warning("boot sweep of %s: %s", node, report.as_dict())

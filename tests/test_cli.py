@@ -548,8 +548,9 @@ def test_a_url_that_does_not_connect_is_one_line(cli: Any, tmp_path: Path) -> No
 
 def test_migrate_plan_changes_nothing_then_migrate_applies(cli: Any, pg_url: str) -> None:
     plan = json.loads(cli("--url", pg_url, "migrate", "--plan", "--json").stdout)
-    assert plan["current"] is None and plan["pending"] == [plan["head"]]
-    assert "1 pending" in cli("--url", pg_url, "migrate", "--plan").stdout
+    assert plan["current"] is None and plan["pending"] == ["0001", plan["head"]] == ["0001", "0002"]
+    said = cli("--url", pg_url, "migrate", "--plan").stdout
+    assert "no ledger schema yet" in said and "2 pending: 0001, 0002" in said
     engine = make_engine(pg_url)
     with engine.connect() as conn:
         assert not conn.dialect.has_table(conn, "ledger_entries")
@@ -638,7 +639,12 @@ def test_full_story_blocked_found_shown_released_runs_once(tmp_path: Path, ledge
             # Pool process SIGKILLed -> interrupted (worker-lost fast path) -> redelivered ->
             # takeover -> the reconciler answers unknown -> blocked.
             wait_for(lambda: status() is EntryStatus.BLOCKED, timeout=90, what="blocked entry")
-            assert "lost" in worker.log_text()
+            # The crash point fired: its once-marker is made just before the SIGKILL, and the
+            # worker's parent saw its pool process die of that signal ("lost" alone would
+            # match any log line that says so).
+            marker = tmp_path / "crash.step-started_charge"
+            assert marker.exists(), "the crash point step-started:charge was never reached"
+            assert "SIGKILL" in worker.log_text(), "no pool process died of SIGKILL"
             events = [e.event for e in store.entry_events(key)]
             assert "interrupted" in events and "takeover" in events
             assert effect_counts(ledger_url, order) == {}

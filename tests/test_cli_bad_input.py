@@ -214,3 +214,71 @@ def test_release_with_a_megabyte_of_text_is_refused(cli: Any, tmp_path: Path, fi
         assert (entry.status, entry.released_by) == (EntryStatus.BLOCKED, None)
     finally:
         check.dispose()
+
+
+# -- fault 12 and 14: what `show` prints of stored text it did not write ------------------------
+
+
+def test_show_prints_stored_text_escaped_and_an_unreadable_snapshot_in_words(
+    cli: Any, tmp_path: Path
+) -> None:
+    """A task id and a reason carrying terminal escapes are printed escaped, never sent to
+    the terminal; a snapshot nested too deeply to decode is shown as such, not a traceback."""
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    deep = '{"args":[' + "[" * 5000 + "]" * 5000 + '],"kwargs":{}}'
+    store = LedgerStore(url)
+    try:
+        claim = store.claim(
+            ClaimRequest(
+                key="k-hostile",
+                task_name="shop.charge",
+                task_id="t-\x1b[2J-clear",
+                args_hash="task-id",
+                snapshot=deep,
+                side_effect="non_idempotent",
+                owner=Owner("w@h", "b", 1),
+                lease_seconds=60.0,
+            )
+        )
+        assert store.settle(
+            "k-hostile", claim.fence, EntryStatus.BLOCKED, reason="line\n\x1b]0;title\x07"
+        )
+    finally:
+        store.dispose()
+    shown = cli("--url", url, "show", "k-hostile")
+    assert shown.exit_code == 0, shown.output
+    assert "\x1b" not in shown.output and "\x07" not in shown.output
+    assert "t-\\x1b[2J-clear" in shown.output and "line\\n\\x1b]0;title\\x07" in shown.output
+    assert "arguments    cannot be read: nested too deeply to decode" in shown.output
+    data = json.loads(cli("--url", url, "show", "k-hostile", "--json").stdout)
+    assert data["snapshot"] is None and "nested too deeply" in data["unreadable"]["snapshot"]
+    listed = cli("--url", url, "list", "--stuck")
+    assert listed.exit_code == 0 and "\x1b" not in listed.output
+
+
+def test_an_overdue_retry_is_stuck_with_what_moves_it_on(cli: Any, tmp_path: Path) -> None:
+    """Issue 14, fault 3: a retry past its due time is in ``list --stuck``; with a snapshot
+    the sweep re-sends it, without one the operator must."""
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    store = LedgerStore(url)
+    try:
+        for key, snapshot in (("k-late", '{"args":[1],"kwargs":{}}'), ("k-bare", None)):
+            claim = store.claim(
+                ClaimRequest(
+                    key=key,
+                    task_name="shop.charge",
+                    task_id=f"t-{key}",
+                    args_hash="task-id",
+                    snapshot=snapshot,
+                    side_effect="non_idempotent",
+                    owner=Owner("w@h", "b", 1),
+                    lease_seconds=60.0,
+                )
+            )
+            assert store.settle(key, claim.fence, EntryStatus.RETRYING, due_in=-5.0)
+    finally:
+        store.dispose()
+    data = json.loads(cli("--url", url, "list", "--stuck", "--json").stdout)
+    actions = {e["key"]: (e["status"], e["next_action"]) for e in data["entries"]}
+    assert actions == {"k-late": ("retrying", "sweep"), "k-bare": ("retrying", "resend")}
+    assert all(e["due_at"] is not None for e in data["entries"])

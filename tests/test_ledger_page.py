@@ -337,6 +337,18 @@ class TestReading(PageCase):
             sweep
         )
 
+    def test_stuck_list_shows_a_retry_past_its_due_time(self) -> None:
+        """Issue 14, fault 3: a retry nobody claimed by its due time (its message may be lost)
+        is stuck, kind ``overdue``; one still due later is not."""
+        late, soon = self.claim(), self.claim()
+        for c, due_in in ((late, -90.0), (soon, 600.0)):
+            assert self.store.settle(c.key, c.fence, EntryStatus.RETRYING, due_in=due_in)
+        html = self.page("/ledger/stuck?kind=overdue")
+        assert keys_in(html) == [late.key]
+        assert "retry past its due time by 1m" in _row_html(html, late.key)
+        assert "the next sweep re-sends it" in _row_html(html, late.key)
+        assert soon.key not in self.page("/ledger/stuck")
+
     def test_stuck_list_says_why_in_words_and_filters(self) -> None:
         b = self.blocked()
         i = self.interrupted()

@@ -351,3 +351,133 @@ def test_send_task_records_an_intent_only_for_a_ledger_task_it_knows(tmp_path):
         assert store.get_entry(key).executions == 0
         assert event_names(store, key) == ["queued"]
     assert [e.task_name for e in store.list_entries(limit=10)] == ["intent.ledgered"] * 2
+
+
+# == issue 14: overdue retries, unreadable snapshots, one bad entry ==========================
+
+
+class OptionsApp(RecordingApp):
+    """Also records the args and options each send carried."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sends: list[tuple[list[Any], dict[str, Any]]] = []
+
+    def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> None:
+        super().send_task(name, args, kwargs, **options)
+        self.sends.append((list(args or ()), options))
+
+
+def retrying(store: LedgerStore, key: str, *, due_in: float, snapshot: str | None) -> int:
+    claim = store.claim(
+        ClaimRequest(
+            key=key,
+            task_name="tests_app.retry_once",
+            task_id=f"tid-{key}",
+            args_hash="task-id",
+            snapshot='{"args":["first"],"kwargs":{},"queue":null,"ledger_key":null}',
+            side_effect="non_idempotent",
+            owner=Owner("w@host", "b0", 1),
+            lease_seconds=60.0,
+        )
+    )
+    assert store.settle(key, claim.fence, EntryStatus.RETRYING, due_in=due_in, snapshot=snapshot)
+    return claim.fence
+
+
+def test_sweeps_resend_an_overdue_retry_once_with_the_retrys_arguments(ledger_url):
+    store = LedgerStore(ledger_url)
+    try:
+        retry = '{"args":["second"],"kwargs":{},"queue":"q-1","ledger_key":null,"retries":2}'
+        retrying(store, "late", due_in=-1.0, snapshot=retry)
+        retrying(store, "not-yet", due_in=60.0, snapshot=retry)
+        app = OptionsApp()
+        reports: list[Any] = []
+
+        def sweep() -> None:
+            reports.append(run_sweep(store, app, lease_seconds=60, max_resumes=5, retention_days=7))
+
+        threads = [threading.Thread(target=sweep) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert app.sent == ["tid-late"]
+        [(args, options)] = app.sends
+        assert args == ["second"]
+        assert (options["queue"], options["retries"], options["headers"]["ledger_redelivery"]) == (
+            "q-1",
+            2,
+            True,
+        )
+        assert sum(r.resent for r in reports) == 1 and all(r.errors == 0 for r in reports)
+        assert event_names(store, "late").count("resent") == 1
+        assert store.get_entry("late").status is EntryStatus.RETRYING
+    finally:
+        store.dispose()
+
+
+def test_an_overdue_retry_whose_snapshot_cannot_be_read_is_parked(ledger_url):
+    store = LedgerStore(ledger_url)
+    try:
+        deep = '{"args":[' + "[" * 5000 + "]" * 5000 + '],"kwargs":{}}'
+        retrying(store, "deep", due_in=-1.0, snapshot=deep)
+        app = OptionsApp()
+        report = run_sweep(store, app, lease_seconds=60, max_resumes=5, retention_days=7)
+        assert app.sent == [] and report.blocked == 1
+        entry = store.get_entry("deep")
+        assert entry.status is EntryStatus.BLOCKED and entry.due_at is None
+        assert entry.reason.startswith("argument snapshot cannot be read: nested too deeply")
+    finally:
+        store.dispose()
+
+
+def test_one_entry_that_fails_never_aborts_the_sweep_or_the_prune(ledger_url, monkeypatch):
+    store = LedgerStore(ledger_url)
+    try:
+        keys = make_interrupted(store, 3)
+        done = store.claim(
+            ClaimRequest("done", "t", "tid-done", "h", None, "read", Owner("w", "b", 1), 60.0)
+        )
+        assert store.settle("done", done.fence, EntryStatus.COMPLETED, result="1")
+        real = store.block_crash_loop
+
+        def broken(entry: Any, **kw: Any) -> Any:
+            if entry.key == keys[0]:
+                raise RuntimeError("a bug met by one entry")
+            return real(entry, **kw)
+
+        monkeypatch.setattr(store, "block_crash_loop", broken)
+        app = RecordingApp()
+        report = run_sweep(store, app, lease_seconds=60, max_resumes=5, retention_days=-1)
+        assert report.errors == 1 and report.resumed == 2 and report.pruned == 1
+        assert sorted(app.sent) == ["tid-1", "tid-2"]
+    finally:
+        store.dispose()
+
+
+def test_the_sweep_passes_over_entries_it_cannot_resume(ledger_url):
+    """Issue 14, fault 4: entries without a snapshot are reported and left interrupted (the
+    broker may still deliver them); they never fill the batch in front of newer work."""
+    store = LedgerStore(ledger_url)
+    try:
+        bare = [
+            store.claim(
+                ClaimRequest(
+                    f"bare-{i}", "t", f"tid-b{i}", "h", None, "read", Owner("w", "b", 1), 0.01
+                )
+            )
+            for i in range(3)
+        ]
+        assert len(bare) == 3
+        time.sleep(0.05)
+        assert len(store.interrupt_expired()) == 3
+        keys = make_interrupted(store, 1)
+        assert len(store.interrupt_expired()) == 1  # the newest, after the three
+        app = RecordingApp()
+        report = run_sweep(store, app, lease_seconds=60, max_resumes=5, retention_days=7, batch=3)
+        assert app.sent == ["tid-0"] and report.no_snapshot == 3
+        assert store.get_entry(keys[0]).status is EntryStatus.RUNNING  # resumed
+        assert {store.get_entry(f"bare-{i}").status for i in range(3)} == {EntryStatus.INTERRUPTED}
+    finally:
+        store.dispose()

@@ -270,3 +270,44 @@ def test_a_reconciled_verdict_is_retried_while_the_ledger_is_briefly_down(
     assert store.get_entry(key).status is EntryStatus.COMPLETED
     (row,) = store.load_steps(key)
     assert row.status is StepStatus.COMPLETED and loads(row.output) == "charged o-1"
+
+
+def test_a_retry_is_due_at_its_eta_plus_the_grace_with_its_own_arguments(tmp_path: Path) -> None:
+    """Issue 14, fault 3: what ``settle(retrying)`` stores so the sweep can re-send a lost
+    retry: the due time (countdown or ETA, plus ``ledger_retry_grace_seconds``) and the
+    retry's own arguments and retry count."""
+    from datetime import datetime, timezone
+
+    from celery.exceptions import Retry
+
+    app = local_app(tmp_path, ledger_retry_grace_seconds=10)
+
+    @app.task(base=LedgerTask, bind=True, name="rt.later", shared=False)
+    def later(self: LedgerTask, value: str) -> str:
+        return value
+
+    settings = runtime.settings_for(app)
+    later.push_request(id="t-1", retries=0, delivery_info={"routing_key": "q-1"})
+    try:
+        sig = later.signature_from_request(later.request, ("changed",), {}, countdown=5, retries=1)
+        due = later._retry_due(Retry(when=5, sig=sig), settings)
+        assert due["due_in"] == 15.0
+        assert loads(due["snapshot"]) == {
+            "args": ["changed"],
+            "kwargs": {},
+            "queue": "q-1",
+            "ledger_key": None,
+            "retries": 1,
+        }
+        eta = datetime(2030, 1, 1, tzinfo=timezone.utc)
+        assert later._retry_due(Retry(when=eta), settings) == {"due_at": eta.timestamp() + 10}
+        naive = eta.replace(tzinfo=None)  # Celery reads a naive ETA as UTC
+        assert later._retry_due(Retry(when=naive), settings) == {"due_at": eta.timestamp() + 10}
+        assert later._retry_due(Retry(when=eta.isoformat()), settings)["due_at"] == pytest.approx(
+            eta.timestamp() + 10
+        )
+        assert later._retry_due(Retry(), settings) == {"due_in": 10.0}
+    finally:
+        later.pop_request()
+    with pytest.raises(ValueError, match="ledger_retry_grace_seconds must be >= 0"):
+        LedgerSettings.from_mapping({"ledger_url": "sqlite://", "ledger_retry_grace_seconds": -1})

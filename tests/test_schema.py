@@ -25,6 +25,7 @@ PARTIAL_INDEXES = {
     "ix_ledger_entries_running_owner": "running",
     "ix_ledger_entries_attention": "interrupted",
     "ix_ledger_entries_settled_at": "settled_at",
+    "ix_ledger_entries_due": "due_at",
 }
 
 
@@ -83,13 +84,13 @@ def partial_index_clauses(engine: Engine) -> dict[str, str]:
 
 
 def test_head_revision_matches_schema_module() -> None:
-    assert head_revision() == SCHEMA_REVISION == "0001"
+    assert head_revision() == SCHEMA_REVISION == "0002"
 
 
 def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine) -> None:
     assert tables(raw_engine) == set()
     with raw_engine.connect() as conn:
-        assert pending_revisions(conn) == ["0001"]
+        assert pending_revisions(conn) == ["0001", "0002"]
         assert current_revision(conn) is None
     store = LedgerStore(ledger_url)
     try:
@@ -188,3 +189,47 @@ def test_no_migrate_on_current_database_works(ledger_url: str) -> None:
         assert store.claim(claim_request()).gate is Gate.RUN
     finally:
         store.dispose()
+
+
+def test_0002_keeps_a_pending_release_one_shot(ledger_url: str, raw_engine: Engine) -> None:
+    """Upgrading a 0001 ledger: an entry released and not moved since keeps its one-shot
+    protection (``released_executions``); one that moved on may be released again."""
+    from alembic import command
+
+    from celery_ledger.ledger.migrate import _config
+
+    with raw_engine.begin() as conn:
+        command.upgrade(_config(conn), "0001")
+    rows = [
+        # (key, fence now, fence of its release event)
+        ("pending", 3, 3),
+        ("moved-on", 5, 3),
+    ]
+    with raw_engine.begin() as conn:
+        for key, fence, released_fence in rows:
+            conn.execute(
+                text(
+                    "INSERT INTO ledger_entries (key, task_name, task_id, status, fence, "
+                    "side_effect, args_hash, executions, interruptions, created_at, updated_at, "
+                    "released_by, released_reason, released_at, released_from) VALUES (:k, 't', "
+                    "'tid', 'interrupted', :f, 'non_idempotent', 'h', 2, 0, 1, 1, 'alice', 'r', "
+                    "1, 'blocked')"
+                ),
+                {"k": key, "f": fence},
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO ledger_events (key, task_id, fence, event, status, at) "
+                    "VALUES (:k, 'tid', :f, 'released', 'interrupted', 1)"
+                ),
+                {"k": key, "f": released_fence},
+            )
+    store = LedgerStore(ledger_url)  # migrates to head
+    try:
+        assert store.get_entry("pending").released_executions == 2
+        assert store.get_entry("moved-on").released_executions is None
+        assert store.get_entry("pending").due_at is None
+    finally:
+        store.dispose()
+    with raw_engine.connect() as conn:
+        assert current_revision(conn) == "0002"

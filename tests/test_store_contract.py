@@ -32,6 +32,7 @@ from celery_ledger.ledger import (
     Gate,
     LedgerStore,
     LedgerUnavailable,
+    OperatorTextError,
     Owner,
     ReleaseRefused,
     StepRecord,
@@ -1311,22 +1312,45 @@ def test_a_statement_on_a_terminated_connection_is_translated_by_the_one_functio
 
 
 def test_only_the_unavailable_classes_are_translated(store: LedgerStore) -> None:
-    """An error that does not mean "unreachable" (here a unique violation) is not turned into
-    ``LedgerUnavailable``: it would retry forever what can never succeed."""
+    """A bug in our SQL (here a unique violation) is not turned into ``LedgerUnavailable``: it
+    would retry forever what can never succeed. Every other driver error is (issue 14, fault
+    2): a read-only standby, a corrupt SQLite file, a full disk mean "not now", never "failed"."""
     from sqlalchemy import exc as sa_exc
 
     dbapi = store.fast.dbapi
-    assert ledger_errors.UNAVAILABLE_ERRORS == ("OperationalError", "InterfaceError")
-    assert ledger_errors.as_unavailable(dbapi.IntegrityError("dup"), dbapi) is None
+    assert ledger_errors.BUG_ERRORS == (
+        "ProgrammingError",
+        "IntegrityError",
+        "DataError",
+        "NotSupportedError",
+    )
+    assert ledger_errors.UNAVAILABLE_ERRORS == (
+        "OperationalError",
+        "InterfaceError",
+        "InternalError",
+        "DatabaseError",
+    )
     assert ledger_errors.as_unavailable(ValueError("not a driver error"), dbapi) is None
-    wrapped = sa_exc.IntegrityError("INSERT", {}, dbapi.IntegrityError("dup"))
-    assert ledger_errors.as_unavailable(wrapped) is None
+    for name in ledger_errors.BUG_ERRORS:
+        raw = getattr(dbapi, name)("our bug")
+        assert ledger_errors.as_unavailable(raw, dbapi) is None, name
+        assert ledger_errors.as_unavailable(getattr(sa_exc, name)("INSERT", {}, raw)) is None
     for name in ledger_errors.UNAVAILABLE_ERRORS:
         raw = getattr(dbapi, name)("gone")
         assert str(ledger_errors.as_unavailable(raw, dbapi)) == "ledger database unavailable: gone"
         assert ledger_errors.as_unavailable(raw) is None, "a raw error needs its driver module"
         wrapped = getattr(sa_exc, name)("SELECT 1", {}, raw)
         assert str(ledger_errors.as_unavailable(wrapped)) == "ledger database unavailable: gone"
+
+
+def test_revoked_write_access_is_unavailable_not_a_bug(pg_url: str) -> None:
+    """PostgreSQL files insufficient_privilege (42501) under ProgrammingError; it means the
+    database refuses writes, like a read-only standby, so it is unavailability."""
+    import psycopg
+
+    raw = psycopg.errors.InsufficientPrivilege("permission denied for table ledger_entries")
+    assert ledger_errors.as_unavailable(raw, psycopg) is not None
+    assert ledger_errors.as_unavailable(psycopg.errors.UndefinedColumn("typo"), psycopg) is None
 
 
 def _pool_events(store: LedgerStore, name: str) -> list[object]:
@@ -1496,3 +1520,105 @@ def test_lost_publish_intent_is_swept_and_run(store: LedgerStore) -> None:
     assert store.begin_resume("key-1", lost.fence, lease_seconds=60) is not None
     claim = store.claim(request())
     assert claim.gate is Gate.RUN and claim.steps == ()
+
+
+# == due time of a retry (issue 14, fault 3) ===============================================
+
+
+def test_retrying_settle_stores_its_due_time_and_the_retrys_snapshot(store: LedgerStore) -> None:
+    claim = store.claim(request())
+    now = store.now()
+    retry = '{"args":[2],"kwargs":{},"queue":null,"ledger_key":null,"retries":1}'
+    assert store.settle(
+        "key-1", claim.fence, EntryStatus.RETRYING, due_in=30.0, snapshot=retry, actor="w"
+    )
+    entry = store.get_entry("key-1")
+    assert entry.due_at is not None and now + 29.0 < entry.due_at < store.now() + 31.0
+    assert entry.snapshot == retry
+    assert store.list_overdue_retries() == []  # due in 30 s: not overdue
+    # The retry is claimed: it waits for no time any more, and keeps its new snapshot.
+    again = store.claim(request(snapshot=None))
+    assert again.gate is Gate.RUN
+    entry = store.get_entry("key-1")
+    assert (entry.due_at, entry.snapshot) == (None, retry)
+    # An ETA as seconds since the epoch; any other settle clears the due time.
+    assert store.settle("key-1", again.fence, EntryStatus.RETRYING, due_at=now - 5.0)
+    assert store.get_entry("key-1").due_at == pytest.approx(now - 5.0)
+    assert [o.key for o in store.list_overdue_retries()] == ["key-1"]
+    third = store.claim(request())
+    assert store.settle("key-1", third.fence, EntryStatus.COMPLETED, result="1")
+    entry = store.get_entry("key-1")
+    assert (entry.status, entry.due_at) == (EntryStatus.COMPLETED, None)
+    with pytest.raises(ValueError, match="only a retrying settle"):
+        store.settle("key-1", third.fence, EntryStatus.FAILED, due_in=1.0)
+
+
+def test_overdue_retry_is_stuck_and_resent_once(store: LedgerStore) -> None:
+    claim = store.claim(request())
+    assert store.settle("key-1", claim.fence, EntryStatus.RETRYING, due_in=-1.0)
+    claim2 = store.claim(request("key-2"))
+    assert store.settle("key-2", claim2.fence, EntryStatus.RETRYING, due_in=60.0)
+    claim3 = store.claim(request("key-3", snapshot=None))
+    assert store.settle("key-3", claim3.fence, EntryStatus.RETRYING, due_in=-1.0)
+    # Shown stuck when overdue (with or without a snapshot to re-send from).
+    assert {e.key for e in store.list_entries(stuck=True)} == {"key-1", "key-3"}
+    [late] = store.list_overdue_retries()  # only what the sweep can re-send
+    assert (late.key, late.fence) == ("key-1", claim.fence)
+    assert store.begin_resend("key-1", late.fence - 1, resend_after=60.0) is None
+    won = store.begin_resend("key-1", late.fence, resend_after=60.0, actor="beat-1")
+    assert won is not None and won.fence == late.fence + 1
+    assert won.snapshot == store.get_entry("key-1").snapshot
+    assert store.begin_resend("key-1", late.fence, resend_after=60.0, actor="beat-2") is None
+    entry = store.get_entry("key-1")
+    # Still retrying (its claim RUNs it like the retry it stands for), due again later.
+    assert entry.status is EntryStatus.RETRYING and entry.due_at > store.now() + 50.0
+    assert last_event(store, "key-1") == ("resent", late.fence + 1, "beat-1")
+    assert store.list_overdue_retries() == []
+    assert store.claim(request()).gate is Gate.RUN
+
+
+def test_release_is_one_shot_on_executions_not_the_fence(store: LedgerStore) -> None:
+    """Issue 14, fault 9: the fence moves without a run (a resume whose message is lost, a
+    sweep); the release stays one-shot until an attempt runs the body again."""
+    claim = store.claim(request())
+    assert store.settle("key-1", claim.fence, EntryStatus.BLOCKED, reason="parked")
+    first = store.release("key-1", Verdict.NOT_EXECUTED, by="alice", reason="checked")
+    assert store.get_entry("key-1").released_executions == 1
+    won = store.begin_resume("key-1", first.fence, lease_seconds=LEASE_SHORT)
+    assert won is not None
+    wait_lease_expired(store, "key-1")
+    assert [i.key for i in store.interrupt_expired()] == ["key-1"]
+    with pytest.raises(ReleaseRefused, match="one-shot"):
+        store.release("key-1", Verdict.NOT_EXECUTED, by="bob", reason="again")
+    # It runs (a takeover counts one more execution) and gets stuck again: releasable.
+    again = store.claim(request(owner=OTHER))
+    assert again.gate is Gate.TAKEOVER and store.get_entry("key-1").executions == 2
+    assert store.settle("key-1", again.fence, EntryStatus.BLOCKED, reason="parked again")
+    second = store.release("key-1", Verdict.NOT_EXECUTED, by="bob", reason="checked again")
+    assert second.to_status is EntryStatus.INTERRUPTED
+
+
+@pytest.mark.parametrize(
+    ("by", "reason", "field"),
+    [
+        ("", "r", "by"),
+        ("a" * 256, "r", "by"),
+        ("alice\x1b[2J", "r", "by"),
+        ("alice", "  ", "reason"),
+        ("alice", "x" * 4097, "reason"),
+        ("alice", "ok\x1b]0;owned\x07", "reason"),
+    ],
+)
+def test_release_text_is_bounded_and_printable(
+    store: LedgerStore, by: str, reason: str, field: str
+) -> None:
+    claim = store.claim(request())
+    assert store.settle("key-1", claim.fence, EntryStatus.BLOCKED, reason="parked")
+    with pytest.raises(OperatorTextError, match=f"release {field} "):
+        store.release("key-1", Verdict.NOT_EXECUTED, by=by, reason=reason)
+    entry = store.get_entry("key-1")
+    assert (entry.status, entry.released_by) == (EntryStatus.BLOCKED, None)
+    # The bounds themselves are accepted, and a reason may span lines.
+    store.release(
+        "key-1", Verdict.NOT_EXECUTED, by="a" * 255, reason="line one\nline two\t" + "x" * 4000
+    )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 import weakref
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ from typing import Any
 from celery import Celery, current_app, signals
 
 from celery_ledger import intents, runtime
-from celery_ledger.ledger import LedgerError
+from celery_ledger.backoff import retry_while_unavailable
+from celery_ledger.ledger import LedgerError, LedgerUnavailable
 from celery_ledger.recovery import SweepReport, boot_sweep, run_sweep
 from celery_ledger.settings import DEFAULT_DATA_DIR
 from celery_ledger.task import LedgerTask
@@ -228,6 +230,14 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
             log.error(
                 "ledger not reachable at worker start (%s); tasks are redelivered until it is", exc
             )
+        except Exception as exc:  # noqa: BLE001 - the worker must start: claims fail closed
+            # Not classified by the ledger (a bad URL, a driver that does not import, ...):
+            # starting anyway is safe, since every claim meets the same error and runs nothing.
+            log.error(
+                "ledger cannot be opened at worker start (%r); no ledgered task runs until it can",
+                exc,
+                exc_info=True,
+            )
 
 
 #: Set by ``_on_worker_init`` when this process is a worker of a ledger app whose settings ask
@@ -286,8 +296,47 @@ def _on_beat_init(sender: Any = None, **_: Any) -> None:
         return
     try:
         sweep_now(app, actor="beat")
+    except LedgerUnavailable as exc:
+        # The ledger may be down at beat's start, or (``worker -B`` on SQLite) busy with the
+        # worker's own start (SQLITE_PROTOCOL, "locking protocol"). The periodic sweep may be
+        # an interval away (or never run, when no worker consumes it yet): retry this one like
+        # any other unavailability, in the background, so beat starts scheduling meanwhile.
+        settings = runtime.settings_for(app)
+        log.error(
+            "beat's first sweep failed (%s); retrying it in the background, backing off "
+            "from %.1fs to %.1fs",
+            exc,
+            settings.unavailable_backoff,
+            settings.unavailable_backoff_max,
+        )
+        threading.Thread(
+            target=_retry_first_sweep, args=(app,), name="ledger-first-sweep", daemon=True
+        ).start()
     except LedgerError as exc:
         log.error("beat's first sweep failed: %s", exc)
+
+
+def _retry_first_sweep(app: Celery) -> None:
+    """Beat's first sweep, retried while the ledger is unavailable (until it is not)."""
+    settings = runtime.settings_for(app)
+
+    def warn(exc: LedgerUnavailable, delay: float) -> None:
+        log.warning(
+            "beat's first sweep: ledger still unavailable (%s); next try in %.1fs", exc, delay
+        )
+
+    try:
+        retry_while_unavailable(
+            lambda: sweep_now(app, actor="beat"),
+            seconds=float("inf"),
+            first_delay=settings.unavailable_backoff,
+            max_delay=settings.unavailable_backoff_max,
+            on_retry=warn,
+        )
+    except Exception as exc:  # noqa: BLE001 - a daemon thread: report, never raise into nothing
+        log.error("beat's first sweep failed: %r", exc)
+        return
+    log.info("beat's first sweep done once the ledger was back")
 
 
 _default_app: Celery | None = None

@@ -58,6 +58,7 @@ def encode_snapshot(
     queue: str | None,
     ledger_key: Any,
     limit: int,
+    retries: int = 0,
 ) -> str:
     """The stored argument snapshot of a task (``ArgumentSnapshot``), for recovery's resume.
 
@@ -65,7 +66,9 @@ def encode_snapshot(
         PayloadNotSerializable: the arguments are not JSON.
         PayloadTooLarge: the snapshot exceeds ``limit`` (``ledger_max_snapshot_bytes``).
     """
-    snapshot = ArgumentSnapshot(args=args, kwargs=kwargs, queue=queue, ledger_key=ledger_key)
+    snapshot = ArgumentSnapshot(
+        args=args, kwargs=kwargs, queue=queue, ledger_key=ledger_key, retries=retries
+    )
     return encode(
         snapshot.as_data(),
         limit=limit,

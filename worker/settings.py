@@ -77,6 +77,13 @@ class LedgerSettings:
     #: How long a published task may wait in the queue before the sweep re-sends it. A longer
     #: backlog only costs a duplicate message (the claim deduplicates), never a duplicate run.
     publish_intent_seconds: float = 300.0
+    #: How long past its ETA a ``self.retry()`` may stay unclaimed before the sweep re-sends
+    #: it (its message may be lost: ``filesystem://`` after a worker kill, a Redis restart
+    #: without persistence). Like ``publish_intent_seconds``: it covers a queue backlog and a
+    #: worker that holds the ETA message; a retry that was only late costs a duplicate
+    #: message (the claim deduplicates it), never a duplicate run. Shorter finds lost retries
+    #: sooner, longer sends fewer needless duplicates.
+    retry_grace_seconds: float = 300.0
     #: Freeze the worker's objects out of the garbage collector before each pool process is
     #: forked (``gc.freeze``; the parent unfreezes them again right after). A pool process's
     #: collections then never write to the pages it shares with the parent, so the modules the
@@ -140,6 +147,8 @@ class LedgerSettings:
             raise ValueError("ledger_sweep_interval must be > 0")
         if self.max_resumes < 0:
             raise ValueError("ledger_max_resumes must be >= 0")
+        if self.retry_grace_seconds < 0:
+            raise ValueError("ledger_retry_grace_seconds must be >= 0")
         for name in ("max_result_bytes", "max_snapshot_bytes", "max_exception_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ledger_{name} must be > 0")
@@ -159,6 +168,7 @@ class LedgerSettings:
 
 _FLOATS = {
     "publish_intent_seconds",
+    "retry_grace_seconds",
     "lease_seconds",
     "sweep_interval",
     "retention_days",

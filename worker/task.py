@@ -21,11 +21,13 @@ import contextlib
 import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 from celery import Task
 from celery.exceptions import Ignore, Retry
 from celery.utils import uuid
+from celery.utils.time import maybe_make_aware
 
 from celery_ledger import intents, runtime
 from celery_ledger.ambiguity import RUN_BODY, Ambiguity
@@ -363,8 +365,8 @@ class LedgerTask(Task):
                         return early
                 crash_point(settings, "after-claim")
                 result = self.run(*args, **kwargs)
-            except Retry:
-                attempt.settle(EntryStatus.RETRYING)
+            except Retry as exc:
+                attempt.settle(EntryStatus.RETRYING, **self._retry_due(exc, settings))
                 raise
             except Fenced as exc:
                 self._emit("fenced", attempt.key, attempt.fence, reason=str(exc))
@@ -490,6 +492,49 @@ class LedgerTask(Task):
                 exc,
             )
             return None
+
+    def _retry_due(self, exc: Retry, settings: LedgerSettings) -> dict[str, Any]:
+        """When a ``self.retry()`` is due and what it re-sends: the fields of its ``retrying``
+        settle, so that the sweep re-sends a retry whose message is lost (issue 14, fault 3).
+
+        Due at its ETA (``countdown`` seconds from now on the database clock, or the ``eta``
+        datetime) plus ``ledger_retry_grace_seconds``; the snapshot becomes the retry's own
+        arguments and retry count (``retry(args=...)`` may change them).
+        """
+        grace = settings.retry_grace_seconds
+        when = exc.when
+        due: dict[str, Any] = {"due_in": grace}  # no ETA known: due after the grace alone
+        if isinstance(when, str):
+            with contextlib.suppress(ValueError):
+                when = datetime.fromisoformat(when)
+        if isinstance(when, datetime):
+            due = {"due_at": maybe_make_aware(when).timestamp() + grace}
+        elif isinstance(when, (int, float)):
+            due = {"due_in": max(float(when), 0.0) + grace}
+        sig = exc.sig
+        if sig is None:
+            return due
+        req = self.request
+        options = sig.options or {}
+        try:
+            due["snapshot"] = encode_snapshot(
+                tuple(sig.args or ()),
+                dict(sig.kwargs or {}),
+                queue=options.get("queue") or (req.delivery_info or {}).get("routing_key"),
+                ledger_key=header(req, "ledger_key"),
+                limit=settings.max_snapshot_bytes,
+                retries=int(options.get("retries") or (req.retries or 0) + 1),
+            )
+        except Exception as exc_:  # noqa: BLE001 - nothing here may stop the retry itself
+            # The entry keeps the snapshot it has, as a claim does for arguments it cannot
+            # snapshot; the retry's own message carries the new arguments.
+            log.warning(
+                "no argument snapshot for the retry of task_id=%s (%s); a lost retry is "
+                "re-sent with the arguments last stored",
+                req.id,
+                exc_,
+            )
+        return due
 
     # -- monitoring -----------------------------------------------------------------------
 

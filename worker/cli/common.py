@@ -16,6 +16,7 @@ import functools
 import getpass
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -23,6 +24,7 @@ from typing import Any
 
 import click
 from click.core import ParameterSource
+from kombu.utils.json import loads
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 
@@ -37,6 +39,7 @@ from celery_ledger.ledger import (
     SchemaTooNew,
 )
 from celery_ledger.ledger.engine import is_sqlite, make_engine, normalize_url
+from celery_ledger.ledger.errors import as_unavailable
 from celery_ledger.ledger.migrate import pending_revisions
 
 STATUS_COLOURS = {
@@ -52,8 +55,13 @@ CHECK_COLOURS = {"PASS": "green", "WARN": "yellow", "FAIL": "red"}
 # -- plumbing ---------------------------------------------------------------------------------
 
 
+#: SQLAlchemy's pointer to its error pages, which it appends to every error's text.
+_SA_LINK = re.compile(r"\s*\(Background on this error at: \S+\)")
+
+
 def one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
+    text = _SA_LINK.sub("", " ".join(str(exc).split()))
+    return text or type(exc).__name__
 
 
 def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -67,6 +75,10 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise
         except SchemaError as exc:
             raise click.ClickException(explain_schema(click.get_current_context(), exc)) from exc
+        except sa_exc.DBAPIError as exc:
+            # A database error no store method translated (doctor, migrate): the ledger's one
+            # classification, in the driver's words, never SQLAlchemy's wrapper text.
+            raise click.ClickException(one_line(as_unavailable(exc) or exc.orig or exc)) from exc
         except (LedgerError, sa_exc.SQLAlchemyError, ValueError, OSError) as exc:
             raise click.ClickException(one_line(exc)) from exc
 
@@ -91,18 +103,85 @@ def explain_schema(ctx: click.Context, exc: SchemaError) -> str:
     return one_line(exc)
 
 
+#: The first 16 bytes of every SQLite 3 database file.
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def sqlite_path(url: str) -> str | None:
+    """The file of a SQLite ledger URL (None: not SQLite, or in memory)."""
+    if not is_sqlite(url):
+        return None
+    path = make_url(normalize_url(url)).database
+    return None if not path or path == ":memory:" else path
+
+
+def sqlite_file_problem(path: str) -> str | None:
+    """Why the file at ``path`` is no ledger to operate on, read from its first bytes without
+    opening it as a database (SQLite writes a header into an empty file it opens): missing,
+    empty, or not a SQLite file. None when it is a SQLite file (the schema says the rest)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(SQLITE_HEADER))
+    except FileNotFoundError:
+        return (
+            f"no ledger database at {path} (wrong --url? or run `celery-ledger migrate` to "
+            "create one)"
+        )
+    except OSError as exc:
+        return f"cannot read {path}: {exc.strerror or exc}"
+    if not head:
+        return (
+            f"{path} is an empty file: no ledger schema yet (empty database); run "
+            "`celery-ledger migrate` to create one"
+        )
+    if head != SQLITE_HEADER:
+        return f"{path} is not a celery-ledger database (not an SQLite file; wrong --url?)"
+    return None
+
+
 def require_existing(url: str) -> None:
-    """Refuse a SQLite path that does not exist: opening it would create an empty ledger."""
+    """Refuse a SQLite file that is not there, empty, or not SQLite: opening it would create
+    (or write the header of) an empty ledger, or fail in the driver's words."""
     if not is_sqlite(url):
         return
-    path = make_url(normalize_url(url)).database
-    if not path or path == ":memory:":
+    path = sqlite_path(url)
+    if path is None:
         raise click.ClickException(f"{url} is an in-memory SQLite database: no ledger to operate")
-    if not os.path.exists(path):
-        raise click.ClickException(
-            f"no ledger database at {path} (wrong --url? or run "
-            "`celery-ledger migrate` to create one)"
-        )
+    problem = sqlite_file_problem(path)
+    if problem is not None:
+        raise click.ClickException(problem)
+
+
+def printable(text: Any, *, limit: int | None = None) -> str:
+    """``text`` safe to print on a terminal: control characters and terminal escapes are
+    shown escaped (``\\x1b``, ``\\n``), never sent; cut at ``limit`` characters with a note."""
+    value = "" if text is None else str(text)
+    cut = ""
+    if limit is not None and len(value) > limit:
+        cut = f"… ({len(value) - limit} more characters)"
+        value = value[:limit]
+    safe = "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in value
+    )
+    return safe + cut
+
+
+def decode_stored(text: str | None) -> tuple[Any, str | None]:
+    """A stored JSON value (snapshot, result, error) decoded, and None; or None and why it
+    cannot be decoded. Never raises: an entry whose values no process can read must still be
+    shown, and released."""
+    if text is None:
+        return None, None
+    try:
+        value = loads(text)
+        # Printed (indented JSON) needs more stack per level than decoding: a value that
+        # decodes but cannot be printed is unreadable here too.
+        json.dumps(value, indent=1, default=str)
+    except RecursionError:
+        return None, f"nested too deeply to decode ({len(text)} characters stored)"
+    except Exception as exc:  # noqa: BLE001 - whatever the decoder says, it is unreadable
+        return None, f"cannot be decoded: {one_line(exc)[:200]} ({len(text)} characters stored)"
+    return value, None
 
 
 def open_store(ctx: click.Context) -> LedgerStore:
@@ -162,7 +241,10 @@ def print_table(
     rows: list[list[str]],
     colour: Callable[[int, str], str | None] = lambda i, v: None,
 ) -> None:
-    """Columns padded to their widest cell; colour applied after padding."""
+    """Columns padded to their widest cell; colour applied after padding. Every cell is
+    printed ``printable``: stored text never reaches the terminal raw."""
+    header = [printable(h) for h in header]
+    rows = [[printable(c) for c in row] for row in rows]
     widths = [max(len(click.unstyle(r[i])) for r in (header, *rows)) for i in range(len(header))]
     widths[-1] = 0  # the last column is never padded: no trailing blanks
 
@@ -267,6 +349,19 @@ def next_action(entry: Entry, now: float, prefix: str) -> NextAction:
             return NextAction("wait", f"re-enqueued, waiting for a worker ({duration(left)})")
         return NextAction("wait", f"running (lease {duration(left)} left)")
     if entry.status is EntryStatus.RETRYING:
+        if entry.due_at is not None and entry.due_at < now:
+            late = duration(now - entry.due_at)
+            if entry.snapshot is None:
+                return NextAction(
+                    "resend",
+                    f"retry overdue by {late}, no argument snapshot: re-send task id "
+                    f"{entry.task_id} by hand",
+                    f"{prefix} release {key} --verified completed --result-json JSON --by WHO "
+                    "--reason WHY",
+                )
+            return NextAction(
+                "sweep", f"retry overdue by {late}: the sweep re-sends it", f"{prefix} sweep"
+            )
         return NextAction("wait", "Celery retry pending")
     return NextAction("none", "-")
 
@@ -297,6 +392,7 @@ def entry_view(entry: Entry, now: float, prefix: str) -> dict[str, Any]:
         "created_at": entry.created_at,
         "updated_at": entry.updated_at,
         "settled_at": entry.settled_at,
+        "due_at": entry.due_at,
         "executions": entry.executions,
         "interruptions": entry.interruptions,
         "reason": entry.reason,

@@ -23,6 +23,8 @@ from celery_ledger.cli.common import (
     load_app,
     one_line,
     print_table,
+    sqlite_file_problem,
+    sqlite_path,
 )
 from celery_ledger.ledger import (
     RESUME_OWNER,
@@ -31,7 +33,9 @@ from celery_ledger.ledger import (
     SideEffect,
 )
 from celery_ledger.ledger.engine import is_sqlite, make_engine, normalize_url
+from celery_ledger.ledger.errors import as_unavailable, translate_db_errors
 from celery_ledger.ledger.migrate import (
+    all_revisions,
     current_revision,
     ensure_schema,
     head_revision,
@@ -54,12 +58,12 @@ class Check:
 
 
 def _check_schema(url: str) -> Check:
-    if is_sqlite(url):
-        path = make_url(normalize_url(url)).database
-        if path and path != ":memory:" and not os.path.exists(path):
-            return Check(
-                "schema", "FAIL", f"no ledger database at {path}: run `celery-ledger migrate`"
-            )
+    path = sqlite_path(url)
+    if path is not None:
+        # Read from the file's first bytes: connecting would write a header into an empty one.
+        problem = sqlite_file_problem(path)
+        if problem is not None:
+            return Check("schema", "FAIL", problem)
     try:
         engine = make_engine(url)
     except (ValueError, sa_exc.ArgumentError) as exc:
@@ -71,11 +75,14 @@ def _check_schema(url: str) -> Check:
     except SchemaTooNew as exc:
         return Check("schema", "FAIL", one_line(exc))
     except sa_exc.SQLAlchemyError as exc:
-        return Check(
-            "schema", "FAIL", f"ledger unreachable: {one_line(getattr(exc, 'orig', None) or exc)}"
-        )
+        cause = as_unavailable(exc) or getattr(exc, "orig", None) or exc
+        return Check("schema", "FAIL", f"ledger unreachable: {one_line(cause)}")
     finally:
         engine.dispose()
+    if pending and current is None:
+        return Check(
+            "schema", "FAIL", "no ledger schema in this database yet: run `celery-ledger migrate`"
+        )
     if pending:
         return Check(
             "schema",
@@ -87,7 +94,14 @@ def _check_schema(url: str) -> Check:
     return Check("schema", "PASS", f"schema current ({head_revision()})")
 
 
-def _check_backend(url: str, app: Any, store: LedgerStore | None) -> Check:
+def _check_backend(url: str, app: Any, store: LedgerStore | None, schema: Check) -> Check:
+    if schema.status != "PASS":
+        # Durable or not, a database this code cannot use as its ledger is no backend to vouch
+        # for: a file that is not a ledger fails; a schema to migrate or upgrade warns.
+        path = sqlite_path(url)
+        if path is not None and sqlite_file_problem(path) is not None:
+            return Check("backend", "FAIL", f"no usable SQLite ledger at {path}: see schema")
+        return Check("backend", "WARN", "not checked: the ledger's schema is not usable (schema)")
     if not is_sqlite(url):
         return Check("backend", "PASS", "PostgreSQL: durable and shared by every node")
     path = make_url(normalize_url(url)).database
@@ -251,7 +265,7 @@ def doctor_cmd(ctx: click.Context, as_json: bool) -> None:
         ctx.call_on_close(store.dispose)
     checks = [
         schema,
-        _check_backend(url, app, store),
+        _check_backend(url, app, store, schema),
         _check_visibility(app, settings, tasks),
         _check_acks(app, tasks),
         _check_beat(app, settings, store),
@@ -282,20 +296,30 @@ def doctor_cmd(ctx: click.Context, as_json: bool) -> None:
 def migrate_cmd(ctx: click.Context, plan: bool, as_json: bool) -> None:
     """Create or upgrade the ledger schema (under a lock; safe beside running workers)."""
     url = ctx.obj.url
+    path = sqlite_path(url)
+    empty = False
+    if path is not None and os.path.exists(path):
+        empty = os.path.getsize(path) == 0
+        problem = None if empty else sqlite_file_problem(path)
+        if problem is not None:
+            raise click.ClickException(problem)  # never write into a file that is not ours
     if plan:
         _require_existing_or_empty_plan(url)
-    engine = make_engine(url)
-    try:
-        with engine.connect() as conn:
-            current = current_revision(conn)
-            pending = pending_revisions(conn)
-        applied = [] if plan else ensure_schema(engine)
-    except sa_exc.OperationalError as exc:
-        raise click.ClickException(
-            f"ledger database unavailable: {one_line(exc.orig or exc)}"
-        ) from exc
-    finally:
-        engine.dispose()
+    current: str | None = None
+    applied: list[str] = []
+    if plan and empty:
+        # Answered without opening it: SQLite writes its header into an empty file it opens.
+        pending = all_revisions()
+    else:
+        engine = make_engine(url)
+        try:
+            with translate_db_errors(), engine.connect() as conn:
+                current = current_revision(conn)
+                pending = pending_revisions(conn)
+            with translate_db_errors():
+                applied = [] if plan else ensure_schema(engine)
+        finally:
+            engine.dispose()
     data = {
         "current": current,
         "head": head_revision(),
@@ -306,10 +330,17 @@ def migrate_cmd(ctx: click.Context, plan: bool, as_json: bool) -> None:
     if as_json:
         emit_json(data)
     elif plan:
+        at = (
+            "no ledger schema yet (empty database)" if current is None else f"schema at {current!r}"
+        )
         echo(
             ctx,
-            f"schema at {current!r}, head {head_revision()!r}: "
-            + (f"{len(pending)} pending: {', '.join(pending)}" if pending else "nothing to do"),
+            f"{at}, head {head_revision()!r}: "
+            + (
+                f"{len(pending)} pending: {', '.join(pending)} (`migrate` applies them)"
+                if pending
+                else "nothing to do"
+            ),
         )
     else:
         echo(

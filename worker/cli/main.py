@@ -55,7 +55,18 @@ class LedgerContext:
 
     @property
     def url(self) -> str:
-        if self._url:
+        """The ledger URL: ``--url`` (or ``CELERY_LEDGER_URL``), else the app's ledger.
+
+        Raises:
+            click.ClickException: ``--url`` was given empty (an unset shell variable, say): the
+                operator named a ledger, and it must not silently become the default one.
+        """
+        if self._url is not None:
+            if not self._url.strip():
+                raise click.ClickException(
+                    "--url is empty: give the ledger's URL, or leave --url out to use the "
+                    "app's ledger"
+                )
             return self._url
         from celery_ledger.runtime import settings_for
 

@@ -11,11 +11,11 @@ import json
 from typing import Any
 
 import click
-from kombu.utils.json import loads
 
 from celery_ledger.authorize import Action, AuthorizerError, Operator, authorize
 from celery_ledger.cli.common import (
     command_prefix,
+    decode_stored,
     duration,
     echo,
     emit_json,
@@ -29,6 +29,7 @@ from celery_ledger.cli.common import (
     operator_actor,
     parse_since,
     print_table,
+    printable,
     resolve_key,
     status_colour,
     timestamp,
@@ -39,6 +40,7 @@ from celery_ledger.ledger import (
     Interrupted,
     StepStatus,
     Verdict,
+    check_release_text,
 )
 from celery_ledger.recovery import ResumeOutcome, resume_entry, run_sweep
 
@@ -46,7 +48,11 @@ from celery_ledger.recovery import ResumeOutcome, resume_entry, run_sweep
 
 
 @click.command("list")
-@click.option("--stuck", is_flag=True, help="Interrupted, blocked, or running past its lease.")
+@click.option(
+    "--stuck",
+    is_flag=True,
+    help="Interrupted, blocked, running past its lease, or a retry past its due time.",
+)
 @click.option(
     "--status", "statuses", multiple=True, help="Only these statuses (repeat, or comma-separate)."
 )
@@ -116,9 +122,14 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
     events = store.entry_events(key, limit=1000)
     now = store.now()
     view = entry_view(entry, now, command_prefix(ctx))
-    view["snapshot"] = loads(entry.snapshot) if entry.snapshot else None
-    view["result"] = loads(entry.result) if entry.result else None
-    view["error"] = loads(entry.error) if entry.error else None
+    # Decoded defensively: an entry whose snapshot, result or error no process can read (a
+    # hostile sender's argument nested 5,000 deep) is shown with why, and can be released.
+    unreadable: dict[str, str] = {}
+    for name in ("snapshot", "result", "error"):
+        view[name], problem = decode_stored(getattr(entry, name))
+        if problem is not None:
+            unreadable[name] = problem
+    view["unreadable"] = unreadable
     view["steps"] = [
         {
             "name": s.name,
@@ -156,6 +167,12 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
         view["now"] = now
         emit_json(view)
         return
+    if "snapshot" in unreadable:
+        arguments = f"cannot be read: {unreadable['snapshot']}"
+    elif view["snapshot"]:
+        arguments = _dumped(view["snapshot"])
+    else:
+        arguments = "no snapshot (cannot be re-enqueued)"
     fields = [
         ("key", view["key"]),
         ("task", f"{view['task']}  (task id {view['task_id']})"),
@@ -173,15 +190,14 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
         ("runs", f"{view['executions']} execution(s), {view['interruptions']} interruption(s)"),
         ("created", timestamp(entry.created_at)),
         ("updated", timestamp(entry.updated_at)),
-        (
-            "arguments",
-            json.dumps(view["snapshot"], default=str)
-            if view["snapshot"]
-            else "no snapshot (cannot be re-enqueued)",
-        ),
+        ("arguments", arguments),
     ]
+    if entry.due_at is not None and entry.status is EntryStatus.RETRYING:
+        fields.append(("retry due", f"{timestamp(entry.due_at)} (re-sent by the sweep after)"))
     if entry.result is not None:
-        fields.append(("result", json.dumps(view["result"], default=str)[:200]))
+        fields.append(("result", unreadable.get("result") or _dumped(view["result"])[:200]))
+    if entry.error is not None:
+        fields.append(("error", unreadable.get("error") or _dumped(view["error"])[:200]))
     if view["released"]:
         r = view["released"]
         fields.append(
@@ -191,7 +207,8 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
             )
         )
     formatter = click.HelpFormatter(width=120)
-    formatter.write_dl(fields, col_max=14)
+    # Stored free text (reasons, names, ids) is printed escaped and bounded, never raw.
+    formatter.write_dl([(k, printable(v, limit=SHOWN_CHARS)) for k, v in fields], col_max=14)
     echo(ctx, formatter.getvalue().rstrip())
     echo(ctx)
     echo(ctx, click.style("steps", bold=True))
@@ -227,16 +244,28 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
                 e["status"] or "-",
                 str(e["fence"]),
                 e["actor"] or "-",
-                e["detail"] or "",
+                printable(e["detail"] or "", limit=SHOWN_CHARS),
             ]
             for e in view["events"]
         ],
         status_colour(2),
     )
     echo(ctx)
-    echo(ctx, f"next: {view['hint']}")
+    echo(ctx, f"next: {printable(view['hint'])}")
     if view["next_command"]:
-        echo(ctx, f"  {view['next_command']}")
+        echo(ctx, f"  {printable(view['next_command'])}")
+
+
+#: Longest stored text ``show`` prints for one field (reasons written before their bound).
+SHOWN_CHARS = 2000
+
+
+def _dumped(value: Any) -> str:
+    """A decoded value as compact JSON, or why it cannot be printed (never raises)."""
+    try:
+        return json.dumps(value, default=str)
+    except (RecursionError, ValueError) as exc:
+        return f"(cannot be printed: {type(exc).__name__})"
 
 
 # -- release / resume / sweep ---------------------------------------------------------------
@@ -315,6 +344,8 @@ def release_cmd(
         raise click.ClickException("--by WHO is required: a release is stamped with its author")
     if not reason or not reason.strip():
         raise click.ClickException("--reason WHY is required: a release is stamped with its why")
+    # The store refuses them too; checked here first, before anything is loaded or read.
+    check_release_text(by, reason, by_name="--by", reason_name="--reason")
     settings = load_settings(ctx)
     result = _parse_result(result_json, verdict, settings.max_result_bytes)
     store = open_store(ctx)

@@ -10,7 +10,8 @@ few; the settled history, which can be millions of rows, is never scanned per re
 
 Stuck kinds are data (``STUCK_KINDS``): each one is a status, the time it has been stuck
 since (the sort key of the list, and the column its index is ordered by) and a predicate.
-The later ``scheduled`` and ``overdue`` kinds are new members of that tuple.
+``overdue`` (a retry past its due time, on the due-time index) is one; the later ``scheduled``
+kind is a new member of that tuple.
 """
 
 from __future__ import annotations
@@ -63,17 +64,20 @@ class StuckKind:
 
     def predicate(self) -> ColumnElement[bool]:
         cond = entries.c.status == self.status.value
-        if self.name == "expired":
-            # db_now_stable, not db_now: a per-row clock cannot bound the index range.
-            cond = and_(cond, entries.c.lease_until < db_now_stable())
+        if self.since_column in ("lease_until", "due_at"):
+            # Past its lease, or past its due time. db_now_stable, not db_now: a per-row
+            # clock cannot bound the index range.
+            cond = and_(cond, self.since < db_now_stable())
         return cond
 
 
-#: In the order the overview lists them. ``scheduled`` and ``overdue`` (a later issue) join here.
+#: In the order the overview lists them. ``scheduled`` (a later issue) joins here, on the same
+#: due-time index as ``overdue``.
 STUCK_KINDS: tuple[StuckKind, ...] = (
     StuckKind("blocked", "blocked", EntryStatus.BLOCKED, "updated_at"),
     StuckKind("interrupted", "interrupted", EntryStatus.INTERRUPTED, "updated_at"),
     StuckKind("expired", "running past its lease", EntryStatus.RUNNING, "lease_until"),
+    StuckKind("overdue", "retry past its due time", EntryStatus.RETRYING, "due_at"),
 )
 KINDS_BY_NAME = {k.name: k for k in STUCK_KINDS}
 
@@ -273,7 +277,8 @@ class SweepPreview:
     resume: int
     #: Of those, past ``max_resumes``: blocked as crash loops.
     crash_loops: int
-    #: Of those, without an argument snapshot: reported, left interrupted.
+    #: Of those, without an argument snapshot: reported, left interrupted (up to a batch,
+    #: on top of the batch it resumes: the sweep passes over them).
     no_snapshot: int
     #: Settled entries past retention it will prune (at most one batch).
     prune: int
@@ -293,28 +298,30 @@ def sweep_preview(
     The entries it interrupts join the interrupted ones in the same sweep (run_sweep lists
     interrupted entries after interrupting), so they count as candidates too.
     """
-    bare = entries.c.snapshot.is_(None)
+    # The sweep lists only interrupted entries it can resume (with a snapshot), and reports
+    # the others (counted up to a batch) without letting them fill its batch.
+    interrupted = entries.c.status == EntryStatus.INTERRUPTED.value
     loop = entries.c.interruptions > max_resumes
     picked = (
-        select(
-            case((loop, 1), else_=0).label("loop"),
-            case((and_(bare, ~loop), 1), else_=0).label("bare"),
-        )
-        .where(entries.c.status == EntryStatus.INTERRUPTED.value)
+        select(case((loop, 1), else_=0).label("loop"))
+        .where(interrupted, entries.c.snapshot.is_not(None))
         .order_by(entries.c.updated_at)
         .limit(batch)
         .subquery()
     )
-    n, loops, no_snapshot = conn.execute(
-        select(
-            func.count(),
-            func.coalesce(func.sum(picked.c.loop), 0),
-            func.coalesce(func.sum(picked.c.bare), 0),
-        ).select_from(picked)
+    n, loops = conn.execute(
+        select(func.count(), func.coalesce(func.sum(picked.c.loop), 0)).select_from(picked)
     ).one()
+    bare = (
+        select(entries.c.key)
+        .where(interrupted, entries.c.snapshot.is_(None))
+        .limit(batch)
+        .subquery()
+    )
+    no_snapshot = conn.execute(select(func.count()).select_from(bare)).scalar_one()
     interrupt = min(expired, batch)
     # n <= batch, so the freshly interrupted ones fill what is left of the batch.
-    candidates = min(int(n) + interrupt, batch)
+    resumable = min(int(n) + interrupt, batch)
     prunable = (
         select(entries.c.key)
         .where(
@@ -328,10 +335,10 @@ def sweep_preview(
     prune = int(conn.execute(select(func.count()).select_from(prunable)).scalar_one())
     return SweepPreview(
         interrupt=interrupt,
-        candidates=candidates,
+        candidates=resumable + int(no_snapshot),
         # An entry the sweep interrupts has a snapshot unless its task could not make one;
         # it counts as a resume here (its own page says so when it has none).
-        resume=candidates - int(loops) - int(no_snapshot),
+        resume=resumable - int(loops),
         crash_loops=int(loops),
         no_snapshot=int(no_snapshot),
         prune=prune,

@@ -13,7 +13,7 @@ from typing import Any
 
 from kombu.utils.json import loads
 
-from celery_ledger.cli.common import NextAction, duration, next_action
+from celery_ledger.cli.common import NextAction, decode_stored, duration, next_action
 from celery_ledger.flower import queries as q
 from celery_ledger.flower.context import Aggregates, LedgerPage
 from celery_ledger.ledger import (
@@ -53,6 +53,15 @@ def stuck_reason(kind: q.StuckKind, entry: Entry, now: float, page: LedgerPage) 
                 f"{s.max_resumes}: the next sweep blocks it as a crash loop"
             )
         return f"{why}; the next sweep re-enqueues it (or resume it now)"
+    if kind.status is EntryStatus.RETRYING:
+        late = duration(now - entry.due_at) if entry.due_at is not None else "-"
+        why = f"retry past its due time by {late}: no worker claimed it (its message may be lost)"
+        if entry.snapshot is None:
+            return (
+                f"{why}; it has no argument snapshot, so it cannot be re-sent: re-send task id "
+                f"{entry.task_id} by hand, or release it"
+            )
+        return f"{why}; the next sweep re-sends it with its task id"
     ago = duration(now - entry.lease_until) if entry.lease_until is not None else "-"
     if entry.owner == RESUME_OWNER:
         return (
@@ -239,7 +248,10 @@ def entry(page: LedgerPage, key: str) -> EntryView:
     steps = store.load_steps(key)
     events = store.entry_events(key, limit=500)
     now = store.now()
-    snapshot = loads(e.snapshot) if e.snapshot else None
+    # Decoded defensively: an entry whose snapshot no process can read is shown (and released).
+    snapshot, unreadable = decode_stored(e.snapshot)
+    if not isinstance(snapshot, dict):
+        snapshot = None
     task = page.task(e.task_name)
     names = secret_names(page.settings.redact, task)
     arguments = None
@@ -251,9 +263,8 @@ def entry(page: LedgerPage, key: str) -> EntryView:
         arguments = _json({"args": args, "kwargs": kwargs})
     lease_left = None if e.lease_until is None else e.lease_until - now
     live_lease = e.status is EntryStatus.RUNNING and lease_left is not None and lease_left > 0
-    released_pending = e.released_at is not None and any(
-        ev.event == "released" and ev.fence == e.fence for ev in events
-    )
+    # The store's one-shot rule: released, and no attempt has run the body since.
+    released_pending = e.released_executions is not None and e.executions == e.released_executions
     release_blocked = None
     if e.status not in RELEASABLE:
         release_blocked = f"{e.status.value}: there is nothing to release"
@@ -278,7 +289,7 @@ def entry(page: LedgerPage, key: str) -> EntryView:
         action=next_action(e, now, page.cli_prefix),
         lease_left=lease_left,
         can_release=release_blocked is None,
-        can_resume=e.status is EntryStatus.INTERRUPTED and e.snapshot is not None,
+        can_resume=e.status is EntryStatus.INTERRUPTED and snapshot is not None,
         release_blocked=release_blocked,
         released_pending=released_pending,
     )
@@ -288,7 +299,12 @@ def entry(page: LedgerPage, key: str) -> EntryView:
             "Flower's Celery app, so its secret_args are unknown here. Start Flower with "
             "-A of the app that defines it."
         )
-    if snapshot is None:
+    if unreadable is not None:
+        view.notes.append(
+            f"The argument snapshot cannot be read ({unreadable}): this entry cannot be "
+            "re-enqueued; release it once you know what it was."
+        )
+    elif snapshot is None:
         view.notes.append("No argument snapshot: this entry cannot be re-enqueued.")
     return view
 
@@ -341,9 +357,14 @@ def _shown(stored: str | None, redaction: Redaction) -> str | None:
         return None
     try:
         value = loads(stored)
+    except RecursionError:
+        return f"(cannot be shown: nested too deeply to decode, {len(stored)} characters)"
     except ValueError:
         return redaction.text(stored)
-    return _json(redaction.value(value))
+    try:
+        return _json(redaction.value(value))
+    except RecursionError:
+        return f"(cannot be shown: nested too deeply, {len(stored)} characters)"
 
 
 def _json(value: Any) -> str:
