@@ -34,9 +34,10 @@ import pytest
 from celery import Celery
 from test_metrics import free_port
 
+from celery_ledger.harness.processes import Process, ProcessGroup
 from celery_ledger.ledger import EntryStatus, LedgerStore, entry_key
 from helpers import effect_counts
-from procs import REPO, CeleryProcess, Processes, test_env, wait_for
+from procs import REPO, TESTS, test_env, wait_for
 from servers import CI, create_pg_database, drop_pg_database, redis_url
 
 pytestmark = [
@@ -103,7 +104,7 @@ def close(driver: Any) -> None:
 
 @dataclass
 class Cluster:
-    procs: Processes
+    procs: ProcessGroup
     env: dict[str, str]
     store: LedgerStore
     pg_url: str
@@ -117,45 +118,23 @@ class Cluster:
         return f"http://{creds}127.0.0.1:{port}"
 
 
-def start(procs: Processes, args: list[str], name: str, **env: str) -> CeleryProcess:
-    proc = CeleryProcess(
-        args,
-        env={**procs.env, **env},
-        log_path=procs.tmp_path / f"{name}.log",
-        app="page_app",
-    ).start()
-    procs.started.append(proc)
-    return proc
-
-
-def worker(procs: Processes, name: str, queue: str, **env: str) -> CeleryProcess:
-    proc = start(
-        procs,
-        [
-            "worker",
-            "-c",
-            "1",
-            "-Q",
-            queue,
-            "-n",
-            f"{name}-{procs.env['TEST_ID']}@%h",
-            "-E",
-            "-l",
-            "info",
-            "--without-mingle",
-            "--without-gossip",
-        ],
+def worker(procs: ProcessGroup, name: str, queue: str, **env: str) -> Process:
+    """A ``page_app`` worker sending task events (Flower's task page links to the entry)."""
+    return procs.worker(
         name,
-        **env,
-    )
-    proc.wait_log(" ready.", timeout=90)
-    return proc
+        queue=queue,
+        node=f"{name}-{procs.env['TEST_ID']}@%h",
+        concurrency=1,
+        env=env,
+        heartbeat=True,
+        extra=["-E"],
+    ).wait_ready(90)
 
 
-def flower(procs: Processes, name: str, **env: str) -> int:
+def flower(procs: ProcessGroup, name: str, **env: str) -> int:
     port = free_port()
-    proc = start(
-        procs,
+    proc = procs.celery(
+        name,
         [
             "flower",
             f"--port={port}",
@@ -163,13 +142,12 @@ def flower(procs: Processes, name: str, **env: str) -> int:
             f"--conf={FLOWERCONFIG}",
             f"--basic-auth={USER}:{PASSWORD}",
         ],
-        name,
-        **env,
+        env=env,
     )
 
     def up() -> bool:
         if proc.proc is not None and proc.proc.poll() is not None:
-            raise AssertionError(f"flower exited:\n{proc.log()[-3000:]}")
+            raise AssertionError(f"flower exited:\n{proc.log_tail()}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthcheck", timeout=2):  # noqa: S310
                 return True
@@ -195,7 +173,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     db_name, pg_url = create_pg_database()
     broker = redis_url()
     env = test_env(tmp_path, broker=broker, ledger_url=pg_url)
-    procs = Processes(tmp_path, env)
+    procs = ProcessGroup(tmp_path, app="page_app", env=env, cwd=TESTS, pythonpath=[TESTS])
     store = LedgerStore(pg_url)
     try:
         store.now()  # the schema, as the first worker would create it
@@ -385,7 +363,7 @@ def test_release_the_blocked_entry_and_see_it_resume_and_complete(
     assert entry.released_reason == "provider dashboard shows no charge for A-1001"
 
     # A worker and beat run; the released entry runs its charge once and completes.
-    cluster.procs.beat()
+    cluster.procs.beat("beat").wait_ready(60)
     worker(cluster.procs, "w2-back", cluster.env["TEST_QUEUE"] + "-w2")
 
     def completed() -> bool:

@@ -278,8 +278,27 @@ class Workload:
 
     def start_worker(self, name: str, *, env: dict[str, str] | None = None) -> Process:
         """Start worker ``name`` (not waiting for it to be ready)."""
+        if not self.workers:
+            self.declare_queue()
         self._worker_env[name] = dict(env or {})
         return self.restart(name)
+
+    def declare_queue(self) -> None:
+        """Declare the run's queue once, from here, before any of its workers starts.
+
+        kombu's ``filesystem://`` transport creates an exchange's binding file without holding
+        its lock from the start: two workers binding the same exchange for the first time at
+        once can read the file empty and die at start-up (``JSONDecodeError`` in
+        ``_queue_bind``). Once the file exists, every later bind takes the lock first.
+        """
+        if not self.box.embedded:
+            return
+        app = demo_app.build_app(self.env)
+        try:
+            with app.connection_for_write() as conn:
+                app.amqp.queues[self.queue].bind(conn.default_channel).declare()
+        finally:
+            app.close()
 
     def restart(self, name: str) -> Process:
         """Start worker ``name`` again, under the same node name (its boot sweep runs)."""
