@@ -28,7 +28,7 @@ def charge_at(order_id: str, ts: float) -> dict[str, Any]:
     return {"order_id": order_id, "ts": ts}
 
 
-@app.task(base=LedgerTask, bind=True, name="faults_app.drift_charge")
+@app.task(shared=False, base=LedgerTask, bind=True, name="faults_app.drift_charge")
 def drift_charge(self: LedgerTask, order_id: str, declared: bool = False) -> dict[str, Any]:
     ts = time.time()  # read outside any step: a different value on every attempt
     # The proposed declaration (issue 14, fault 6): the arguments of ``charge_at`` that
@@ -44,7 +44,7 @@ def ship(order_id: str, item: str) -> str:
     return f"shipped:{item}"
 
 
-@app.task(base=LedgerTask, bind=True, name="faults_app.ship_items")
+@app.task(shared=False, base=LedgerTask, bind=True, name="faults_app.ship_items")
 def ship_items(
     self: LedgerTask, order_id: str, items: list[str], marker: str, declared: bool = False
 ) -> list[str]:
@@ -60,7 +60,7 @@ def ship_items(
 # -- fault 3: a retry whose message is lost --------------------------------------------------
 
 
-@app.task(base=LedgerTask, bind=True, name="faults_app.retry_later", max_retries=3)
+@app.task(shared=False, base=LedgerTask, bind=True, name="faults_app.retry_later", max_retries=3)
 def retry_later(self: LedgerTask, tag: str, countdown: float) -> list[str]:
     charged = self.step("charge", effect, tag, "charge")
     if self.request.retries == 0:
@@ -71,7 +71,13 @@ def retry_later(self: LedgerTask, tag: str, countdown: float) -> list[str]:
 # -- fault 8: record_external_ref in a step that has no intent row ----------------------------
 
 
-@app.task(base=LedgerTask, bind=True, name="faults_app.ref_idempotent", side_effect="idempotent")
+@app.task(
+    shared=False,
+    base=LedgerTask,
+    bind=True,
+    name="faults_app.ref_idempotent",
+    side_effect="idempotent",
+)
 def ref_idempotent(self: LedgerTask, tag: str) -> str:
     def call() -> str:
         self.record_external_ref(f"ref-{tag}")
@@ -80,7 +86,7 @@ def ref_idempotent(self: LedgerTask, tag: str) -> str:
     return str(self.step("call", call))
 
 
-@app.task(base=LedgerTask, bind=True, name="faults_app.ref_read_step")
+@app.task(shared=False, base=LedgerTask, bind=True, name="faults_app.ref_read_step")
 def ref_read_step(self: LedgerTask, tag: str) -> str:
     def look() -> str:
         self.record_external_ref(f"ref-{tag}")
@@ -92,7 +98,7 @@ def ref_read_step(self: LedgerTask, tag: str) -> str:
 # -- fault 11: SystemExit / KeyboardInterrupt raised by the body ------------------------------
 
 
-@app.task(base=LedgerTask, bind=True, name="faults_app.exit_once")
+@app.task(shared=False, base=LedgerTask, bind=True, name="faults_app.exit_once")
 def exit_once(self: LedgerTask, tag: str, how: str, marker: str) -> list[str]:
     prepared = self.step("prepare", effect, tag, "prepare")
     if not os.path.exists(marker):
@@ -106,13 +112,13 @@ def exit_once(self: LedgerTask, tag: str, how: str, marker: str) -> list[str]:
 # -- hostile inputs (faults 12, 13, 14) and the nested step (fault 15) ------------------------
 
 
-@app.task(base=LedgerTask, bind=True, name="faults_app.echo")
+@app.task(shared=False, base=LedgerTask, bind=True, name="faults_app.echo")
 def echo(self: LedgerTask, tag: str, value: Any) -> Any:
     effect(f"{tag}:{value}" if isinstance(value, int) else tag, "body")
     return value
 
 
-@app.task(base=LedgerTask, bind=True, name="faults_app.retry_new_args", max_retries=3)
+@app.task(shared=False, base=LedgerTask, bind=True, name="faults_app.retry_new_args", max_retries=3)
 def retry_new_args(self: LedgerTask, tag: str, n: int) -> str:
     """A retry that legitimately changes the arguments under one task id."""
     if self.request.retries == 0:
@@ -120,12 +126,12 @@ def retry_new_args(self: LedgerTask, tag: str, n: int) -> str:
     return str(self.step("charge", effect, f"{tag}:{n}", "charge"))
 
 
-@app.task(base=LedgerTask, bind=True, name="faults_app.named_step")
+@app.task(shared=False, base=LedgerTask, bind=True, name="faults_app.named_step")
 def named_step(self: LedgerTask, tag: str, name: str) -> str:
     return str(self.step(name, effect, tag, "named"))
 
 
-@app.task(base=LedgerTask, bind=True, name="faults_app.nested_steps")
+@app.task(shared=False, base=LedgerTask, bind=True, name="faults_app.nested_steps")
 def nested_steps(self: LedgerTask, tag: str) -> str:
     return str(self.step("outer", lambda: self.step("inner", effect, tag, "inner")))
 
@@ -138,6 +144,7 @@ def _never_charged(step: Any) -> Reconciled:
 
 
 @app.task(
+    shared=False,
     base=LedgerTask,
     bind=True,
     name="faults_app.irreversible_charge",
@@ -153,6 +160,7 @@ def refuse_connection(order_id: str) -> str:
 
 
 @app.task(
+    shared=False,
     base=LedgerTask,
     bind=True,
     name="faults_app.declared_refusal",

@@ -16,6 +16,7 @@ __all__ = ["app", "pay"]
 
 
 @app.task(
+    shared=False,
     base=LedgerTask,
     bind=True,
     name="page_app.pay",

@@ -61,7 +61,7 @@ def effect(tag: str, name: str) -> str:
     return f"{name}:{tag}"
 
 
-@app.task(base=LedgerTask, bind=True, name="tests_app.slow_effect")
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.slow_effect")
 def slow_effect(self: LedgerTask, tag: str, seconds: float) -> str:
     """Stepless: the body is the effect."""
     effect(tag, "body")
@@ -69,7 +69,7 @@ def slow_effect(self: LedgerTask, tag: str, seconds: float) -> str:
     return f"done:{tag}"
 
 
-@app.task(base=LedgerTask, bind=True, name="tests_app.order", key_from=("order_id",))
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.order", key_from=("order_id",))
 def order(self: LedgerTask, order_id: str, amount: int, pause: float = 0.0) -> dict[str, Any]:
     reserved = self.step("reserve", effect, order_id, "reserve")
     time.sleep(pause)
@@ -91,7 +91,7 @@ def _answer(step: Any) -> Reconciled:
     return Reconciled.unknown("provider cannot tell")
 
 
-@app.task(base=LedgerTask, bind=True, name="tests_app.reconciled", reconciler=_answer)
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.reconciled", reconciler=_answer)
 def reconciled(self: LedgerTask, order_id: str, answer: str) -> list[str]:
     def charge() -> str:
         self.record_external_ref(f"ch_{order_id}")
@@ -100,7 +100,7 @@ def reconciled(self: LedgerTask, order_id: str, answer: str) -> list[str]:
     return [self.step("charge", charge), self.step("receipt", effect, order_id, "receipt")]
 
 
-@app.task(base=LedgerTask, bind=True, name="tests_app.retry_once", max_retries=3)
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.retry_once", max_retries=3)
 def retry_once(self: LedgerTask, order_id: str) -> list[str]:
     charged = self.step("charge", effect, order_id, "charge")
     if self.request.retries == 0:
@@ -108,7 +108,7 @@ def retry_once(self: LedgerTask, order_id: str) -> list[str]:
     return [charged, self.step("email", effect, order_id, "email")]
 
 
-@app.task(base=LedgerTask, bind=True, name="tests_app.loop")
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.loop")
 def loop(self: LedgerTask, order_id: str, pause: float = 0.0) -> list[str]:
     out = []
     for _ in range(3):
@@ -117,42 +117,44 @@ def loop(self: LedgerTask, order_id: str, pause: float = 0.0) -> list[str]:
     return out
 
 
-@app.task(base=LedgerTask, bind=True, name="tests_app.crash_always")
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.crash_always")
 def crash_always(self: LedgerTask, tag: str) -> None:
     self.step("prepare", effect, tag, "prepare", effect=False)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-@app.task(base=LedgerTask, bind=True, name="tests_app.big_result")
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.big_result")
 def big_result(self: LedgerTask, size: int) -> str:
     effect("big", "body")
     return "x" * size
 
 
-@app.task(base=LedgerTask, bind=True, name="tests_app.unserializable_output")
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.unserializable_output")
 def unserializable_output(self: LedgerTask, tag: str) -> Any:
     return self.step("make", lambda: object())
 
 
-@app.task(base=LedgerTask, bind=True, name="tests_app.keyed_charge", side_effect="keyed")
+@app.task(
+    shared=False, base=LedgerTask, bind=True, name="tests_app.keyed_charge", side_effect="keyed"
+)
 def keyed_charge(self: LedgerTask, order_id: str) -> str:
     # The provider deduplicates on the key it receives: record which key each call sent.
     return self.step("charge", lambda: effect(order_id, f"charge:{self.provider_key}"))
 
 
-@app.task(name="tests_app.plain_add")
+@app.task(shared=False, name="tests_app.plain_add")
 def plain_add(x: int, y: int) -> int:
     return x + y
 
 
-@app.task(base=LedgerTask, bind=True, name="tests_app.steps_then_wait")
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.steps_then_wait")
 def steps_then_wait(self: LedgerTask, tag: str, seconds: float) -> list[str]:
     out = [self.step("a", effect, tag, "a"), self.step("b", effect, tag, "b")]
     time.sleep(seconds)
     return out
 
 
-@app.task(name="tests_app.gc_frozen")
+@app.task(shared=False, name="tests_app.gc_frozen")
 def gc_frozen() -> int:
     """How many objects this pool process inherited frozen (``ledger_freeze_gc_before_fork``)."""
     import gc
