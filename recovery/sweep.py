@@ -26,6 +26,7 @@ from typing import Any
 from kombu.utils.json import loads
 
 from celery_ledger.ledger import ArgumentSnapshot, Interrupted, LedgerStore
+from celery_ledger.recovery.publish import confirmed
 
 log = logging.getLogger(__name__)
 
@@ -117,12 +118,16 @@ def resume_entry(
     if snapshot.queue:
         options["queue"] = snapshot.queue
     try:
-        app.send_task(
-            won.task_name,
-            args=list(snapshot.args),
-            kwargs=dict(snapshot.kwargs),
-            **options,
-        )
+        # Confirmed by the broker (recovery/publish.py): a re-send it never took is not
+        # counted as resumed, and the lease begin_resume took brings it back to the next sweep.
+        with confirmed(app) as connection:
+            app.send_task(
+                won.task_name,
+                args=list(snapshot.args),
+                kwargs=dict(snapshot.kwargs),
+                connection=connection,
+                **options,
+            )
     except Exception as exc:  # noqa: BLE001 - the lease brings it back to the next sweep
         log.error(
             "resume of key=%s task_id=%s fence=%s could not be sent (%r); the next sweep "
