@@ -152,19 +152,31 @@ def start_runs(
 
 
 def settle(stage: Stage, seconds: float = 90.0) -> None:
+    """Let every run finish, restarting a worker that exited the way a supervisor would
+    (systemd, compose's ``restart: unless-stopped``)."""
+
+    def supervise() -> None:
+        for w in stage.works:
+            for name, proc in list(w.workers.items()):
+                if not proc.alive:
+                    w.restart(name)
+                    w.mark_progress()
+
     for w in stage.works:
         w.finished = False
         w.mark_progress()
-    stage.settle(seconds, interval=0.25, update=lambda: None)
+    stage.settle(seconds, interval=0.25, update=supervise)
 
 
 def test_redelivery_while_the_first_run_goes_on(broker, pg_url, tmp_path):
-    """RabbitMQ: the workers' channels get a 1 s ``consumer_timeout`` (checked every second):
-    RabbitMQ closes each channel while its tasks run and redelivers them. Redis: a 1 s
-    ``visibility_timeout``. Each redelivered copy of a ledgered order meets WAIT (the first run
-    still holds the lease) or RETURN (it finished); no effect runs twice. Plain Celery runs the
-    copies again."""
-    orders, gaps = 4, [2.5] * 4
+    """RabbitMQ: the first worker of each run opens its channel with a 1 s
+    ``consumer_timeout`` (checked every second). RabbitMQ closes that channel while its tasks
+    run and requeues them; Celery calls that an unrecoverable error and shuts the worker down
+    warmly (the first runs go on to their end), a supervisor starts it again, and the copies
+    go to the second worker meanwhile. Redis: a 1 s ``visibility_timeout``. Each redelivered
+    copy of a ledgered order meets WAIT (the first run still holds the lease) or RETURN (it
+    finished); no effect runs twice. Plain Celery runs the copies again."""
+    orders, gaps = 6, [2.5] * 6
     with staged(
         "faults", broker=broker, ledger=pg_url, keep=False, phases=Phases(4, quiet=True)
     ) as stage:
@@ -172,6 +184,7 @@ def test_redelivery_while_the_first_run_goes_on(broker, pg_url, tmp_path):
             with rabbitmq_timeouts(1000, 1000) as connected:
                 start_runs(stage, orders)
                 connected()
+                wait_ready([w.start_worker("w2") for w in stage.works])
                 for w in stage.works:
                     w.enqueue(gaps)
                 settle(stage)
