@@ -192,14 +192,16 @@ def _check_consumer_timeout(app: Any, settings: Any, lease: float) -> Check:
     """RabbitMQ closes a consumer's channel when a delivery stays unacked past
     ``consumer_timeout``: Celery then shuts the worker down and the broker requeues every
     message the channel held. The server's value is ``ledger_rabbitmq_consumer_timeout``
-    (milliseconds, as in rabbitmq.conf), else a queue's ``x-consumer-timeout``, else
-    RabbitMQ's default (30 min)."""
+    (milliseconds, as in rabbitmq.conf; ``CELERY_LEDGER_RABBITMQ_CONSUMER_TIMEOUT``), else a
+    queue's ``x-consumer-timeout``, else RabbitMQ's default (30 min)."""
     declared = [
         (name, args["x-consumer-timeout"])
         for name, args in _queue_arguments(app)
         if "x-consumer-timeout" in args
     ]
-    configured = app.conf.get("ledger_rabbitmq_consumer_timeout")
+    configured = os.environ.get("CELERY_LEDGER_RABBITMQ_CONSUMER_TIMEOUT") or app.conf.get(
+        "ledger_rabbitmq_consumer_timeout"
+    )
     if configured is not None:
         timeout, source = _seconds(configured, "ledger_rabbitmq_consumer_timeout"), "server"
     elif declared:
