@@ -6,16 +6,20 @@ while they wait, Redis keeps them in its ``unacked`` hash until ``visibility_tim
 hour by default) and ``filesystem://`` forgets them; their entries are publish intents whose
 lease (``ledger_publish_intent_seconds``) measures a queue backlog, not a worker's life.
 
-So the parent holds what it received: as soon as a ledgered message arrives, and every
-lease/3 while it waits, one statement sets the lease of its intent to the task's lease
-(``LedgerStore.hold_intents``). A dead worker renews nothing: its held intents expire within
-the lease and the sweep re-sends them, so a stranded message is found within lease + sweep
-interval, as the promise says, on every broker. When a pool process accepts the message its
-claim takes the entry over, and the hold ends (the store reports the key no longer held).
+So the parent holds what it received: once a ledgered message has waited ``HOLD_AFTER``
+(50 ms) without a pool process accepting it, and every lease/3 while it waits on, one
+statement sets the lease of its intent to the task's lease (``LedgerStore.hold_intents``). A
+dead worker renews nothing: its held intents expire within the lease and the sweep re-sends
+them, so a stranded message is found within lease + sweep interval, as the promise says, on
+every broker. When a pool process accepts the message its claim takes the entry over, and the
+hold ends (the store reports the key no longer held).
 
-One thread per worker parent, off Celery's event loop: a receipt only wakes it, and a write
-holds every key received while the previous one ran. A message fetched within one such write
-of the worker's death is still covered by its intent's own lease.
+One thread per worker parent, off Celery's event loop, and one write for every key that came
+due together. A message a pool process accepts at once (the usual case with prefetch 1: a
+message is fetched when a pool process is free) costs nothing; measured, holding every message
+at once cost the worker a third statement per task (``benchmarks/throughput.py``). A message
+fetched less than ``HOLD_AFTER`` (plus one write) before the worker's death is still covered by
+its intent's own lease.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ log = logging.getLogger(__name__)
 RENEW_FRACTION = 1 / 3
 #: After a failed write, try again this soon (the lease may outlive a short outage).
 RETRY_AFTER = 1.0
+#: A received message is held once it has waited this long unaccepted: a pool process that
+#: is free accepts it within milliseconds, and its claim then makes the hold needless.
+HOLD_AFTER = 0.05
 
 
 class Receipts:
@@ -46,11 +53,15 @@ class Receipts:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = -1
+        #: When the thread will next wake by itself; a hold due earlier wakes it.
+        self._next_wake = 0.0
 
     def hold(self, app: Any, key: str, lease_seconds: float) -> None:
-        """Hold ``key`` now (the thread writes at once) and until ``release``."""
+        """Hold ``key`` from ``HOLD_AFTER`` from now until ``release``."""
+        due = time.monotonic() + HOLD_AFTER
         with self._lock:
-            self._held[key] = (app, lease_seconds, 0.0)
+            self._held[key] = (app, lease_seconds, due)
+            wake = due < self._next_wake
             if self._pid != os.getpid() or self._thread is None or not self._thread.is_alive():
                 # Started lazily in the process that receives: never inherited across fork.
                 self._pid = os.getpid()
@@ -58,7 +69,8 @@ class Receipts:
                     target=self._run, name="ledger-receipts", daemon=True
                 )
                 self._thread.start()
-        self._wake.set()
+        if wake:
+            self._wake.set()
 
     def release(self, key: str) -> None:
         with self._lock:
@@ -80,9 +92,13 @@ class Receipts:
             for app, lease, keys in by_app.values():
                 self._write(app, lease, keys)
             with self._lock:
+                # Under the lock hold() takes: a hold either is seen here or sees this
+                # _next_wake (and wakes the thread).
                 upcoming = [at for _, _, at in self._held.values()]
-            left = (min(upcoming) - time.monotonic()) if upcoming else 5.0
-            self._wake.wait(timeout=max(0.05, min(left, 5.0)))
+                left = (min(upcoming) - time.monotonic()) if upcoming else 5.0
+                wait = max(0.01, min(left, 5.0))
+                self._next_wake = time.monotonic() + wait
+            self._wake.wait(timeout=wait)
 
     def _write(self, app: Any, lease: float, keys: list[str]) -> None:
         try:
