@@ -175,3 +175,29 @@ def test_a_poison_message_dead_lettered_by_a_quorum_queue_is_still_accounted_for
     events = event_names(store, key)
     assert "resuming" in events, events
     client.close()
+
+
+@pytest.mark.processes
+def test_flower_counts_the_ledgers_events_on_amqp(tmp_path, rabbitmq, pg_url):
+    """Flower on RabbitMQ: the worker's task-ledger-* events reach it over amqp:// and show in
+    its /metrics, next to the ledger's own gauges."""
+    from test_flower import FlowerClient, events_total, free_port, ledger_gauge, start_flower
+
+    env = test_env(tmp_path, broker=rabbitmq, ledger_url=pg_url, CELERY_LEDGER_METRICS_TTL=1)
+    client = amqp_client(env)
+    port = free_port()
+    flower = FlowerClient(port)
+    sent: list[str] = []
+    with processes(tmp_path, env) as procs:
+        start_flower(procs, port)
+        procs.worker(extra=["-E"])
+
+        def counted() -> bool:
+            # Flower subscribes to events asynchronously: send until one is counted.
+            sent.append(client.send_task("tests_app.slow_effect", args=("fl", 0.0)).id)
+            metrics = flower.metrics()
+            return events_total(metrics, "task-ledger-claimed", "tests_app.slow_effect") >= 1
+
+        wait_for(counted, timeout=90, interval=2.0, what="a task-ledger-claimed event in Flower")
+        assert ledger_gauge(flower.metrics(), "up") == 1
+    client.close()

@@ -61,7 +61,9 @@ class Receipts:
         due = time.monotonic() + HOLD_AFTER
         with self._lock:
             self._held[key] = (app, lease_seconds, due)
-            wake = due < self._next_wake
+            # Waking the thread for every message would cost a context switch per task; a
+            # thread already due within one more HOLD_AFTER meets this hold on its own.
+            wake = due + HOLD_AFTER < self._next_wake
             if self._pid != os.getpid() or self._thread is None or not self._thread.is_alive():
                 # Started lazily in the process that receives: never inherited across fork.
                 self._pid = os.getpid()
