@@ -112,7 +112,14 @@ def test_a_second_delivery_waits_then_returns_on_amqp(tmp_path, rabbitmq, pg_url
     """The same task id delivered twice while it runs: the copy meets WAIT, re-queues itself
     with a countdown (a confirmed publish; native delayed delivery on the quorum queue), and
     returns the stored result once the first run ends. The body runs once."""
-    env = test_env(tmp_path, broker=rabbitmq, ledger_url=pg_url, TEST_QUEUE_TYPE=queue_type)
+    env = test_env(
+        tmp_path,
+        broker=rabbitmq,
+        ledger_url=pg_url,
+        TEST_QUEUE_TYPE=queue_type,
+        # the copy re-queues itself every second (not for the lease's remaining 60 s)
+        CELERY_LEDGER_WAIT_COUNTDOWN_MAX=1,
+    )
     client = amqp_client(env)
     store = LedgerStore(pg_url)
     with processes(tmp_path, env) as procs:
