@@ -43,9 +43,18 @@ COMMON_CONF: dict[str, Any] = {
 }
 
 
-def make_app(mode: str, *, broker: str, queue: str, ledger_url: str | None = None) -> Celery:
-    """The benchmark app in ``mode`` (``plain`` or ``ledger``)."""
+def make_app(
+    mode: str,
+    *,
+    broker: str,
+    queue: str,
+    ledger_url: str | None = None,
+    backend: str | None = None,
+) -> Celery:
+    """The benchmark app in ``mode`` (``plain`` or ``ledger``); results in ``backend`` (a
+    Redis URL; default: the broker, which must then be Redis)."""
     conf = {**COMMON_CONF, "task_default_queue": queue}
+    backend = backend or broker
     base: type[Task]
     if mode == "ledger":
         from celery_ledger import LedgerTask, create_app
@@ -53,11 +62,11 @@ def make_app(mode: str, *, broker: str, queue: str, ledger_url: str | None = Non
         if not ledger_url:
             raise ValueError("BENCH_MODE=ledger needs BENCH_LEDGER_URL")
         app = create_app(
-            "bench_app", broker_url=broker, result_backend=broker, ledger_url=ledger_url, **conf
+            "bench_app", broker_url=broker, result_backend=backend, ledger_url=ledger_url, **conf
         )
         base = LedgerTask
     elif mode in ("plain", "floor"):
-        app = Celery("bench_app", broker=broker, backend=broker)
+        app = Celery("bench_app", broker=broker, backend=backend)
         app.conf.update(conf)
         base = Task
     else:
@@ -147,4 +156,5 @@ app = make_app(
     broker=os.environ.get("BENCH_BROKER_URL", "redis://127.0.0.1:6379/0"),
     queue=os.environ.get("BENCH_QUEUE", "bench"),
     ledger_url=os.environ.get("BENCH_LEDGER_URL"),
+    backend=os.environ.get("BENCH_BACKEND_URL"),
 )

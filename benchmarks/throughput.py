@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py                    # 5,000 tasks, median of 3 rounds
     python benchmarks/throughput.py --tasks 200 --rounds 1
+    python benchmarks/throughput.py --amqp amqp://guest:guest@127.0.0.1:5672//   # + RabbitMQ
 
 Setup (identical for both, see ``bench_app``): Redis broker and result backend, one worker
 ``-P prefork -c 2``, ``acks_late``, prefetch 1, ``result_extended``, log level warning. The
@@ -78,6 +79,18 @@ def enqueue(broker: str, queue: str, n: int) -> list[str]:
     return ids
 
 
+def _delete_amqp_queue(broker: str, queue: str) -> None:
+    from kombu import Connection
+
+    with Connection(broker) as conn:
+        channel = conn.channel()
+        try:
+            channel.queue_delete(queue)
+            channel.exchange_delete(queue)
+        finally:
+            channel.close()
+
+
 def _meta_keys(ids: list[str]) -> list[str]:
     return [f"celery-task-meta-{i}" for i in ids]
 
@@ -92,17 +105,25 @@ def drain(
     on_drained: Callable[[Process], Any] | None = None,
     extra_env: dict[str, str] | None = None,
     concurrency: int = 2,
+    backend: str | None = None,
 ) -> dict[str, Any]:
-    """Pre-fill a queue with ``n`` tasks, start a worker, wait until every result is stored.
+    """Pre-fill a queue with ``n`` tasks, start a worker, wait until every result is stored
+    (in ``backend``, a Redis URL; default: the broker).
 
     Returns tasks/s and, through ``on_drained``, whatever the caller measures on the live
     worker. The worker is stopped (its whole session) whatever happens.
     """
     queue = f"bench-{mode}-{uuid.uuid4().hex[:8]}"
-    client = _redis(broker)
+    backend = backend or broker
+    client = _redis(backend)
     ids = enqueue(broker, queue, n)
     keys = _meta_keys(ids)
-    env = {"BENCH_MODE": mode, "BENCH_BROKER_URL": broker, "BENCH_QUEUE": queue}
+    env = {
+        "BENCH_MODE": mode,
+        "BENCH_BROKER_URL": broker,
+        "BENCH_BACKEND_URL": backend,
+        "BENCH_QUEUE": queue,
+    }
     if ledger_url:
         env["BENCH_LEDGER_URL"] = ledger_url
     env.update(extra_env or {})
@@ -141,7 +162,10 @@ def drain(
                 extra = on_drained(worker)
         metas = [json.loads(v) for i in range(0, n, 1000) for v in client.mget(keys[i : i + 1000])]
     finally:
-        client.delete(queue, f"_kombu.binding.{queue}")
+        if broker.startswith("amqp"):
+            _delete_amqp_queue(broker, queue)
+        else:
+            client.delete(queue, f"_kombu.binding.{queue}")
         for i in range(0, n, 1000):
             client.delete(*keys[i : i + 1000])
         client.close()
@@ -228,9 +252,11 @@ def run(
     broker: str = REDIS_URL,
     profile: bool = False,
     concurrency: int = 2,
+    amqp: str | None = None,
 ) -> Report:
     report = Report()
     rates: dict[str, list[float]] = {mode: [] for mode in MODES}
+    amqp_rates: dict[str, list[float]] = {mode: [] for mode in MODES}
     cpu: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     pg_per_task: list[dict[str, float]] = []
     with pg_database() as ledger_url, tempfile.TemporaryDirectory(prefix="cl_tp_") as tmp:
@@ -262,6 +288,23 @@ def run(
                     f"({tasks} in {out['span']:.2f}s)",
                     file=sys.stderr,
                 )
+                if amqp:
+                    # The same mode on RabbitMQ right after, results still in Redis.
+                    out = drain(
+                        mode,
+                        tasks,
+                        broker=amqp,
+                        backend=broker,
+                        tmp=Path(tmp),
+                        concurrency=concurrency,
+                        ledger_url=ledger_url if mode != "plain" else None,
+                    )
+                    amqp_rates[mode].append(out["rate"])
+                    print(
+                        f"  round {r + 1} {mode} on RabbitMQ: {out['rate']:.0f} tasks/s "
+                        f"({tasks} in {out['span']:.2f}s)",
+                        file=sys.stderr,
+                    )
         hot = count_hot_path(ledger_url, broker)
         if profile:
             report.text["throughput profile"] = profile_hot_path(ledger_url, broker)
@@ -285,6 +328,15 @@ def run(
         note="the most any claim-then-settle on PostgreSQL reaches here",
     )
     report.add(BENCH, "ratio ledger/floor", ledger / floor, "x", note="what the ledger adds")
+    if amqp:
+        a_plain, a_floor, a_ledger = (median(amqp_rates[mode]) for mode in MODES)
+        amqp_note = f"{note}; RabbitMQ broker (classic queue), results in Redis"
+        report.add(BENCH, "RabbitMQ: plain celery (acks_late)", a_plain, "tasks/s", note=amqp_note)
+        report.add(BENCH, "RabbitMQ: two-commit floor", a_floor, "tasks/s", note=amqp_note)
+        report.add(BENCH, "RabbitMQ: LedgerTask (PostgreSQL)", a_ledger, "tasks/s", note=amqp_note)
+        report.add(BENCH, "RabbitMQ: ratio ledger/plain", a_ledger / a_plain, "x")
+        report.add(BENCH, "RabbitMQ: ratio floor/plain", a_floor / a_plain, "x")
+        report.add(BENCH, "RabbitMQ: ratio ledger/floor", a_ledger / a_floor, "x")
     for mode in MODES:
         for group in CpuTally.GROUPS:
             if mode == "plain" and group == "postgres":
@@ -328,6 +380,11 @@ def run(
     report.text["throughput rounds"] = "\n".join(
         f"{mode}: " + ", ".join(f"{x:.0f}" for x in xs) + " tasks/s" for mode, xs in rates.items()
     )
+    if amqp:
+        report.text["throughput rounds"] += "\n" + "\n".join(
+            f"{mode} on RabbitMQ: " + ", ".join(f"{x:.0f}" for x in xs) + " tasks/s"
+            for mode, xs in amqp_rates.items()
+        )
     return report
 
 
@@ -346,8 +403,15 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="also cProfile the ledgered task in this process"
     )
+    parser.add_argument(
+        "--amqp",
+        metavar="URL",
+        help="also run each mode on this RabbitMQ broker (amqp://...), side by side in each round",
+    )
     args = parser.parse_args()
-    report = run(args.tasks, args.rounds, args.broker, args.profile, args.concurrency)
+    report = run(
+        args.tasks, args.rounds, args.broker, args.profile, args.concurrency, amqp=args.amqp
+    )
     print(format_rows(report.rows))
     for title, text in report.text.items():
         print(f"\n{title}:\n{text}")

@@ -256,6 +256,31 @@ class HotPath(StoreCore):
             cur.execute(stmt.sql, stmt.params({"k": key, "f": fence, "lease": lease_seconds}))
             return bool(cur.rowcount == 1)
 
+    def hold_intents(self, keys: list[str], lease_seconds: float) -> list[str]:
+        """Set the lease of publish intents that a worker has received to db-now +
+        ``lease_seconds`` (one statement, atomic); returns the keys it held.
+
+        Only an entry that is still an intent is touched: running under the resume marker and
+        never executed. Once a claim has run it (or the sweep interrupted it) the key is not
+        returned, and its holder stops holding it. The fence is left alone: nothing runs
+        under a hold, and the claim RUNs an intent whatever its lease.
+        """
+        if not keys:
+            return []
+        with self._one_statement() as conn:
+            rows = conn.execute(
+                update(entries)
+                .where(
+                    entries.c.key.in_(keys),
+                    entries.c.status == EntryStatus.RUNNING.value,
+                    entries.c.owner == RESUME_OWNER,
+                    entries.c.executions == 0,
+                )
+                .values(lease_until=db_now() + lease_seconds)
+                .returning(entries.c.key)
+            ).all()
+        return [r.key for r in rows]
+
     # -- replay rows ----------------------------------------------------------------------
 
     def write_step(

@@ -49,6 +49,7 @@ from celery_ledger.ledger import (
     LedgerUnavailable,
     Overdue,
 )
+from celery_ledger.recovery.publish import confirmed
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,17 @@ def _send(app: Any, name: str, task_id: str, snapshot: ArgumentSnapshot) -> None
         options["queue"] = snapshot.queue
     if snapshot.retries:
         options["retries"] = snapshot.retries
-    app.send_task(name, args=list(snapshot.args), kwargs=dict(snapshot.kwargs), **options)
+    # Confirmed by the broker (recovery/publish.py): a re-send it never took raises here and
+    # is not counted as sent; the lease the caller's compare-and-set took brings it back to the
+    # next sweep.
+    with confirmed(app) as connection:
+        app.send_task(
+            name,
+            args=list(snapshot.args),
+            kwargs=dict(snapshot.kwargs),
+            connection=connection,
+            **options,
+        )
 
 
 def resume_entry(

@@ -9,7 +9,13 @@ import pytest
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 
-from servers import create_pg_database, drop_pg_database, redis_url  # noqa: E402
+from servers import (  # noqa: E402
+    create_pg_database,
+    create_rabbitmq_vhost,
+    delete_rabbitmq_vhost,
+    drop_pg_database,
+    redis_url,
+)
 
 
 @pytest.fixture
@@ -54,3 +60,13 @@ def store(ledger_url: str) -> Iterator[object]:
 @pytest.fixture
 def redis() -> str:
     return redis_url()
+
+
+@pytest.fixture
+def rabbitmq() -> Iterator[str]:
+    """An ``amqp://`` URL on a vhost of this test's own, deleted (with its queues) afterwards."""
+    name, url = create_rabbitmq_vhost()
+    try:
+        yield url
+    finally:
+        delete_rabbitmq_vhost(name)

@@ -40,3 +40,29 @@ def business_key(task_name: str, **fields: Any) -> str:
 
 def event_names(store: LedgerStore, key: str) -> list[str]:
     return [e.event for e in store.entry_events(key)]
+
+
+def configure_queue(app: Any, env: Any) -> None:
+    """The test's queue, as the worker and the test's own client declare it.
+
+    ``TEST_QUEUE_TYPE=quorum``: a RabbitMQ quorum queue, the way Celery 5.5+ declares one, on
+    a topic exchange, so that countdown messages (the WAIT re-queue) go through native delayed
+    delivery instead of waiting in a worker whose prefetch quorum queues keep static.
+    ``TEST_DELIVERY_LIMIT``: its ``x-delivery-limit``, dead-lettering to ``<queue>.dead``.
+    """
+    if env.get("TEST_QUEUE_TYPE") != "quorum":
+        return
+    from kombu import Exchange, Queue
+
+    name = app.conf.task_default_queue
+    arguments: dict[str, Any] = {"x-queue-type": "quorum"}
+    if env.get("TEST_DELIVERY_LIMIT"):
+        arguments["x-delivery-limit"] = int(env["TEST_DELIVERY_LIMIT"])
+        arguments["x-dead-letter-exchange"] = ""
+        arguments["x-dead-letter-routing-key"] = f"{name}.dead"
+    app.conf.task_queues = [
+        Queue(name, Exchange(name, type="topic"), routing_key=name, queue_arguments=arguments)
+    ]
+    app.conf.task_default_exchange = name
+    app.conf.task_default_exchange_type = "topic"
+    app.conf.task_default_routing_key = name

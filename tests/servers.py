@@ -1,4 +1,4 @@
-"""Reaching the test servers: PostgreSQL and Redis on 127.0.0.1.
+"""Reaching the test servers: PostgreSQL, Redis and RabbitMQ on 127.0.0.1.
 
 A missing server skips the test on a laptop and fails it under CI=true (dramatiq's conftest):
 a CI run that silently skipped every server test would prove nothing.
@@ -18,6 +18,11 @@ PG_ADMIN_URL = os.environ.get(
 )
 REDIS_HOST = os.environ.get("CELERY_LEDGER_TEST_REDIS_HOST", "127.0.0.1")
 REDIS_PORT = int(os.environ.get("CELERY_LEDGER_TEST_REDIS_PORT", "6379"))
+RABBITMQ_HOST = os.environ.get("CELERY_LEDGER_TEST_RABBITMQ_HOST", "127.0.0.1")
+RABBITMQ_PORT = int(os.environ.get("CELERY_LEDGER_TEST_RABBITMQ_PORT", "5672"))
+#: rabbitmqctl talks to the node on this machine (the tests add and delete vhosts with it, and
+#: the broker-fault tests stop and start its app).
+RABBITMQCTL = os.environ.get("CELERY_LEDGER_TEST_RABBITMQCTL", "rabbitmqctl")
 
 
 def missing(what: str) -> None:
@@ -110,3 +115,50 @@ def redis_url() -> str:
     client.flushdb()
     client.close()
     return f"redis://{REDIS_HOST}:{REDIS_PORT}/{_redis_db}"
+
+
+# -- RabbitMQ ---------------------------------------------------------------------------------
+
+
+def rabbitmqctl(*args: str, timeout: float = 60) -> str:
+    """Run ``rabbitmqctl ARGS`` against the local node; return its output.
+
+    Raises:
+        RuntimeError: it exited non-zero (the message quotes its output).
+    """
+    import subprocess
+
+    proc = subprocess.run(
+        [RABBITMQCTL, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"rabbitmqctl {' '.join(args)} exited {proc.returncode}: "
+            f"{(proc.stdout + proc.stderr).strip()[-800:]}"
+        )
+    return proc.stdout
+
+
+def rabbitmq_available() -> bool:
+    import shutil
+
+    return port_open(RABBITMQ_HOST, RABBITMQ_PORT) and shutil.which(RABBITMQCTL) is not None
+
+
+def create_rabbitmq_vhost() -> tuple[str, str]:
+    """A vhost of this test's own on the local RabbitMQ, guest allowed on it: (name, url).
+
+    Queues, exchanges and the native delayed-delivery topology of quorum queues all live in
+    the vhost, so parallel tests (and parallel pytest runs) never see each other's messages,
+    and deleting the vhost removes everything the test made.
+    """
+    if not rabbitmq_available():
+        missing("RabbitMQ (port 5672 and rabbitmqctl)")
+    name = f"cl-test-{uuid.uuid4().hex[:12]}"
+    rabbitmqctl("add_vhost", name)
+    rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
+    return name, f"amqp://guest:guest@{RABBITMQ_HOST}:{RABBITMQ_PORT}/{name}"
+
+
+def delete_rabbitmq_vhost(name: str) -> None:
+    rabbitmqctl("delete_vhost", name)

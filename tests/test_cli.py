@@ -491,7 +491,15 @@ def test_doctor_passes_on_the_embedded_default(
 ) -> None:
     data = json.loads(cli("doctor", "--json").stdout)
     checks = {c["name"]: c for c in data["checks"]}
-    assert set(checks) == {"schema", "backend", "visibility", "acks", "beat", "reconcilers"}
+    assert set(checks) == {
+        "schema",
+        "backend",
+        "visibility",
+        "rabbitmq",
+        "acks",
+        "beat",
+        "reconcilers",
+    }
     assert data["ok"] is True and checks["schema"]["status"] == "PASS"
     assert checks["beat"]["status"] == "PASS" and "celery-ledger-sweep" in checks["beat"]["reason"]
     out = cli("doctor").stdout

@@ -172,3 +172,86 @@ def test_the_dockerfile_builds_the_project_as_a_non_root_user() -> None:
             *sources, _dest = args.split()
             for source in sources:
                 assert (REPO / source).exists(), f"the Dockerfile copies missing {source}"
+
+
+# -- the same stack on RabbitMQ (docker-compose.rabbitmq.yml, issue 15) ----------------------
+
+RABBITMQ_OVERRIDE = REPO / "docker-compose.rabbitmq.yml"
+
+
+def merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Compose's merge of an override file: mappings merge key by key, the rest replaces."""
+    out = dict(base)
+    for key, value in override.items():
+        if key.startswith("x-"):
+            continue
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.fixture(scope="module")
+def rabbitmq_stack(compose: dict[str, Any]) -> dict[str, Any]:
+    return merged(compose, dict(yaml.safe_load(RABBITMQ_OVERRIDE.read_text())))
+
+
+def test_the_rabbitmq_override_runs_every_ledger_service_on_rabbitmq(
+    rabbitmq_stack: dict[str, Any],
+) -> None:
+    services = rabbitmq_stack["services"]
+    rabbit = services["rabbitmq"]
+    assert RESTART_POLICIES.match(rabbit["restart"])
+    assert {"test", "interval", "timeout", "retries"} <= set(rabbit["healthcheck"])
+    named = [v.split(":")[0] for v in rabbit["volumes"] if v.endswith(":/var/lib/rabbitmq")]
+    assert named and named[0] in rabbitmq_stack["volumes"]
+    # consumer_timeout above any task, and doctor told the same value.
+    timeout = re.search(
+        r"consumer_timeout (\d+)", rabbit["environment"]["RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS"]
+    )
+    assert timeout is not None
+    for name in ("migrate", "worker-1", "worker-2", "beat", "flower", "metrics"):
+        env = services[name]["environment"]
+        assert env["CELERY_BROKER_URL"].startswith("amqp://ledger:"), name
+        assert "@rabbitmq:5672/" in env["CELERY_BROKER_URL"], name
+        assert env["CELERY_TASK_DEFAULT_QUEUE_TYPE"] == "quorum", name
+        assert env["CELERY_LEDGER_RABBITMQ_CONSUMER_TIMEOUT"] == timeout.group(1), name
+        assert env["CELERY_LEDGER_URL"].startswith("postgresql://"), name  # kept from the base
+    for name in ("worker-1", "worker-2", "beat", "flower", "metrics"):
+        deps = services[name]["depends_on"]
+        assert deps["rabbitmq"] == {"condition": "service_healthy"}, name
+        assert deps["migrate"] == {"condition": "service_completed_successfully"}, name
+
+
+def test_the_rabbitmq_stacks_app_declares_quorum_queues_on_a_topic_exchange(
+    rabbitmq_stack: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The environment the override gives a worker, read by ``create_app`` here (no engine,
+    no broker): the queue Celery declares is a quorum queue, and countdowns take RabbitMQ's
+    native delayed delivery (a topic exchange)."""
+    from celery_ledger import create_app
+
+    env = rabbitmq_stack["services"]["worker-1"]["environment"]
+    for key in ("CELERY_BROKER_URL", "CELERY_TASK_DEFAULT_QUEUE_TYPE"):
+        monkeypatch.setenv(key, str(env[key]).replace("${RABBITMQ_PASSWORD:-ledger}", "ledger"))
+    app = create_app("stack", data_dir=tmp_path, ledger_url=f"sqlite:///{tmp_path / 'l.db'}")
+    queue = app.amqp.queues[app.conf.task_default_queue]
+    assert queue.queue_arguments == {"x-queue-type": "quorum"}
+    assert queue.exchange.type == "topic"
+    app.close()
+
+
+def test_a_compose_client_accepts_the_rabbitmq_override() -> None:
+    client = compose_client()
+    if client is None:
+        pytest.skip("no compose client here; the structural tests above still run")
+    proc = subprocess.run(
+        [*client, "-f", str(COMPOSE), "-f", str(RABBITMQ_OVERRIDE), "config", "-q"],
+        cwd=REPO,
+        env={**os.environ, "FLOWER_BASIC_AUTH": "admin:secret"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr

@@ -1622,3 +1622,34 @@ def test_release_text_is_bounded_and_printable(
     store.release(
         "key-1", Verdict.NOT_EXECUTED, by="a" * 255, reason="line one\nline two\t" + "x" * 4000
     )
+
+
+def test_a_received_intent_is_held_to_the_task_lease_and_released_by_its_claim(
+    store: LedgerStore,
+) -> None:
+    """``hold_intents``: a worker that received an intent's message shortens (and renews) its
+    lease to the task's; a claim ends the hold; a hold never touches a claimed entry."""
+    assert store.record_intent(request(lease=300))
+    assert store.record_intent(request("key-2", task_id="tid-2", lease=300))
+    assert sorted(store.hold_intents(["key-1", "key-2", "no-such-key"], 0.05)) == [
+        "key-1",
+        "key-2",
+    ]
+    # The holder died: nothing renews, and the sweep finds both within that short lease.
+    time.sleep(0.1)
+    swept = sorted(e.key for e in store.interrupt_expired())
+    assert swept == ["key-1", "key-2"]
+    # Resumed (an intent again: resume marker, never executed), held, then claimed.
+    fence = store.get_entry("key-1").fence
+    assert store.begin_resume("key-1", fence, lease_seconds=300) is not None
+    assert store.hold_intents(["key-1"], 60) == ["key-1"]
+    claim = store.claim(request())
+    assert claim.gate is Gate.RUN
+    before = store.get_entry("key-1")
+    assert store.hold_intents(["key-1"], 0.01) == []  # the claim owns it now
+    after = store.get_entry("key-1")
+    assert (after.lease_until, after.owner, after.fence) == (
+        before.lease_until,
+        before.owner,
+        before.fence,
+    )

@@ -16,6 +16,7 @@ from sqlalchemy.exc import DBAPIError
 
 from celery_ledger import LedgerTask, Reconciled, create_app
 from celery_ledger.ledger.engine import make_engine
+from helpers import configure_queue
 
 app = create_app("tests_app")
 app.conf.task_default_queue = os.environ.get("TEST_QUEUE", "celery")
@@ -28,6 +29,9 @@ if os.environ.get("TEST_VISIBILITY_TIMEOUT"):
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
     }
+
+configure_queue(app, os.environ)
+
 
 meta = MetaData()
 effects = Table(

@@ -84,6 +84,11 @@ def create_app(
         }
     if backend.startswith("db+sqlite"):
         data.mkdir(parents=True, exist_ok=True)
+    if env.get("CELERY_TASK_DEFAULT_QUEUE_TYPE") == "quorum":
+        # RabbitMQ quorum queues (Celery 5.5+), on a topic exchange: countdown messages (a
+        # WAIT's re-queue, retries) then go through RabbitMQ's native delayed delivery rather
+        # than waiting in a worker, whose prefetch quorum queues keep static.
+        app.conf.update(task_default_queue_type="quorum", task_default_exchange_type="topic")
     app.conf.update(conf)
     install(app)
     return app

@@ -16,10 +16,11 @@ import time
 from typing import Any, NoReturn
 
 from celery import Task
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject
 
 from celery_ledger import runtime
 from celery_ledger.ledger import EntryStatus, LedgerStore, LedgerUnavailable
+from celery_ledger.recovery.publish import confirmed
 from celery_ledger.settings import LedgerSettings
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,10 @@ def redeliver(
     reached a claim (ledger unreachable) keeps whatever mark it came with.
 
     Raises:
-        Ignore: always; Celery then acks this message and records no state, so a RETURN
-            stored by the other attempt is not overwritten with RETRY.
+        Ignore: the copy is the broker's (confirmed on RabbitMQ); Celery then acks this
+            message and records no state, so a RETURN stored by the other attempt is not
+            overwritten with RETRY.
+        Reject: the broker did not take the copy; this delivery is requeued instead of acked.
     """
     sig = task.signature_from_request(task.request, args, kwargs, countdown=countdown)
     # The entry exists (WAIT) or the ledger is down (claim): no publish intent to record.
@@ -63,7 +66,19 @@ def redeliver(
     else:
         merged.pop("ledger_redelivery", None)
     sig.options["headers"] = merged
-    sig.apply_async()
+    try:
+        # This delivery is acked once we return: the copy must be the broker's before that.
+        with confirmed(task.app) as connection:
+            sig.apply_async(connection=connection)
+    except Exception as exc:  # noqa: BLE001 - whatever stopped the publish, keep this copy
+        log.warning(
+            "re-send of task=%s task_id=%s not confirmed by the broker (%r); requeueing "
+            "this delivery instead",
+            task.name,
+            task.request.id,
+            exc,
+        )
+        raise Reject(exc, requeue=True) from exc
     raise Ignore()
 
 

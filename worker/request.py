@@ -1,10 +1,15 @@
-"""The worker-lost fast path: a Task.Request that runs in the worker's parent process.
+"""The Task.Request of ledgered tasks: it runs in the worker's parent process.
 
-When a pool process dies (SIGKILL, OOM killer), billiard reports ``WorkerLostError`` for the
-request it was running to the parent, which calls ``Request.on_failure`` here. The parent knows
-the node, this boot and the dead child's pid, but not the fence the child claimed with; so the
-entry is interrupted fenced on that exact owner (``interrupt_owner``). It never waits for the
-lease: the child is provably gone.
+Two jobs. **Received, not started**: the parent holds the publish intent of every ledgered
+message it has received until a pool process accepts it (``celery_ledger.receipts``), so a
+worker killed while messages wait in its prefetch or its timer leaves intents that expire
+within the lease, not a queue backlog's bound.
+
+**The worker-lost fast path**: when a pool process dies (SIGKILL, OOM killer), billiard
+reports ``WorkerLostError`` for the request it was running to the parent, which calls
+``Request.on_failure`` here. The parent knows the node, this boot and the dead child's pid,
+but not the fence the child claimed with; so the entry is interrupted fenced on that exact
+owner (``interrupt_owner``). It never waits for the lease: the child is provably gone.
 """
 
 from __future__ import annotations
@@ -18,14 +23,56 @@ from celery.worker.request import Request
 
 from celery_ledger import runtime
 from celery_ledger.ledger import LedgerError
+from celery_ledger.receipts import receipts
 
 log = logging.getLogger(__name__)
 
 
 class LedgerRequest(Request):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._held_key: str | None = None
+        self._hold()
+
+    def _hold(self) -> None:
+        task = self.task
+        try:
+            if not runtime.publish_intent_enabled(task.app):
+                return
+            key, _ = task.ledger_key(
+                self.args, self.kwargs, self.id, self._request_dict.get("ledger_key")
+            )
+            settings = runtime.settings_for(task.app)
+            lease = float(getattr(task, "lease_seconds", None) or settings.lease_seconds)
+        except (LedgerError, ValueError, TypeError) as err:
+            # The claim will say what is wrong with it; a receipt never stops a delivery.
+            log.debug("no receipt hold for task_id=%s: %s", self.id, err)
+            return
+        self._held_key = key
+        receipts.hold(task.app, key, lease)
+
+    def _unhold(self) -> None:
+        if self._held_key is not None:
+            receipts.release(self._held_key)
+            self._held_key = None
+
+    def on_accepted(self, pid: int, time_accepted: float) -> Any:
+        # A pool process has it: its claim owns the entry from now on.
+        self._unhold()
+        return super().on_accepted(pid, time_accepted)
+
+    def acknowledge(self) -> Any:
+        self._unhold()
+        return super().acknowledge()
+
+    def reject(self, requeue: bool = False) -> Any:
+        self._unhold()
+        return super().reject(requeue=requeue)
+
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
     ) -> Any:
+        self._unhold()
         exc = exc_info.exception
         if isinstance(exc, ExceptionWithTraceback):
             exc = exc.exc

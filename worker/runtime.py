@@ -70,10 +70,15 @@ def store_for(app: Any) -> LedgerStore:
 
 
 def publish_intent_enabled(app: Any) -> bool:
+    """Whether ledgered tasks are recorded when published (``ledger_publish_intent``).
+
+    On by default on every broker: a message can be lost before any claim on each of them
+    (``filesystem://`` forgets what a killed worker fetched, Redis strands it in ``unacked``
+    for ``visibility_timeout``, a broker restart without persistence drops its queues), and
+    only an intent lets the sweep find such work. Its price is one write per publish.
+    """
     flag = settings_for(app).publish_intent
-    if flag is None:
-        return str(app.conf.broker_url or "").startswith("filesystem")
-    return flag
+    return True if flag is None else flag
 
 
 def events_enabled(app: Any) -> bool:

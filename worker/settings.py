@@ -71,11 +71,13 @@ class LedgerSettings:
     #: Marker file that makes each crash point fire once (CELERY_LEDGER_CRASH_ONCE).
     crash_once_file: str | None = None
     #: Record each task in the ledger when it is published (``LedgerTask.apply_async``), so a
-    #: message the broker loses before any claim is re-sent by the sweep. None: on for the
-    #: ``filesystem://`` broker (it deletes a message when a worker fetches it), off otherwise.
+    #: message lost before any claim (a killed worker's prefetch, a broker restart without
+    #: persistence, ``filesystem://``) is re-sent by the sweep. None: on, on every broker.
     publish_intent: bool | None = None
     #: How long a published task may wait in the queue before the sweep re-sends it. A longer
     #: backlog only costs a duplicate message (the claim deduplicates), never a duplicate run.
+    #: Once a worker has received the message it holds the intent to the task's lease instead
+    #: (``celery_ledger.receipts``), so a worker's death is found within lease + sweep interval.
     publish_intent_seconds: float = 300.0
     #: How long past its ETA a ``self.retry()`` may stay unclaimed before the sweep re-sends
     #: it (its message may be lost: ``filesystem://`` after a worker kill, a Redis restart

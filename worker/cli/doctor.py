@@ -138,20 +138,47 @@ def _ledger_tasks(app: Any) -> list[Any]:
     return [t for name, t in sorted(app.tasks.items()) if isinstance(t, LedgerTask)]
 
 
-def _check_visibility(app: Any, settings: Any, tasks: list[Any]) -> Check:
-    broker = str(app.conf.broker_url or "")
-    scheme = broker.split(":", 1)[0].split("+")[0]
-    lease = max(
+_AMQP = ("amqp", "amqps", "pyamqp")
+#: RabbitMQ's own default ``consumer_timeout`` (30 minutes), assumed unless configured.
+_CONSUMER_TIMEOUT_DEFAULT = 1800.0
+
+
+def _longest_lease(settings: Any, tasks: list[Any]) -> float:
+    return max(
         [settings.lease_seconds] + [float(t.lease_seconds) for t in tasks if t.lease_seconds]
     )
+
+
+def _scheme(app: Any) -> str:
+    return str(app.conf.broker_url or "").split(":", 1)[0].split("+")[0]
+
+
+def _queue_arguments(app: Any) -> list[tuple[str, dict[str, Any]]]:
+    """(queue name, its declared arguments) of every queue the app declares."""
+    return [(name, dict(q.queue_arguments or {})) for name, q in app.amqp.queues.items()]
+
+
+def _seconds(value: Any, what: str) -> float:
+    """A timeout in milliseconds (RabbitMQ's unit) as seconds.
+
+    Raises:
+        ValueError: not a positive number, naming ``what``.
+    """
+    try:
+        ms = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}={value!r} is not a number of milliseconds") from None
+    if ms <= 0:
+        raise ValueError(f"{what}={value!r} must be > 0 milliseconds")
+    return ms / 1000.0
+
+
+def _check_visibility(app: Any, settings: Any, tasks: list[Any]) -> Check:
+    scheme = _scheme(app)
+    lease = _longest_lease(settings, tasks)
+    if scheme in _AMQP:
+        return _check_consumer_timeout(app, settings, lease)
     if scheme not in _VISIBILITY_BROKERS:
-        if scheme in ("amqp", "amqps", "pyamqp"):
-            return Check(
-                "visibility",
-                "PASS",
-                "RabbitMQ redelivers only when the consumer dies "
-                "(mind consumer_timeout for tasks over 30 min)",
-            )
         return Check(
             "visibility", "PASS", f"{scheme or 'default'} broker has no visibility timeout"
         )
@@ -172,6 +199,85 @@ def _check_visibility(app: Any, settings: Any, tasks: list[Any]) -> Check:
         f"visibility_timeout {vt:.0f}s >= lease {lease:.0f}s; a "
         "task running longer is redelivered and waits on its "
         "lease, never runs beside it",
+    )
+
+
+def _check_consumer_timeout(app: Any, settings: Any, lease: float) -> Check:
+    """RabbitMQ closes a consumer's channel when a delivery stays unacked past
+    ``consumer_timeout``: Celery then shuts the worker down and the broker requeues every
+    message the channel held. The server's value is ``ledger_rabbitmq_consumer_timeout``
+    (milliseconds, as in rabbitmq.conf; ``CELERY_LEDGER_RABBITMQ_CONSUMER_TIMEOUT``), else a
+    queue's ``x-consumer-timeout``, else RabbitMQ's default (30 min)."""
+    declared = [
+        (name, args["x-consumer-timeout"])
+        for name, args in _queue_arguments(app)
+        if "x-consumer-timeout" in args
+    ]
+    configured = os.environ.get("CELERY_LEDGER_RABBITMQ_CONSUMER_TIMEOUT") or app.conf.get(
+        "ledger_rabbitmq_consumer_timeout"
+    )
+    if configured is not None:
+        timeout, source = _seconds(configured, "ledger_rabbitmq_consumer_timeout"), "server"
+    elif declared:
+        timeout = min(_seconds(v, f"x-consumer-timeout of queue {n}") for n, v in declared)
+        source = "queue"
+    else:
+        timeout, source = _CONSUMER_TIMEOUT_DEFAULT, "RabbitMQ's default"
+    if timeout < lease:
+        return Check(
+            "visibility",
+            "WARN",
+            f"consumer_timeout {timeout:.0f}s ({source}) < lease {lease:.0f}s: RabbitMQ "
+            "closes the channel of a task still holding its lease, Celery shuts that worker "
+            "down, and every message it held is redelivered; the copies meet WAIT or RETURN "
+            "(no duplicate), but raise consumer_timeout above the longest task",
+        )
+    return Check(
+        "visibility",
+        "PASS",
+        f"consumer_timeout {timeout:.0f}s ({source}) >= lease {lease:.0f}s; a task running "
+        "longer is redelivered and meets WAIT or RETURN, never runs beside itself",
+    )
+
+
+def _check_rabbitmq(app: Any, settings: Any) -> Check:
+    """Classic queues without publisher confirms, and a quorum queue's delivery limit
+    against ``ledger_max_resumes`` (RabbitMQ only)."""
+    if _scheme(app) not in _AMQP:
+        return Check("rabbitmq", "PASS", "not a RabbitMQ broker")
+    problems = []
+    queues = _queue_arguments(app) or [(app.conf.task_default_queue, {})]
+    confirm = bool((app.conf.broker_transport_options or {}).get("confirm_publish"))
+    classic = [n for n, a in queues if a.get("x-queue-type", "classic") == "classic"]
+    if classic and not confirm:
+        problems.append(
+            f"classic queue(s) {', '.join(classic)} without publisher confirms "
+            "(broker_transport_options confirm_publish): a publish the broker drops is never "
+            "reported to the caller; the publish intent and the sweep find it after "
+            "ledger_publish_intent_seconds; use quorum queues, or confirm_publish"
+        )
+    for name, args in queues:
+        if "x-delivery-limit" not in args:
+            continue
+        raw = args["x-delivery-limit"]
+        try:
+            limit = int(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"x-delivery-limit of queue {name} is {raw!r}, not a count") from None
+        if limit <= settings.max_resumes:
+            problems.append(
+                f"queue {name}: x-delivery-limit {limit} <= ledger_max_resumes "
+                f"{settings.max_resumes}: the broker dead-letters a crashing task before the "
+                "ledger parks it; the entry stays interrupted and the sweep re-sends it from "
+                "its snapshot until the crash-loop rule blocks it (dead-letter copies pile "
+                "up meanwhile); set the limit above ledger_max_resumes"
+            )
+    if problems:
+        return Check("rabbitmq", "WARN", "; ".join(problems))
+    return Check(
+        "rabbitmq",
+        "PASS",
+        "publishes confirmed (or quorum queues); delivery limits above ledger_max_resumes",
     )
 
 
@@ -246,10 +352,12 @@ def _check_reconcilers(tasks: list[Any]) -> Check:
 
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (see docs/operations.md).")
+@click.option("--strict", is_flag=True, help="Exit 1 on any WARN too (for CI and deploy gates).")
 @click.pass_context
 @guarded
-def doctor_cmd(ctx: click.Context, as_json: bool) -> None:
-    """Read-only checks of the ledger and the app's settings; exit 1 on any FAIL."""
+def doctor_cmd(ctx: click.Context, as_json: bool, strict: bool) -> None:
+    """Read-only checks of the ledger and the app's settings; exit 1 on any FAIL (with
+    --strict, on any WARN)."""
     from celery_ledger.runtime import settings_for
 
     app = load_app(ctx)
@@ -267,11 +375,12 @@ def doctor_cmd(ctx: click.Context, as_json: bool) -> None:
         schema,
         _check_backend(url, app, store, schema),
         _check_visibility(app, settings, tasks),
+        _check_rabbitmq(app, settings),
         _check_acks(app, tasks),
         _check_beat(app, settings, store),
         _check_reconcilers(tasks),
     ]
-    failed = any(c.status == "FAIL" for c in checks)
+    failed = any(c.status == "FAIL" or (strict and c.status == "WARN") for c in checks)
     if as_json:
         emit_json({"app": app.main, "ok": not failed, "checks": [asdict(c) for c in checks]})
     else:

@@ -17,6 +17,7 @@ used by the commands, which import this module without building an app.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -61,6 +62,9 @@ ENV_EFFECTS_URL = "CELERY_LEDGER_DEMO_EFFECTS_URL"
 ENV_NAMESPACE = "CELERY_LEDGER_DEMO_NAMESPACE"
 #: Redis only: a visibility timeout (seconds) that makes the broker redeliver live tasks.
 ENV_VISIBILITY = "CELERY_LEDGER_DEMO_VISIBILITY_TIMEOUT"
+#: ``worker_prefetch_multiplier`` (default 1): Celery's own default, 4, keeps messages waiting
+#: in a worker, where a SIGKILL strands them.
+ENV_PREFETCH = "CELERY_LEDGER_DEMO_PREFETCH"
 
 PLAIN = "celery_ledger.demo.plain_order"
 PLAIN_ACKS_LATE = "celery_ledger.demo.plain_order_acks_late"
@@ -262,6 +266,7 @@ class DemoConfig:
     ledger_url: str | None = None
     result_backend: str | None = None
     visibility_timeout: float | None = None
+    prefetch: int | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> DemoConfig:
@@ -276,6 +281,7 @@ class DemoConfig:
             ledger_url=env.get("CELERY_LEDGER_URL"),
             result_backend=env.get("CELERY_RESULT_BACKEND"),
             visibility_timeout=float(vis) if vis else None,
+            prefetch=int(env[ENV_PREFETCH]) if env.get(ENV_PREFETCH) else None,
         )
 
 
@@ -314,6 +320,8 @@ def build_app(env: Mapping[str, str] | None = None) -> Celery:
         # those within the run. It changes when, not what, for all three tasks alike.
         worker_lost_wait=1.0,
     )
+    if cfg.prefetch:
+        app.conf.worker_prefetch_multiplier = cfg.prefetch
     options = dict(app.conf.broker_transport_options or {})
     broker = cfg.broker_url or "filesystem://"
     if broker.startswith("filesystem"):
@@ -653,3 +661,25 @@ def purge_redis(broker_url: str, namespace: str) -> int:
         return len(keys)
     finally:
         client.close()
+
+
+def purge_amqp(broker_url: str, queues: Iterable[str]) -> int:
+    """Delete ``queues`` and the direct exchange Celery declared for each (named after it).
+    Returns how many queues existed."""
+    from amqp.exceptions import NotFound
+    from kombu import Connection
+
+    deleted = 0
+    with Connection(broker_url, connect_timeout=5) as conn:
+        for name in queues:
+            for delete in ("queue_delete", "exchange_delete"):
+                channel = conn.channel()
+                try:
+                    getattr(channel, delete)(name)
+                    deleted += delete == "queue_delete"
+                except NotFound:
+                    pass  # never declared: its channel is closed, the next one is fresh
+                finally:
+                    with contextlib.suppress(Exception):
+                        channel.close()
+    return deleted

@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn, TextIO
@@ -97,6 +97,8 @@ class Sandbox:
     effects_url: str
     #: Whether ``data_dir`` was made for this run (and so may be deleted).
     temporary: bool
+    #: The queues the run's workloads consume (RabbitMQ: deleted with the run).
+    queues: list[str] = field(default_factory=list)
 
     @classmethod
     def create(
@@ -130,6 +132,10 @@ class Sandbox:
     def redis(self) -> bool:
         return bool(self.broker_url and self.broker_url.startswith(("redis://", "rediss://")))
 
+    @property
+    def amqp(self) -> bool:
+        return bool(self.broker_url and self.broker_url.startswith(("amqp", "pyamqp")))
+
     def env_for(self, queue: str, **extra: str) -> dict[str, str]:
         """The environment of a ``celery -A celery_ledger.harness.demo_app`` process for
         ``queue``."""
@@ -160,6 +166,15 @@ class Sandbox:
                     return int(client.llen(demo_app.redis_keyprefix(self.namespace, queue) + queue))
                 finally:
                     client.close()
+            if self.amqp:
+                from kombu import Connection
+
+                with Connection(self.broker_url, connect_timeout=5) as conn:
+                    channel = conn.channel()
+                    try:
+                        return int(channel.queue_declare(queue, passive=True).message_count)
+                    finally:
+                        channel.close()
         except Exception as exc:  # noqa: BLE001 - a count for the report, nothing depends on it
             log.debug("could not count %s: %s", queue, exc)
         return -1
@@ -183,15 +198,21 @@ class Sandbox:
         ]
 
     def remove(self, keep: bool, order_ids: Iterable[str], ledger_engine: Any) -> None:
-        """Remove what the run created: Redis keys always (they are only message
-        bookkeeping); unless ``keep``, its ledger entries and effects tables, and a temporary
-        data directory."""
+        """Remove what the run created: Redis keys and RabbitMQ queues always (they are only
+        message bookkeeping); unless ``keep``, its ledger entries and effects tables, and a
+        temporary data directory."""
         if self.redis:
             assert self.broker_url is not None
             try:
                 demo_app.purge_redis(self.broker_url, self.namespace)
             except Exception as exc:  # noqa: BLE001 - report, go on removing the rest
                 log.warning("could not remove the Redis keys of %s: %s", self.namespace, exc)
+        if self.amqp:
+            assert self.broker_url is not None
+            try:
+                demo_app.purge_amqp(self.broker_url, self.queues)
+            except Exception as exc:  # noqa: BLE001 - report, go on removing the rest
+                log.warning("could not remove the queues of %s: %s", self.namespace, exc)
         if keep:
             return
         db = demo_app.EffectsDb(self.effects_url, self.namespace)
@@ -256,6 +277,7 @@ class Workload:
         self.concurrency = concurrency
         self.run = f"{box.namespace}-{kind.id}"
         self.queue = f"celery-ledger-demo-{self.run}"
+        box.queues.append(self.queue)
         self.order_ids = [f"{self.run}-{i:04d}" for i in range(orders)]
         self.env = box.env_for(self.queue, **(env or {}))
         self.db = demo_app.EffectsDb(box.effects_url, box.namespace)

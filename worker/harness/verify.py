@@ -12,13 +12,20 @@ intervals (``--seed`` makes the choices repeatable; the timing is the machine's)
 - ``pause``: SIGSTOP a worker past the lease, then SIGCONT: a zombie that wakes up fenced;
 - ``ledger-outage``: PostgreSQL: cut the ledgered processes' connections for a few seconds
   (they reach the ledger through a TCP proxy on 127.0.0.1 that this command owns); SQLite:
-  hold the write lock of verify's own ledger file for longer than the lease.
+  hold the write lock of verify's own ledger file for longer than the lease;
+- ``broker-restart`` (Redis, RabbitMQ): every process of both runs reaches the broker through
+  a TCP proxy on 127.0.0.1 that this command owns; it is cut for a few seconds, which is what
+  a broker restart looks like from the workers (every connection drops, RabbitMQ requeues
+  what they held unacked, kombu reconnects). Verify never restarts your server: what a real
+  restart also loses on the server side (a Redis without persistence) is proven by the test
+  suite against servers of its own (``tests/test_broker_faults.py``).
 
 On Redis the second worker of each run has a 1 s visibility timeout, so the broker redelivers
-tasks that are still running (celery #4400). Each action hits both runs at the same moment,
-the same way (the ledger outage has nothing to cut in the plain run). Everything verify
-creates lives in a namespace of its own (queues, Redis key prefix, effects tables, ledger
-keys) and is removed afterwards unless ``--keep``.
+tasks that are still running (celery #4400). (RabbitMQ does that only past its server-wide
+``consumer_timeout``, which verify does not change on your server.) Each action hits both
+runs at the same moment, the same way (the ledger outage has nothing to cut in the plain run).
+Everything verify creates lives in a namespace of its own (queues, Redis key prefix, effects
+tables, ledger keys) and is removed afterwards unless ``--keep``.
 
 Counted at the end: **lost** (claimed by the ledger, never settled nor parked), **never
 claimed** (sent, but no ledger entry: the broker dropped the message before any worker claimed
@@ -36,6 +43,7 @@ import random
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +83,10 @@ CHAOS_INTERVAL = (0.7, 2.5)
 MAX_ACTIONS = 400
 #: How long a ledger outage lasts (PostgreSQL) or the SQLite write lock is held.
 OUTAGE_SECONDS = {"postgresql": 2.5, "sqlite": LEASE_SECONDS + 1.0}
+#: How long a broker restart keeps the broker unreachable.
+BROKER_RESTART_SECONDS = 3.0
+#: Default ports of the brokers verify can proxy, when the URL names none.
+BROKER_PORTS = {"redis": 6379, "rediss": 6379, "amqp": 5672, "pyamqp": 5672}
 #: After the chaos, how long the runs get to finish.
 SETTLE_SECONDS = 120.0
 
@@ -202,6 +214,47 @@ def outage_for(box: Sandbox) -> LedgerOutage:
     return SqliteStall(box.ledger_url)
 
 
+class BrokerRestart:
+    """Every process of both runs reaches the broker through a proxy on 127.0.0.1 that this
+    command owns; ``begin`` cuts every connection and refuses new ones, ``end`` listens again.
+    """
+
+    def __init__(self, broker_url: str | None) -> None:
+        self.unavailable: str | None = None
+        self.proxy: TcpProxy | None = None
+        self._cut = False
+        if broker_url is None:
+            self.unavailable = "filesystem:// has no connection to cut"
+            return
+        parts = urllib.parse.urlsplit(broker_url)
+        scheme = parts.scheme.split("+")[0]
+        if scheme not in BROKER_PORTS or parts.scheme.startswith(("rediss", "amqps")):
+            self.unavailable = f"{parts.scheme}:// is not proxied by verify"
+            return
+        self.proxy = TcpProxy(parts.hostname or "127.0.0.1", parts.port or BROKER_PORTS[scheme])
+        self.proxy.start()
+        userinfo = parts.netloc.rpartition("@")[0]
+        address = f"127.0.0.1:{self.proxy.port}"
+        netloc = f"{userinfo}@{address}" if userinfo else address
+        self.url = urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+    def begin(self) -> str:
+        assert self.proxy is not None
+        self.proxy.stop()
+        self._cut = True
+        return f"broker unreachable for {BROKER_RESTART_SECONDS:.1f}s (every connection cut)"
+
+    def end(self) -> None:
+        if self._cut and self.proxy is not None:
+            self.proxy.start()
+            self._cut = False
+
+    def close(self) -> None:
+        self.end()
+        if self.proxy is not None:
+            self.proxy.stop()
+
+
 # -- the chaos loop ---------------------------------------------------------------------------
 
 
@@ -219,19 +272,34 @@ class Chaos:
     (SIGCONT, restoring the ledger) fires by ``finish`` at the latest."""
 
     def __init__(
-        self, works: list[Workload], rng: random.Random, outage: LedgerOutage, chaos_log: ChaosLog
+        self,
+        works: list[Workload],
+        rng: random.Random,
+        outage: LedgerOutage,
+        chaos_log: ChaosLog,
+        broker: BrokerRestart | None = None,
     ) -> None:
         self.works = works
         self.rng = rng
         self.outage = outage
+        self.broker = broker
+        self.broker_down = False
         self.log = chaos_log
         self.started = time.monotonic()
         self.next_at = self.started + rng.uniform(*CHAOS_INTERVAL)
         self.timers: list[tuple[float, str, Any]] = []
         self.outage_on = False
-        weights = {"kill-child": 4, "kill-worker": 2, "pause": 2, "ledger-outage": 2}
+        weights = {
+            "kill-child": 4,
+            "kill-worker": 2,
+            "pause": 2,
+            "ledger-outage": 2,
+            "broker-restart": 1,
+        }
         if outage.unavailable:
             del weights["ledger-outage"]
+        if broker is None or broker.unavailable:
+            del weights["broker-restart"]
         self.actions = list(weights)
         self.weights = list(weights.values())
 
@@ -248,6 +316,17 @@ class Chaos:
         # One draw decides the victim for every run: same schedule, same choices.
         pick = self.rng.random()
         at = round(time.monotonic() - self.started, 1)
+        if action == "broker-restart":
+            assert self.broker is not None
+            if self.broker_down:
+                return
+            self.broker_down = True
+            detail = self.broker.begin()
+            self.timers.append(
+                (time.monotonic() + BROKER_RESTART_SECONDS, "broker", self._end_broker)
+            )
+            self.log.actions.append({"t": at, "action": action, "run": "all", "detail": detail})
+            return
         if action == "ledger-outage":
             if self.outage_on:
                 return
@@ -299,6 +378,11 @@ class Chaos:
         self.outage.end()
         self.outage_on = False
 
+    def _end_broker(self) -> None:
+        if self.broker is not None:
+            self.broker.end()
+        self.broker_down = False
+
     def finish(self) -> None:
         """Fire every pending timer now: resume paused workers, restore the ledger."""
         for _, _, fn in sorted(self.timers, key=lambda t: t[0]):
@@ -306,6 +390,7 @@ class Chaos:
         self.timers.clear()
         self.outage.end()
         self.outage_on = False
+        self._end_broker()
 
 
 # -- the command ------------------------------------------------------------------------------
@@ -355,9 +440,18 @@ def run_verify(
         stage.cleanups.append(outage.close)
         if outage.unavailable:
             chaos_log.skipped.append(f"ledger-outage: {outage.unavailable}")
+        broker_restart = BrokerRestart(box.broker_url)
+        stage.cleanups.append(broker_restart.close)
+        if broker_restart.unavailable:
+            chaos_log.skipped.append(f"broker-restart: {broker_restart.unavailable}")
         second: dict[str, str] = {}
         if box.redis:
             second = {demo_app.ENV_VISIBILITY: str(VISIBILITY_TIMEOUT)}
+        elif box.amqp:
+            chaos_log.skipped.append(
+                "visibility-timeout redelivery: RabbitMQ redelivers a running task only past "
+                "its server-wide consumer_timeout, which verify does not change on your server"
+            )
         else:
             chaos_log.skipped.append(
                 "visibility-timeout redelivery: Redis only (filesystem:// never "
@@ -367,6 +461,8 @@ def run_verify(
             env = {}
             if kind.ledgered:
                 env["CELERY_LEDGER_URL"] = outage.worker_url(box.ledger_url)
+            if not broker_restart.unavailable:
+                env["CELERY_BROKER_URL"] = broker_restart.url
             stage.workload(kind, orders=tasks, concurrency=concurrency, env=env)
         works = stage.works
         with phases.phase("start"):
@@ -381,7 +477,7 @@ def run_verify(
                 w.enqueue(gaps)
             phases.done(f"{len(procs)} processes up; {tasks} orders sent to each run")
         with phases.phase("chaos"):
-            chaos = Chaos(works, rng, outage, chaos_log)
+            chaos = Chaos(works, rng, outage, chaos_log, broker_restart)
             deadline = time.monotonic() + duration
             try:
                 while time.monotonic() < deadline and not _drained(works, stage.ledger_engine):
@@ -534,7 +630,7 @@ def render(report: VerifyReport) -> str:
     "--broker",
     envvar="CELERY_BROKER_URL",
     metavar="URL",
-    help="Broker URL (redis://...); default: filesystem:// in a temporary directory.",
+    help="Broker URL (redis://..., amqp://...); default: filesystem:// in a temporary directory.",
 )
 @click.option(
     "--ledger",
