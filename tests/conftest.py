@@ -70,3 +70,12 @@ def rabbitmq() -> Iterator[str]:
         yield url
     finally:
         delete_rabbitmq_vhost(name)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test on RabbitMQ runs in one xdist worker, one at a time (``--dist loadgroup``):
+    some restart the shared server's app or shorten its ``consumer_timeout`` for a moment,
+    which would cut the connections of any other RabbitMQ test running beside them."""
+    for item in items:
+        if "rabbitmq" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("rabbitmq-server"))
