@@ -72,10 +72,18 @@ def rabbitmq() -> Iterator[str]:
         delete_rabbitmq_vhost(name)
 
 
+#: Modules whose tests each run a whole chaos workload (several workers, beat, kills): they run
+#: one at a time in one xdist worker, so that two of them never share the two cores at once.
+HEAVY = {"test_verify", "test_demo", "test_benchmarks", "test_broker_faults"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test on RabbitMQ runs in one xdist worker, one at a time (``--dist loadgroup``):
-    some restart the shared server's app or shorten its ``consumer_timeout`` for a moment,
-    which would cut the connections of any other RabbitMQ test running beside them."""
+    """Groups for ``--dist loadgroup``: every test on RabbitMQ runs in one xdist worker, one at a
+    time (some restart the shared server's app or shorten its ``consumer_timeout`` for a moment,
+    which would cut the connections of any other RabbitMQ test beside them); the chaos
+    workloads share another."""
     for item in items:
         if "rabbitmq" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("rabbitmq-server"))
+        elif item.module is not None and item.module.__name__ in HEAVY:
+            item.add_marker(pytest.mark.xdist_group("chaos-workloads"))

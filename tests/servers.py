@@ -6,8 +6,10 @@ a CI run that silently skipped every server test would prove nothing.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import time
 import uuid
 
 import pytest
@@ -71,12 +73,36 @@ def drop_pg_database(name: str) -> None:
 
 
 _redis_db = 0
-#: Database 0 holds one claim key per database number, so that concurrent pytest runs on one
-#: Redis (a developer and a helper, several helpers) never flush each other's database.
+#: Database 0 holds one claim key per database number, so that concurrent pytest runs (and the
+#: processes of one xdist run) on one Redis never flush each other's database.
 _CLAIM = "celery-ledger-test:redis-db:{}"
 #: A claim outlives any one test (the per-test timeout is 180 s) and then lapses by itself, so a
 #: run that was SIGKILLed frees its database without anyone cleaning up.
-_CLAIM_SECONDS = 900
+_CLAIM_SECONDS = 300
+#: How long a test waits for a database number when every one is claimed by other runs.
+_CLAIM_WAIT_SECONDS = 120
+
+
+def _me() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _release_redis_claim() -> None:
+    """At exit: give this process's database number back at once (not after the claim lapses)."""
+    if not _redis_db:
+        return
+    import redis
+
+    try:
+        admin = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=0, socket_timeout=2)
+        try:
+            key = _CLAIM.format(_redis_db)
+            if admin.get(key) == _me().encode():
+                admin.delete(key)
+        finally:
+            admin.close()
+    except Exception:  # noqa: BLE001 - the claim lapses by itself anyway
+        pass
 
 
 def redis_url() -> str:
@@ -84,28 +110,37 @@ def redis_url() -> str:
 
     kombu keeps its unacked-message bookkeeping in fixed key names per database, so two tests
     sharing one database would restore each other's messages. Each test takes the next number
-    (1-15) that no other live pytest run has claimed, and gives up this run's previous one.
+    (1-15) that no other live process has claimed, and gives up this process's previous one.
     """
     global _redis_db
     if not port_open(REDIS_HOST, REDIS_PORT):
         missing("Redis")
     import redis
 
-    me = f"{socket.gethostname()}:{os.getpid()}"
+    me = _me()
     admin = redis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=0)
     try:
         previous = _redis_db
-        start = (_redis_db or os.getpid()) % 15
-        for step in range(15):
-            candidate = (start + step) % 15 + 1
-            key = _CLAIM.format(candidate)
-            if admin.set(key, me, nx=True, ex=_CLAIM_SECONDS) or (
-                candidate == previous and admin.get(key) == me.encode()
-            ):
-                admin.expire(key, _CLAIM_SECONDS)
-                break
-        else:
-            raise RuntimeError("all 15 Redis test databases are claimed by other pytest runs")
+        if not previous:
+            atexit.register(_release_redis_claim)
+        deadline = time.monotonic() + _CLAIM_WAIT_SECONDS
+        candidate = 0
+        while not candidate:
+            start = (previous or os.getpid()) % 15
+            for step in range(15):
+                number = (start + step) % 15 + 1
+                key = _CLAIM.format(number)
+                if admin.set(key, me, nx=True, ex=_CLAIM_SECONDS) or admin.get(key) == me.encode():
+                    admin.expire(key, _CLAIM_SECONDS)
+                    candidate = number
+                    break
+            else:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"all 15 Redis test databases stayed claimed by other pytest runs for "
+                        f"{_CLAIM_WAIT_SECONDS}s"
+                    )
+                time.sleep(1.0)
         if previous and previous != candidate and admin.get(_CLAIM.format(previous)) == me.encode():
             admin.delete(_CLAIM.format(previous))
     finally:
