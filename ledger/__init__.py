@@ -38,6 +38,12 @@ from celery_ledger.ledger.operator import (
     Release,
     check_release_text,
 )
+from celery_ledger.ledger.outbox import (
+    Child,
+    OutboxMessage,
+    OutboxQueries,
+    child_task_id,
+)
 from celery_ledger.ledger.states import EntryStatus, Gate, SideEffect, StepStatus, Verdict
 from celery_ledger.ledger.store import LedgerStore
 from celery_ledger.ledger.values import (
@@ -59,11 +65,16 @@ __all__ = [
     # Store
     "LedgerStore",
     "OperatorQueries",
+    "OutboxQueries",
     "LedgerStats",
     "Release",
     "check_release_text",
     "MAX_RELEASE_BY_CHARS",
     "MAX_RELEASE_REASON_CHARS",
+    # Outbox
+    "Child",
+    "OutboxMessage",
+    "child_task_id",
     # Values
     "ArgumentSnapshot",
     "Claim",
