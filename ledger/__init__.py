@@ -46,6 +46,7 @@ from celery_ledger.ledger.outbox import (
 )
 from celery_ledger.ledger.states import EntryStatus, Gate, SideEffect, StepStatus, Verdict
 from celery_ledger.ledger.store import LedgerStore
+from celery_ledger.ledger.transactions import TRANSACTION_STEP_REF, TransactionSteps
 from celery_ledger.ledger.values import (
     NO_ARGS_HASH,
     RESUME_OWNER,
@@ -75,6 +76,8 @@ __all__ = [
     "Child",
     "OutboxMessage",
     "child_task_id",
+    "TRANSACTION_STEP_REF",
+    "TransactionSteps",
     # Values
     "ArgumentSnapshot",
     "Claim",

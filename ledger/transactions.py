@@ -31,6 +31,12 @@ from celery_ledger.ledger.errors import translate_db_errors
 from celery_ledger.ledger.outbox import Child, child_rows, insert_children
 from celery_ledger.ledger.states import StepStatus
 
+#: The external reference of a transaction step's ``started`` row. Such a row is written only
+#: for the first step of an entry that has no replay row yet, so that a crash inside it does
+#: not make the body look stepless (a stepless body that ran is ambiguous). It is never
+#: ambiguous itself: the step's writes commit with its ``completed`` row or not at all.
+TRANSACTION_STEP_REF = "celery-ledger:transaction-step"
+
 
 class TransactionSteps(StoreCore):
     """A step's completed row written in a transaction: the transaction step, the outbox."""

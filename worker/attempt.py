@@ -40,6 +40,7 @@ from celery_ledger.ledger import (
     Verdict,
     step_provider_key,
 )
+from celery_ledger.ledger.transactions import TRANSACTION_STEP_REF
 from celery_ledger.outbox import Sends
 from celery_ledger.recovery.outbox import publish
 from celery_ledger.replay import Drift, Ident, Identify, ReplayBook, check_step_name, identity_of
@@ -384,8 +385,23 @@ class Attempt:
         if row is not None and row.status is StepStatus.COMPLETED:
             self.replayed += 1
             return TransactionStep(self, ident, 0, replayed=row.output, session=session)
+        first = self._seq == 0 and row is None
         self._seq += 1
         seq = row.seq if row is not None else self._seq
+        if first and self.side_effect.writes_intent:
+            # No replay row yet: a crash inside would leave none, and the next attempt would
+            # take the body for a stepless one that ran (ambiguous). One marker row, once
+            # per entry, says a step was under way (``TRANSACTION_STEP_REF``).
+            self._fenced(self._write(ident, seq, StepStatus.STARTED), f"step {name} start")
+            self._fenced(
+                self._retrying(
+                    lambda: self._store.record_external_ref(
+                        self.key, self.fence, ident, TRANSACTION_STEP_REF
+                    ),
+                    f"step {name} marker",
+                ),
+                f"step {name} marker",
+            )
         return TransactionStep(self, ident, seq, replayed=None, session=session)
 
     def enter_transaction(self, ident: Ident) -> Sends:
