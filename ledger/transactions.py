@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 from sqlalchemy import Connection
 
@@ -36,6 +37,24 @@ from celery_ledger.ledger.states import StepStatus
 #: not make the body look stepless (a stepless body that ran is ambiguous). It is never
 #: ambiguous itself: the step's writes commit with its ``completed`` row or not at all.
 TRANSACTION_STEP_REF = "celery-ledger:transaction-step"
+
+
+def _completed_params(
+    key: str, fence: int, ident: tuple[str, str, int], seq: int, output: str | None
+) -> dict[str, Any]:
+    name, ihash, occurrence = ident
+    return {
+        "key": key,
+        "name": name,
+        "input_hash": ihash,
+        "occurrence": occurrence,
+        "seq": seq,
+        "status": StepStatus.COMPLETED.value,
+        "output": output,
+        "error": None,
+        "fence": fence,
+        "authorized": 0,
+    }
 
 
 class TransactionSteps(StoreCore):
@@ -111,22 +130,11 @@ class TransactionSteps(StoreCore):
         commits) and the row are one statement, one round trip. Returns False when the fence
         moved or the row is completed already: the caller must roll back.
         """
-        name, ihash, occurrence = ident
+        name, _, occurrence = ident
         stmt = self.fast.compiled(
             ("step", False, False), lambda: sql.step_upsert(self.dialect, False)
         )
-        params = {
-            "key": key,
-            "name": name,
-            "input_hash": ihash,
-            "occurrence": occurrence,
-            "seq": seq,
-            "status": StepStatus.COMPLETED.value,
-            "output": output,
-            "error": None,
-            "fence": fence,
-            "authorized": 0,
-        }
+        params = _completed_params(key, fence, ident, seq, output)
         cur = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
         try:
             cur.execute(stmt.sql, stmt.params(params))
@@ -142,8 +150,25 @@ class TransactionSteps(StoreCore):
             cur.close()
         return True
 
-    def commit_transaction(self, conn: Connection) -> None:
-        """Commit a ``step_transaction`` after its ``complete_on`` returned True.
+    def commit_step(
+        self,
+        conn: Connection,
+        key: str,
+        fence: int,
+        ident: tuple[str, str, int],
+        *,
+        seq: int,
+        output: str | None,
+        children: Sequence[Child] = (),
+    ) -> bool:
+        """Write the ``completed`` row (and the children) on ``conn`` and commit the caller's
+        ``step_transaction``, fenced: the block's writes and the row commit together.
+
+        One statement for the row and its fence check (``complete_on``), then the commit: the
+        block's round trips plus one (children add one more).
+
+        Returns False when the fence moved (nothing committed: the block's writes are rolled
+        back with the row).
 
         Raises:
             LedgerUnavailable: the commit did not reach the database, or its answer was lost.
@@ -151,5 +176,8 @@ class TransactionSteps(StoreCore):
                 the block's writes or neither did, and the next attempt replays or re-runs
                 accordingly.
         """
+        if not self.complete_on(conn, key, fence, ident, seq=seq, output=output, children=children):
+            return False
         with translate_db_errors():
             conn.commit()
+        return True

@@ -427,11 +427,10 @@ class Attempt:
                 it committed; the next attempt replays or re-runs accordingly).
         """
         self._check_fence()
-        ok = self._store.complete_on(
+        ok = self._store.commit_step(
             conn, self.key, self.fence, ident, seq=seq, output=encoded, children=sends.children
         )
         self._fenced(ok, f"transaction step {ident[0]} complete")
-        self._store.commit_transaction(conn)
 
     def _write(
         self,
