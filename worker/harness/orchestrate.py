@@ -387,7 +387,11 @@ class Workload:
             if done:
                 # The children the completed orders sent (through the outbox) are work the
                 # ledger owns too: the run is over once each of them settled or parked.
-                sent = [o for o, out in outcomes.items() if out.status is EntryStatus.COMPLETED]
+                sent = [
+                    o
+                    for o, out in outcomes.items()
+                    if out.status is EntryStatus.COMPLETED and demo_app.sends_child(o)
+                ]
                 children = demo_app.child_statuses(ledger_engine, sent)
                 done = all(children.get(o) in final for o in sent)
             if any(o.status not in final for o in outcomes.values()):

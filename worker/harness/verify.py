@@ -32,8 +32,8 @@ claimed** (sent, but no ledger entry: the broker dropped the message before any 
 it, which no task-side ledger can see; ``filesystem://`` does this to what a SIGKILLed worker
 had fetched), failed, blocked (with the ambiguous step), duplicated effects and the duplicate
 rate (effect rows beyond one per order and effect), the ledger's own count of unauthorized
-step re-runs, resumed entries and replayed steps. Each ledgered order ends by sending a child
-task through the transactional outbox (issue 16), and with a ledger of its own database
+step re-runs, resumed entries and replayed steps. Every fifth ledgered order ends by sending a
+child task through the transactional outbox (issue 16), and with a ledger of its own database
 (``--ledger``) its receipt is a transaction step (the effects tables live in the ledger's
 database then): children that never ran to an end are counted as lost children. The exit
 status is 1 if the ledgered run lost or duplicated anything, its children included.
