@@ -130,12 +130,33 @@ class TransactionSteps(StoreCore):
         commits) and the row are one statement, one round trip. Returns False when the fence
         moved or the row is completed already: the caller must roll back.
         """
+        dbapi = conn.connection.dbapi_connection
+        assert dbapi is not None
+        return self.complete_on_dbapi(
+            dbapi, key, fence, ident, seq=seq, output=output, children=children
+        )
+
+    def complete_on_dbapi(
+        self,
+        dbapi: Any,
+        key: str,
+        fence: int,
+        ident: tuple[str, str, int],
+        *,
+        seq: int,
+        output: str | None,
+        children: Sequence[Child] = (),
+    ) -> bool:
+        """``complete_on`` on a raw DBAPI connection of the same driver as the ledger's, in
+        its open transaction (Django's connection inside ``transaction.atomic()``): the same
+        compiled statement on another cursor. Returns False when the fence moved or the row
+        is completed already: the caller must roll back."""
         name, _, occurrence = ident
         stmt = self.fast.compiled(
             ("step", False, False), lambda: sql.step_upsert(self.dialect, False)
         )
         params = _completed_params(key, fence, ident, seq, output)
-        cur = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+        cur = dbapi.cursor()
         try:
             cur.execute(stmt.sql, stmt.params(params))
             if cur.fetchone() is None:

@@ -415,6 +415,21 @@ class Attempt:
         self.current = None
         self._sends = None
 
+    def complete_on_connection(
+        self, dbapi: Any, ident: Ident, seq: int, encoded: str, sends: Sends
+    ) -> None:
+        """Write the step's completed row (and its children) on a DBAPI connection in its
+        open transaction, which the caller commits (Django's, in ``django_steps``).
+
+        Raises:
+            Fenced: this attempt was superseded; the caller must roll back.
+        """
+        self._check_fence()
+        ok = self._store.complete_on_dbapi(
+            dbapi, self.key, self.fence, ident, seq=seq, output=encoded, children=sends.children
+        )
+        self._fenced(ok, f"transaction step {ident[0]} complete")
+
     def complete_transaction(
         self, conn: Any, ident: Ident, seq: int, encoded: str, sends: Sends
     ) -> None:

@@ -66,6 +66,11 @@ class TransactionStep:
     def name(self) -> str:
         return self.ident[0]
 
+    @property
+    def seq(self) -> int:
+        """The step's execution order (its replay row's ``seq``)."""
+        return self._seq
+
     # -- the function form ----------------------------------------------------------------
 
     def run(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
