@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from typing import Any, NoReturn, Protocol, TypeVar
 
@@ -403,6 +404,10 @@ class Attempt:
                 f"step {name} marker",
             )
         return TransactionStep(self, ident, seq, replayed=None, session=session)
+
+    def open_transaction(self) -> AbstractContextManager[Any]:
+        """A connection of the ledger's engine in a new transaction (``step_transaction``)."""
+        return self._store.step_transaction()
 
     def enter_transaction(self, ident: Ident) -> Sends:
         """Mark the transaction step ``ident`` as running (for ``send`` and nesting)."""
