@@ -22,14 +22,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import cache
 from typing import Any
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Integer, String, Text, literal
 
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.core import StoreCore
+from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.errors import translate_db_errors
 from celery_ledger.ledger.outbox import Child, child_rows, insert_children
+from celery_ledger.ledger.schema import steps
 from celery_ledger.ledger.states import StepStatus
 
 #: The external reference of a transaction step's ``started`` row. Such a row is written only
@@ -57,8 +60,56 @@ def _completed_params(
     }
 
 
+@cache
+def _marker_insert(dialect: Any) -> Any:
+    """A transaction step's marker: its ``started`` row with ``TRANSACTION_STEP_REF``, fenced
+    on the entry like ``statements.step_upsert`` (one statement)."""
+    B = sql.B  # noqa: N806
+    now = db_now()
+    values: dict[str, Any] = {
+        "key": B("key", String),
+        "name": B("name", String),
+        "input_hash": B("input_hash", String),
+        "occurrence": B("occurrence", Integer),
+        "seq": B("seq", Integer),
+        "status": literal(StepStatus.STARTED.value, String),
+        "external_ref": literal(TRANSACTION_STEP_REF, Text),
+        "fence": B("fence", Integer),
+        "attempts": literal(1, Integer),
+        "authorized": literal(0, Integer),
+        "started_at": now,
+    }
+    source = sql.live_entry(B("key"), B("fence")).with_only_columns(*values.values())
+    ins = dialect.insert(steps).from_select(list(values), source)
+    return ins.on_conflict_do_update(
+        index_elements=[steps.c.key, steps.c.name, steps.c.input_hash, steps.c.occurrence],
+        set_={"external_ref": ins.excluded.external_ref, "fence": ins.excluded.fence},
+        where=steps.c.status == StepStatus.STARTED.value,
+    ).returning(steps.c.fence)
+
+
 class TransactionSteps(StoreCore):
     """A step's completed row written in a transaction: the transaction step, the outbox."""
+
+    def write_transaction_marker(
+        self, key: str, fence: int, ident: tuple[str, str, int], *, seq: int
+    ) -> bool:
+        """Write a transaction step's marker row (``TRANSACTION_STEP_REF``), fenced, in one
+        statement (atomic). Returns False when this attempt was superseded (or the step's row
+        is completed already); nothing is written then."""
+        name, ihash, occurrence = ident
+        stmt = self.fast.compiled("txn-marker", lambda: _marker_insert(self.dialect))
+        params = {
+            "key": key,
+            "name": name,
+            "input_hash": ihash,
+            "occurrence": occurrence,
+            "seq": seq,
+            "fence": fence,
+        }
+        with self.fast.cursor() as cur:
+            cur.execute(stmt.sql, stmt.params(params))
+            return cur.fetchone() is not None
 
     @contextmanager
     def step_transaction(self) -> Iterator[Connection]:

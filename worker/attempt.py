@@ -41,7 +41,6 @@ from celery_ledger.ledger import (
     Verdict,
     step_provider_key,
 )
-from celery_ledger.ledger.transactions import TRANSACTION_STEP_REF
 from celery_ledger.outbox import Sends
 from celery_ledger.recovery.outbox import publish
 from celery_ledger.replay import Drift, Ident, Identify, ReplayBook, check_step_name, identity_of
@@ -393,11 +392,10 @@ class Attempt:
             # No replay row yet: a crash inside would leave none, and the next attempt would
             # take the body for a stepless one that ran (ambiguous). One marker row, once
             # per entry, says a step was under way (``TRANSACTION_STEP_REF``).
-            self._fenced(self._write(ident, seq, StepStatus.STARTED), f"step {name} start")
             self._fenced(
                 self._retrying(
-                    lambda: self._store.record_external_ref(
-                        self.key, self.fence, ident, TRANSACTION_STEP_REF
+                    lambda: self._store.write_transaction_marker(
+                        self.key, self.fence, ident, seq=seq
                     ),
                     f"step {name} marker",
                 ),
