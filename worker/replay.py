@@ -39,7 +39,14 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from celery_ledger.codec import arguments_hash
-from celery_ledger.ledger import BODY_STEP, StepRecord, StepStatus, declared_identity, is_declared
+from celery_ledger.ledger import (
+    BODY_STEP,
+    TRANSACTION_STEP_REF,
+    StepRecord,
+    StepStatus,
+    declared_identity,
+    is_declared,
+)
 
 #: A step's replay row identity: (name, stored input hash, occurrence).
 Ident = tuple[str, str, int]
@@ -279,4 +286,7 @@ class ReplayBook:
                 )
 
     def _may_have_run(self, ident: Ident) -> bool:
-        return self._rows[ident].status is not StepStatus.NOT_EXECUTED
+        row = self._rows[ident]
+        if row.status is StepStatus.STARTED and row.external_ref == TRANSACTION_STEP_REF:
+            return False  # a transaction step's marker: nothing of it committed
+        return row.status is not StepStatus.NOT_EXECUTED
