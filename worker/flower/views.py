@@ -18,6 +18,7 @@ from celery_ledger.flower import queries as q
 from celery_ledger.flower.context import Aggregates, LedgerPage
 from celery_ledger.ledger import (
     RESUME_OWNER,
+    TRANSACTION_STEP_REF,
     Entry,
     EntryStatus,
     EventRecord,
@@ -314,6 +315,13 @@ def _step(s: StepRecord, e: Entry, live_lease: bool, redaction: Redaction) -> St
         state, label = "completed", "completed"
     elif s.status is StepStatus.NOT_EXECUTED:
         state, label = "not-executed", "proven not executed: one re-run authorized"
+    elif s.external_ref == TRANSACTION_STEP_REF:
+        # A transaction step's marker: its writes commit with its completion or not at all.
+        state, label = (
+            ("running", "transaction step, running now")
+            if live_lease
+            else ("not-executed", "transaction step, nothing committed: it runs again")
+        )
     elif live_lease:
         state, label = "running", "started, running now"
     else:
