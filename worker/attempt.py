@@ -59,6 +59,28 @@ BODY_IDENT: Ident = (BODY_STEP, "", 0)
 current_attempt: ContextVar[Attempt | None] = ContextVar("ledger_attempt", default=None)
 
 
+#: Child task names already warned about (``_warn_if_not_ledgered``): once per process.
+_warned_children: set[str] = set()
+
+
+def _warn_if_not_ledgered(app: Any, name: str) -> None:
+    """Warn once when a child sent through the outbox is a task this app knows and that is not
+    ledgered: a re-publish (a crash between the publish and its mark) would run it twice,
+    since only a ledgered child's claim deduplicates by task id."""
+    if name in _warned_children:
+        return
+    task = (getattr(app, "tasks", None) or {}).get(name)
+    # Duck-typed (``LedgerTask`` imports this module): a ledgered task has ``ledger_key``.
+    if task is None or callable(getattr(task, "ledger_key", None)):
+        return
+    _warned_children.add(name)
+    log.warning(
+        "child task %s sent through the outbox is not a LedgerTask: a crash between its "
+        "publish and its mark publishes it twice, and nothing deduplicates it",
+        name,
+    )
+
+
 class StepUsageError(RuntimeError):
     """Raised when a body misuses the step API: a programming error, the same on every run.
 
@@ -326,7 +348,9 @@ class Attempt:
                 "send() records a child with the step that sends it: call it inside a step "
                 "(self.step, self.transaction), not in the body itself"
             )
-        return self._sends.add(sig, limit=self.settings.max_snapshot_bytes)
+        child_id = self._sends.add(sig, limit=self.settings.max_snapshot_bytes)
+        _warn_if_not_ledgered(self.task.app, sig.task)
+        return child_id
 
     def publish_children(self, ident: Ident, sends: Sends) -> None:
         """Publish the children a step recorded, after its row committed (never raises for the
