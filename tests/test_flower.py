@@ -234,3 +234,110 @@ def test_worker_dash_e_alone_sends_ledger_events(tmp_path: Path, redis: str, pg_
         wait_for(order_seen_by_flower, timeout=60, interval=0, what="an order in Flower")
         page = flower.metrics()
         assert events_total(page, "task-ledger-claimed", "tests_app.order") == 1
+
+
+def test_flower_task_list_tells_what_the_ledger_did(
+    tmp_path: Path, redis: str, pg_url: str
+) -> None:
+    """Issue 19's "what an operator sees today", with real beat, worker and Flower processes.
+
+    Beat sends a sweep every second before any worker runs, so a backlog of sweeps expires
+    (revoked before any event names them); the worker's pool process is SIGKILLed when
+    ``charge`` has started, the redelivery finds ``charge`` ambiguous and blocks the order;
+    a CLI release (not executed) re-runs it to success.
+    """
+    from celery_ledger.app import SWEEP_TASK
+    from celery_ledger.ledger import EntryStatus, LedgerStore, entry_key
+
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url, CELERY_LEDGER_SWEEP_INTERVAL=1)
+    client = Celery("client", broker=redis, backend=redis)
+    port = free_port()
+    flower = FlowerClient(port)
+    store = LedgerStore(pg_url)
+    key = entry_key("tests_app.order", {"order_id": "o-blk"})
+    try:
+        with processes(tmp_path, env) as procs:
+            start_flower(procs, port)
+            beat = procs.beat()
+            # the backlog the worker will find: sweeps sent while no worker consumes them
+            beat.wait_log("Sending due task", count=4, timeout=60)
+            procs.worker(
+                extra=["-E"],
+                concurrency=1,
+                env={
+                    "CELERY_LEDGER_CRASH_AT": "step-started:charge",
+                    "CELERY_LEDGER_CRASH_ONCE": str(tmp_path / "crash-once"),
+                },
+            )
+
+            def sweeps_seen() -> bool:
+                page = flower.metrics()
+                return events_total(page, "task-succeeded", SWEEP_TASK) >= 1 and (
+                    events_total(page, "task-revoked", SWEEP_TASK) >= 1
+                )
+
+            wait_for(sweeps_seen, timeout=90, interval=0.5, what="sweeps (run and expired)")
+
+            sent = client.send_task(
+                "tests_app.order",
+                kwargs={"order_id": "o-blk", "amount": 5},
+                queue=env["TEST_QUEUE"],
+            )
+            wait_for(
+                lambda: flower.state(sent.id) == "LEDGER-BLOCKED",
+                timeout=90,
+                interval=0.3,
+                what="the order as LEDGER-BLOCKED in Flower's task list",
+            )
+            assert store.get_entry(key).status is EntryStatus.BLOCKED
+            task = flower.tasks()[sent.id]
+            assert "interrupted" in task["ledger"], task["ledger"]
+            assert task["ledger"][-1] == "blocked", task["ledger"]
+            assert "LedgerBlocked" in (task.get("exception") or "")
+            # Flower's own search finds it by its state
+            status, body = flower.get("/api/tasks?state=LEDGER-BLOCKED")
+            assert status == 200 and sent.id in json.loads(body)
+
+            release = procs.celery(
+                "release",
+                [
+                    "ledger",
+                    "release",
+                    key,
+                    "--verified",
+                    "not-executed",
+                    "--by",
+                    "ops",
+                    "--reason",
+                    "provider shows no charge",
+                ],
+            )
+            wait_for(lambda: release.proc.poll() is not None, timeout=60, what="the release")
+            assert release.proc.returncode == 0, release.log_tail()
+            assert sent.get(timeout=90)["order_id"] == "o-blk"
+            wait_for(
+                lambda: flower.state(sent.id) == "SUCCESS",
+                timeout=30,
+                interval=0.3,
+                what="the released order as SUCCESS",
+            )
+            task = flower.tasks()[sent.id]
+            assert task["exception"] is None and task["traceback"] is None, task
+            assert task["failed"] is None
+            after_release = task["ledger"][task["ledger"].index("blocked") + 1 :]
+            assert after_release[0] in ("claimed", "resumed"), task["ledger"]
+            assert after_release[-1] == "settled", task["ledger"]
+
+            # The sweeps never became tasks, named or nameless.
+            listed = flower.tasks()
+            assert not [t for t in listed.values() if t.get("name") in (SWEEP_TASK, None, "")]
+            assert not [t for t in listed if t.startswith("celery-ledger-sweep-")]
+            page = flower.metrics()
+            nameless = [
+                labels
+                for (name, labels), _ in samples(page, "flower_events_total").items()
+                if dict(labels).get("task") == ""
+            ]
+            assert not nameless, nameless
+    finally:
+        store.dispose()

@@ -152,12 +152,15 @@ class OverviewHandler(LedgerHandler):
         self.render_ledger("overview.html", sweep=self._next_sweep(model["now"]), **model)
 
     def _next_sweep(self, now: float) -> dict[str, Any]:
-        """When the next sweep runs, from the sweep tasks Flower has seen (its events)."""
+        """When the next sweep runs, from the last sweep Flower saw (its events)."""
         from celery_ledger.app import SWEEP_TASK
 
         interval = self.page.settings.sweep_interval
         seen: float | None = None
         state = getattr(self.application.events, "state", None)
+        last = getattr(state, "last_sweep", None)  # celery_ledger.flower.states
+        if last is not None and last.get("timestamp"):
+            seen = float(last["timestamp"])
         tasks = state.tasks_by_type.get(SWEEP_TASK) if state is not None else None
         for task in list(tasks or ()):
             at = task.received or task.started or task.timestamp

@@ -19,7 +19,12 @@ At that moment Flower's route table (``flower.urls.handlers``) and application s
 
 An insertion whose anchor is not found in Flower's template (a Flower release that changed
 its markup) is skipped with a warning: Flower's page renders untouched and the Ledger page is
-still at ``/ledger``. Nothing of Flower is subclassed or monkeypatched.
+still at ``/ledger``.
+
+3. it makes Flower read the ledger's events as the ledger means them (``states.install()``:
+   Flower's ``EventsState`` is replaced by a subclass, the one Flower class the page replaces,
+   because Flower has no hook between an event and its task list). Nothing else of Flower is
+   subclassed or monkeypatched.
 """
 
 from __future__ import annotations
@@ -74,10 +79,68 @@ def _insert_after(anchor: str, snippet: str) -> Callable[[str, str], str]:
     return patch
 
 
+_TASKS_FILTER_ANCHOR = '<button class="task-state-filter" type="button" data-task-state="RETRY"'
+_TASKS_FILTER = """<button class="task-state-filter" type="button" data-task-state="LEDGER-BLOCKED"
+      aria-pressed="false" title="blocked by the ledger: an operator decides">Blocked</button>
+    <button class="task-state-filter" type="button" data-task-state="LEDGER-INTERRUPTED"
+      aria-pressed="false"
+      title="its worker was lost mid-body: the redelivery or the sweep resumes it"
+      >Interrupted</button>
+    """
+_TASKS_TABLE_ANCHOR = "</table>"
+# After each draw of Flower's task list, a badge beside the state says what the ledger did to
+# the task (its ``ledger`` field, ``celery_ledger.flower.states``): resumed, replayed, fenced...
+# Text only (textContent), so nothing from an event becomes markup.
+_TASKS_BADGES = """</table>
+    <script>
+    document.addEventListener("DOMContentLoaded", function () {
+      var SHOWN = ["resumed", "replayed", "fenced", "returned", "waited", "interrupted",
+                   "conflict", "reconciled"];
+      jQuery(document).on("draw.dt", "#tasks-table", function () {
+        jQuery("#tasks-table").DataTable().rows({page: "current"}).every(function () {
+          var marks = (this.data().ledger || []).filter(function (m) {
+            return SHOWN.indexOf(m) >= 0;
+          });
+          var badge = this.node() && this.node().querySelector(".badge");
+          if (!marks.length || !badge || badge.parentNode.querySelector(".ledger-marks")) return;
+          var extra = document.createElement("span");
+          extra.className = "badge text-bg-info ms-1 ledger-marks";
+          extra.title = "what the ledger did to this task";
+          extra.textContent = marks.join(", ");
+          badge.parentNode.appendChild(extra);
+        });
+      });
+    });
+    </script>"""
+
+
+def _replace_first(anchor: str, replacement: str) -> Callable[[str, str], str]:
+    def patch(name: str, source: str) -> str:
+        if anchor not in source:
+            log.warning("celery-ledger: %s has no %r; its ledger badges are left out", name, anchor)
+            return source
+        return source.replace(anchor, replacement, 1)
+
+    return patch
+
+
+def _both(*patches: Callable[[str, str], str]) -> Callable[[str, str], str]:
+    def patch(name: str, source: str) -> str:
+        for one in patches:
+            source = one(name, source)
+        return source
+
+    return patch
+
+
 #: Flower template -> what the page adds to it.
 PATCHES: dict[str, Callable[[str, str], str]] = {
     "navbar.html": _insert_before(_NAV_ANCHOR, _NAV_ITEM),
     "task.html": _insert_after(_TASK_ANCHOR, _TASK_LINK),
+    "tasks.html": _both(
+        _insert_before(_TASKS_FILTER_ANCHOR, _TASKS_FILTER),
+        _replace_first(_TASKS_TABLE_ANCHOR, _TASKS_BADGES),
+    ),
 }
 
 
@@ -139,8 +202,9 @@ def install_in_flower(
     settings["template_loader"] = LedgerTemplateLoader(
         os.fspath(settings.get("template_path") or flower_templates())
     )
-    from celery_ledger.flower import context
+    from celery_ledger.flower import context, states
 
+    states.install()
     context.cli_prefix = _cli_prefix()
     log.info("celery-ledger: Ledger page installed in Flower at /ledger")
 
