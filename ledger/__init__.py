@@ -4,7 +4,9 @@ Knows nothing of Celery; a reader can test it with SQLAlchemy alone.
 """
 
 from celery_ledger.ledger.crashloop import CrashLoop, crash_loop_reason
+from celery_ledger.ledger.death import DeathSignal
 from celery_ledger.ledger.errors import (
+    DeathSignalRequired,
     EntryNotFound,
     Fenced,
     IdentityError,
@@ -12,6 +14,7 @@ from celery_ledger.ledger.errors import (
     LedgerBlocked,
     LedgerError,
     LedgerUnavailable,
+    MarkDeadRefused,
     OperatorTextError,
     PayloadError,
     PayloadNotSerializable,
@@ -61,6 +64,7 @@ __all__ = [
     "OperatorQueries",
     "LedgerStats",
     "Release",
+    "DeathSignal",
     "check_release_text",
     "MAX_RELEASE_BY_CHARS",
     "MAX_RELEASE_REASON_CHARS",
@@ -108,6 +112,8 @@ __all__ = [
     "LedgerBlocked",
     "ReleaseRefused",
     "OperatorTextError",
+    "DeathSignalRequired",
+    "MarkDeadRefused",
     "EntryNotFound",
     "Fenced",
 ]

@@ -13,7 +13,9 @@ The tree::
     ├── KeyConflict              a business key reused with different arguments
     ├── LedgerBlocked            the entry is parked for an operator
     ├── ReleaseRefused           an operator release that is not allowed
-    │   └── OperatorTextError    its who or why is empty, too long or unprintable
+    │   ├── OperatorTextError    its who or why is empty, too long or unprintable
+    │   └── DeathSignalRequired  a not-executed release of an ambiguous step, no mark-dead
+    ├── MarkDeadRefused          the old owner showed signs of life within the grace window
     └── EntryNotFound
 
     Fenced (BaseException)       this attempt was superseded and must stop
@@ -85,6 +87,16 @@ class ReleaseRefused(LedgerError):
 
 class OperatorTextError(ReleaseRefused, ValueError):
     """Raised when the who or why of a release is empty, too long, or not printable text."""
+
+
+class DeathSignalRequired(ReleaseRefused):
+    """Raised when a ``not-executed`` release of an ambiguous step waits for ``mark-dead``
+    (``ledger_release_requires_death_signal``)."""
+
+
+class MarkDeadRefused(LedgerError):
+    """Raised when ``mark-dead`` is refused: the old owner renewed its lease, or tried to
+    write, within the grace window (or the entry is completed)."""
 
 
 class EntryNotFound(LedgerError, KeyError):

@@ -398,6 +398,26 @@ def entry_view(entry: Entry, now: float, prefix: str) -> dict[str, Any]:
         "reason": entry.reason,
         "has_snapshot": entry.snapshot is not None,
         "released": released,
+        "marked_dead": (
+            None
+            if entry.dead_at is None
+            else {
+                "fence": entry.dead_fence,
+                "by": entry.dead_by,
+                "reason": entry.dead_reason,
+                "at": entry.dead_at,
+            }
+        ),
+        "seen_alive": (
+            None
+            if entry.seen_alive_at is None
+            else {
+                "at": entry.seen_alive_at,
+                "ago_seconds": round(now - entry.seen_alive_at, 3),
+                "fence": entry.seen_alive_fence,
+                "owner": entry.seen_alive_owner,
+            }
+        ),
         "next_action": nxt.action,
         "hint": nxt.hint,
         "next_command": nxt.command,

@@ -206,6 +206,25 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
                 f"by {r['by']} at {timestamp(r['at'])} from {r['from_status']}: {r['reason']}",
             )
         )
+    if view["seen_alive"]:
+        a = view["seen_alive"]
+        fields.append(
+            (
+                "seen alive",
+                f"at {timestamp(a['at'])} ({duration(a['ago_seconds'])} ago): the superseded "
+                f"attempt of fence {a['fence']} on {a['owner'] or 'an unknown worker'} tried to "
+                "write; its worker is still running",
+            )
+        )
+    if view["marked_dead"]:
+        d = view["marked_dead"]
+        fields.append(
+            (
+                "marked dead",
+                f"attempts up to fence {d['fence']}, by {d['by']} at {timestamp(d['at'])}: "
+                f"{d['reason']}",
+            )
+        )
     formatter = click.HelpFormatter(width=120)
     # Stored free text (reasons, names, ids) is printed escaped and bounded, never raw.
     formatter.write_dl([(k, printable(v, limit=SHOWN_CHARS)) for k, v in fields], col_max=14)
@@ -311,7 +330,7 @@ def _authorize(settings: Any, operator: Operator, action: Action, entry: Any) ->
     except AuthorizerError as exc:
         raise click.ClickException(one_line(exc)) from None
     if not decision.allowed:
-        verb = "released" if action.is_release else "re-enqueued"
+        verb = {Action.RESUME: "re-enqueued", Action.MARK_DEAD: "marked"}.get(action, "released")
         raise click.ClickException(f"{decision.reason or 'not allowed'}; nothing was {verb}")
 
 
@@ -353,7 +372,14 @@ def release_cmd(
     action = Action.release(verdict)
     _authorize(settings, Operator(by, "cli", authenticated=False), action, store.get_entry(key))
     # One-shot, live-lease and completed refusals are decided in the release transaction.
-    rel = store.release(key, verdict, by=by, reason=reason, result=result)
+    rel = store.release(
+        key,
+        verdict,
+        by=by,
+        reason=reason,
+        result=result,
+        require_death_signal=settings.release_requires_death_signal,
+    )
     outcome = None
     if rel.to_status is EntryStatus.INTERRUPTED:
         outcome = ResumeOutcome.NO_SNAPSHOT

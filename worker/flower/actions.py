@@ -122,7 +122,14 @@ def release(
     action = Action.release(verdict)
     _authorized(page, operator, action, key)
     try:
-        rel = page.store.release(key, verdict, by=operator.name, reason=reason, result=result)
+        rel = page.store.release(
+            key,
+            verdict,
+            by=operator.name,
+            reason=reason,
+            result=result,
+            require_death_signal=page.settings.release_requires_death_signal,
+        )
     except ReleaseRefused as exc:
         raise ActionRefused(str(exc), 409) from None
     outcome = None
