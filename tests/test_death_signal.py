@@ -244,3 +244,122 @@ def test_cli_mark_dead_refused_on_a_sign_of_life(cli: Any, store: LedgerStore) -
     )
     out = cli("mark-dead", key, "--by", "ann", "--reason", "r", "--override-heartbeat").output
     assert "overridden:" in out
+
+
+# -- a real zombie ------------------------------------------------------------------------------
+
+
+@pytest.mark.processes
+@pytest.mark.redis
+@pytest.mark.postgres
+def test_a_sigstopped_zombie_blocks_mark_dead_and_the_gate_blocks_a_rerun(
+    tmp_path: Path, redis: str, pg_url: str
+) -> None:
+    """w1 is SIGSTOPped inside ``charge``'s provider call; its lease runs out, the sweep
+    interrupts the entry, a resume on w2 finds ``charge`` ambiguous and blocks it. Under
+    ``ledger_release_requires_death_signal`` a not-executed release is refused. SIGCONT: w1's
+    call lands (the charge happens), its writes are refused, and it leaves "seen alive at";
+    ``show`` says so and ``mark-dead`` refuses. Had the release gone through before SIGCONT,
+    w2 would have charged a second time."""
+    from celery import Celery
+
+    from celery_ledger.ledger import entry_key
+    from helpers import effect_counts
+    from procs import processes, test_env, wait_for
+
+    env = test_env(
+        tmp_path,
+        broker=redis,
+        ledger_url=pg_url,
+        CELERY_LEDGER_RELEASE_REQUIRES_DEATH_SIGNAL=1,
+    )
+    client = Celery("client", broker=redis, backend=redis)
+    key = entry_key("tests_app.slow_charge", {"order_id": "z-1"})
+    store = LedgerStore(pg_url)
+    try:
+        with processes(tmp_path, env) as procs:
+            w1 = procs.worker("w1", concurrency=1, env={"CELERY_LEDGER_LEASE_SECONDS": "3"})
+            client.send_task(
+                "tests_app.slow_charge",
+                kwargs={"order_id": "z-1", "seconds": 5},
+                queue=env["TEST_QUEUE"],
+            )
+
+            def charge_started() -> bool:
+                try:
+                    return any(s.status is StepStatus.STARTED for s in store.load_steps(key))
+                except Exception:  # noqa: BLE001 - not claimed yet
+                    return False
+
+            wait_for(charge_started, timeout=60, interval=0.1, what="charge started on w1")
+            w1.pause()
+            wait_for(
+                lambda: store.interrupt_expired(actor="sweep"),
+                timeout=30,
+                interval=0.5,
+                what="w1's lease to run out and the sweep to interrupt the entry",
+            )
+            procs.worker("w2", concurrency=1)
+
+            def ledger(*args: str) -> Any:
+                proc = procs.celery(
+                    f"ledger-{args[0]}-{len(procs.group.started)}", ["ledger", *args]
+                )
+                wait_for(lambda: proc.proc.poll() is not None, timeout=60, what=f"ledger {args[0]}")
+                return proc
+
+            assert ledger("resume", key).proc.returncode == 0
+            wait_for(
+                lambda: store.get_entry(key).status is EntryStatus.BLOCKED,
+                timeout=60,
+                interval=0.3,
+                what="w2 to find charge ambiguous and block the entry",
+            )
+            assert effect_counts(pg_url, "z-1").get(("z-1", "charge"), 0) == 0
+
+            release = ledger(
+                "release", key, "--verified", "not-executed", "--by", "ops", "--reason", "r"
+            )
+            assert release.proc.returncode == 1
+            assert "needs a death signal" in release.log_text()
+            assert "Traceback" not in release.log_text()
+
+            w1.resume()
+            wait_for(
+                lambda: store.get_entry(key).seen_alive_at is not None,
+                timeout=60,
+                interval=0.3,
+                what="the woken zombie's refused write recorded as a sign of life",
+            )
+            entry = store.get_entry(key)
+            assert entry.status is EntryStatus.BLOCKED
+            assert entry.seen_alive_fence is not None and entry.seen_alive_fence < entry.fence
+            assert entry.seen_alive_owner and entry.seen_alive_owner.startswith("w1-")
+            wait_for(
+                lambda: effect_counts(pg_url, "z-1").get(("z-1", "charge"), 0) == 1,
+                timeout=30,
+                what="the zombie's provider call to land",
+            )
+            shown = ledger("show", key)
+            assert "seen alive" in shown.log_text() and "w1-" in shown.log_text()
+            refused = ledger("mark-dead", key, "--by", "ops", "--reason", "looks dead")
+            assert refused.proc.returncode == 1
+            assert "tried to write" in refused.log_text()
+            assert store.get_entry(key).dead_at is None
+            # The operator saw the charge land: the right verdict is `completed`.
+            done = ledger(
+                "release",
+                key,
+                "--verified",
+                "completed",
+                "--result-json",
+                '"charge:z-1"',
+                "--by",
+                "ops",
+                "--reason",
+                "provider shows the charge",
+            )
+            assert done.proc.returncode == 0, done.log_tail()
+            assert effect_counts(pg_url, "z-1") == {("z-1", "charge"): 1}
+    finally:
+        store.dispose()
