@@ -22,6 +22,7 @@ from celery_ledger.ledger.errors import (
     ReleaseRefused,
     SchemaError,
     SchemaTooNew,
+    SnapshotSealError,
 )
 from celery_ledger.ledger.identity import (
     canonical_json,
@@ -41,6 +42,7 @@ from celery_ledger.ledger.operator import (
     Release,
     check_release_text,
 )
+from celery_ledger.ledger.sealing import SnapshotCipher, cipher_from, is_sealed, open_snapshot
 from celery_ledger.ledger.states import EntryStatus, Gate, SideEffect, StepStatus, Verdict
 from celery_ledger.ledger.store import LedgerStore
 from celery_ledger.ledger.values import (
@@ -82,6 +84,11 @@ __all__ = [
     "RESUME_OWNER",
     "NO_ARGS_HASH",
     "BODY_STEP",
+    # Encryption at rest
+    "SnapshotCipher",
+    "cipher_from",
+    "is_sealed",
+    "open_snapshot",
     # States
     "EntryStatus",
     "Gate",
@@ -114,6 +121,7 @@ __all__ = [
     "OperatorTextError",
     "DeathSignalRequired",
     "MarkDeadRefused",
+    "SnapshotSealError",
     "EntryNotFound",
     "Fenced",
 ]

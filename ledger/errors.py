@@ -16,6 +16,7 @@ The tree::
     │   ├── OperatorTextError    its who or why is empty, too long or unprintable
     │   └── DeathSignalRequired  a not-executed release of an ambiguous step, no mark-dead
     ├── MarkDeadRefused          the old owner showed signs of life within the grace window
+    ├── SnapshotSealError        a sealed snapshot cannot be opened, or a key is not usable
     └── EntryNotFound
 
     Fenced (BaseException)       this attempt was superseded and must stop
@@ -97,6 +98,11 @@ class DeathSignalRequired(ReleaseRefused):
 class MarkDeadRefused(LedgerError):
     """Raised when ``mark-dead`` is refused: the old owner renewed its lease, or tried to
     write, within the grace window (or the entry is completed)."""
+
+
+class SnapshotSealError(LedgerError, ValueError):
+    """Raised when a sealed (encrypted) argument snapshot cannot be opened here, or a
+    ``ledger_snapshot_keys`` key is not a usable Fernet key."""
 
 
 class EntryNotFound(LedgerError, KeyError):

@@ -147,6 +147,7 @@ def sweep_now(app: Celery, *, actor: str = "sweep") -> SweepReport:
         retention_days=settings.retention_days,
         batch=settings.sweep_batch,
         actor=actor,
+        cipher=runtime.snapshot_cipher(app),
     )
 
 
@@ -301,6 +302,7 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
             boot=runtime.boot_id(),
             lease_seconds=settings.lease_seconds,
             max_resumes=settings.max_resumes,
+            cipher=runtime.snapshot_cipher(app),
         )
     except LedgerError as exc:
         log.error(

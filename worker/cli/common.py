@@ -37,6 +37,9 @@ from celery_ledger.ledger import (
     LedgerStore,
     SchemaError,
     SchemaTooNew,
+    SnapshotSealError,
+    is_sealed,
+    open_snapshot,
 )
 from celery_ledger.ledger.engine import is_sqlite, make_engine, normalize_url
 from celery_ledger.ledger.errors import as_unavailable
@@ -166,12 +169,18 @@ def printable(text: Any, *, limit: int | None = None) -> str:
     return safe + cut
 
 
-def decode_stored(text: str | None) -> tuple[Any, str | None]:
+def decode_stored(text: str | None, cipher: Any = None) -> tuple[Any, str | None]:
     """A stored JSON value (snapshot, result, error) decoded, and None; or None and why it
-    cannot be decoded. Never raises: an entry whose values no process can read must still be
-    shown, and released."""
+    cannot be decoded. A sealed snapshot is opened with ``cipher`` (``ledger_snapshot_keys``).
+    Never raises: an entry whose values no process can read must still be shown, and
+    released."""
     if text is None:
         return None, None
+    if is_sealed(text):
+        try:
+            text = open_snapshot(text, cipher)
+        except SnapshotSealError as exc:
+            return None, one_line(exc)
     try:
         value = loads(text)
         # Printed (indented JSON) needs more stack per level than decoding: a value that

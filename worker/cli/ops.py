@@ -41,6 +41,8 @@ from celery_ledger.ledger import (
     StepStatus,
     Verdict,
     check_release_text,
+    cipher_from,
+    is_sealed,
 )
 from celery_ledger.recovery import ResumeOutcome, resume_entry, run_sweep
 
@@ -125,8 +127,9 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
     # Decoded defensively: an entry whose snapshot, result or error no process can read (a
     # hostile sender's argument nested 5,000 deep) is shown with why, and can be released.
     unreadable: dict[str, str] = {}
+    cipher = cipher_from(load_settings(ctx).snapshot_keys) if is_sealed(entry.snapshot) else None
     for name in ("snapshot", "result", "error"):
-        view[name], problem = decode_stored(getattr(entry, name))
+        view[name], problem = decode_stored(getattr(entry, name), cipher)
         if problem is not None:
             unreadable[name] = problem
     view["unreadable"] = unreadable
@@ -163,6 +166,7 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
         }
         for e in events
     ]
+    view["redacted"] = _redact_view(ctx, entry.task_name, view)
     if as_json:
         view["now"] = now
         emit_json(view)
@@ -334,6 +338,45 @@ def _authorize(settings: Any, operator: Operator, action: Action, entry: Any) ->
         raise click.ClickException(f"{decision.reason or 'not allowed'}; nothing was {verb}")
 
 
+def _redact_view(ctx: click.Context, task_name: str, view: dict[str, Any]) -> list[str]:
+    """Hide secret argument values in ``view`` (``celery_ledger.redact``); the names hidden.
+
+    The secret names are ``ledger_redact`` plus the task's ``secret_args`` when the CLI's app
+    (``-A``) registers the task. Unlike the Flower page, an unknown task does not hide every
+    value: whoever runs the CLI holds the ledger database's credentials and could read the
+    row directly, and needs the arguments to choose a verdict. A positional argument of an
+    unknown task is hidden whenever any secret name is set (its name is unknown).
+    """
+    from celery_ledger.redact import Redaction, redact_arguments, secret_names
+
+    settings = load_settings(ctx)
+    try:
+        task = load_app(ctx).tasks.get(task_name)
+    except Exception:  # noqa: BLE001 - an app that cannot say knows no secret_args
+        task = None
+    names = secret_names(settings.redact, task)
+    if not names:
+        return []
+    redaction = Redaction(names)
+    snapshot = view.get("snapshot")
+    if isinstance(snapshot, dict):
+        args, kwargs, redaction = redact_arguments(
+            snapshot.get("args") or [],
+            snapshot.get("kwargs") or {},
+            names=names,
+            task=task if task is not None else object(),  # no signature: names unknown
+        )
+        view["snapshot"] = {**snapshot, "args": args, "kwargs": kwargs}
+    for name in ("result", "error"):
+        view[name] = redaction.value(view.get(name))
+    view["reason"] = redaction.text(view.get("reason"))
+    for step in view["steps"]:
+        step["external_ref"] = redaction.text(step["external_ref"])
+    for event in view["events"]:
+        event["detail"] = redaction.text(event["detail"])
+    return sorted(names)
+
+
 @click.command("release")
 @click.argument("ref")
 @click.option(
@@ -391,6 +434,7 @@ def release_cmd(
                 lease_seconds=settings.lease_seconds,
                 max_resumes=settings.max_resumes,
                 actor=by,
+                cipher=cipher_from(settings.snapshot_keys),
             )
     data = {
         "key": key,
@@ -456,6 +500,7 @@ def resume_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
         lease_seconds=settings.lease_seconds,
         max_resumes=settings.max_resumes,
         actor=actor,
+        cipher=cipher_from(settings.snapshot_keys),
     )
     if as_json:
         emit_json(
@@ -493,6 +538,7 @@ def sweep_cmd(ctx: click.Context, as_json: bool) -> None:
         retention_days=settings.retention_days,
         batch=settings.sweep_batch,
         actor=operator_actor(),
+        cipher=cipher_from(settings.snapshot_keys),
     )
     if as_json:
         emit_json(report.as_dict())

@@ -26,6 +26,7 @@ from celery_ledger.ledger import (
     Release,
     ReleaseRefused,
     Verdict,
+    cipher_from,
 )
 from celery_ledger.recovery import resume_entry
 
@@ -144,6 +145,7 @@ def release(
                 lease_seconds=s.lease_seconds,
                 max_resumes=s.max_resumes,
                 actor=operator.name,
+                cipher=cipher_from(page.settings.snapshot_keys),
             ).value
     log.info(
         "released key=%s task_id=%s fence=%s from %s as %s by %s via Flower (resume: %s)",
@@ -181,6 +183,7 @@ def resume(page: LedgerPage, key: str, *, operator: Operator, reason_raw: str | 
         lease_seconds=s.lease_seconds,
         max_resumes=s.max_resumes,
         actor=operator.name,
+        cipher=cipher_from(page.settings.snapshot_keys),
     ).value
     # The store's resume event has no detail column to carry it: the reason is in this log
     # line (with key, task id, fence) until resume takes one (docs/design.md).

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from celery_ledger.ledger import LedgerStats, LedgerStore
+from celery_ledger.ledger import LedgerStats, LedgerStore, cipher_from
 from celery_ledger.settings import LedgerSettings
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,8 @@ class LedgerPage:
         self.store = LedgerStore(self.settings.url, migrate=False)
         self.aggregates = AggregateCache(self.store)
         self.cli_prefix = cli_prefix
+        #: Opens sealed argument snapshots (``ledger_snapshot_keys``); None without a key.
+        self.cipher = cipher_from(self.settings.snapshot_keys)
 
     def task(self, name: str) -> Any | None:
         """The registered task object, or None when this Flower's app does not know it."""

@@ -249,7 +249,7 @@ def entry(page: LedgerPage, key: str) -> EntryView:
     events = store.entry_events(key, limit=500)
     now = store.now()
     # Decoded defensively: an entry whose snapshot no process can read is shown (and released).
-    snapshot, unreadable = decode_stored(e.snapshot)
+    snapshot, unreadable = decode_stored(e.snapshot, page.cipher)
     if not isinstance(snapshot, dict):
         snapshot = None
     task = page.task(e.task_name)
