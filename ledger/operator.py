@@ -6,6 +6,7 @@ Reads run in a read-only transaction (deferred on SQLite, so they never block a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -359,6 +360,39 @@ class OperatorQueries(StoreCore):
             )
         )
         return (BODY_STEP,)
+
+    def rewrite_snapshots(
+        self,
+        transform: Callable[[str], str | None],
+        *,
+        after: str = "",
+        limit: int = 500,
+    ) -> tuple[int, str | None]:
+        """One batch of ``reseal``: the snapshots of up to ``limit`` entries with a key above
+        ``after`` (key order), each replaced by ``transform(old)`` (None: left as it is).
+
+        One transaction; each row is a compare-and-set on its old snapshot, so a snapshot a
+        claim rewrote meanwhile is left alone (the claim wrote it with the current key).
+        Returns (rows rewritten, the last key read; None when there are no more).
+        """
+        with self._txn() as conn:
+            rows = conn.execute(
+                select(entries.c.key, entries.c.snapshot)
+                .where(entries.c.key > after, entries.c.snapshot.is_not(None))
+                .order_by(entries.c.key)
+                .limit(limit)
+            ).all()
+            done = 0
+            for key, old in rows:
+                new = transform(old)
+                if new is None or new == old:
+                    continue
+                done += conn.execute(
+                    update(entries)
+                    .where(entries.c.key == key, entries.c.snapshot == old)
+                    .values(snapshot=new)
+                ).rowcount
+        return done, (rows[-1][0] if len(rows) == limit else None)
 
     def stats(self) -> LedgerStats:
         """Aggregates over the ledger, each from an indexed query."""

@@ -166,3 +166,54 @@ def test_a_sealed_snapshot_is_resumed_by_a_process_with_the_key(
             assert "order_id" in shown.log_text()
     finally:
         store.dispose()
+
+
+# -- reseal: the rotation -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def ledger_cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ledger_url: str) -> Any:
+    monkeypatch.setenv("CELERY_LEDGER_URL", ledger_url)
+    monkeypatch.setenv("CELERY_LEDGER_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.delenv("CELERY_LEDGER_SNAPSHOT_KEYS", raising=False)
+
+    def invoke(*args: str, keys: str = "", code: int = 0) -> Any:
+        result = CliRunner().invoke(
+            main, list(args), env={"CELERY_LEDGER_SNAPSHOT_KEYS": keys} if keys else None
+        )
+        assert result.exit_code == code, (result.exit_code, result.output)
+        return result
+
+    return invoke
+
+
+def test_reseal_seals_plain_snapshots_and_rotates_to_the_first_key(
+    ledger_cli: Any, ledger_url: str
+) -> None:
+    from test_cli import claim
+
+    from celery_ledger.ledger import LedgerStore
+
+    store = LedgerStore(ledger_url)
+    try:
+        keys = [claim(store).key for _ in range(3)]
+        plain = {k: store.get_entry(k).snapshot for k in keys}
+        old, new, stray = (Fernet.generate_key().decode() for _ in range(3))
+        err = ledger_cli("reseal", code=1)
+        assert "ledger_snapshot_keys is not set" in err.output and "Traceback" not in err.output
+        assert "resealed 3" in ledger_cli("reseal", "--batch", "2", keys=old).output
+        for k in keys:
+            sealed = store.get_entry(k).snapshot
+            assert is_sealed(sealed) and SnapshotCipher([old]).open(sealed) == plain[k]
+        # An entry sealed with a key nobody has any more is left alone, and said so.
+        with store.engine.begin() as conn:
+            conn.execute(
+                text("UPDATE ledger_entries SET snapshot = :s WHERE key = :k"),
+                {"s": SnapshotCipher([stray]).seal(plain[keys[0]]), "k": keys[0]},
+            )
+        out = ledger_cli("reseal", keys=f"{new},{old}", code=1).output
+        assert "resealed 2" in out and "1 snapshot(s) could not be opened" in out
+        for k in keys[1:]:
+            assert SnapshotCipher([new]).open(store.get_entry(k).snapshot) == plain[k]
+    finally:
+        store.dispose()

@@ -24,6 +24,7 @@ import click
 COMMANDS = [
     ("celery_ledger.cli.ops", "COMMANDS"),
     ("celery_ledger.cli.death", "COMMANDS"),
+    ("celery_ledger.cli.sealing", "COMMANDS"),
     ("celery_ledger.cli.doctor", "COMMANDS"),
     ("celery_ledger.cli.metrics", "COMMANDS"),
     ("celery_ledger.harness.demo", "COMMANDS"),
