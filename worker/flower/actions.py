@@ -1,4 +1,4 @@
-"""The page's two actions, release and resume, through the store and recovery. Blocking.
+"""The page's actions, release, resume and mark-dead, through the store and recovery. Blocking.
 
 They take the same path as ``celery-ledger release`` and ``celery-ledger resume``
 (``celery_ledger.cli.ops``): every check runs before the one write, the one-shot and
@@ -22,6 +22,8 @@ from celery_ledger.flower.context import LedgerPage
 from celery_ledger.ledger import (
     EntryStatus,
     Interrupted,
+    MarkDeadRefused,
+    OperatorTextError,
     PayloadError,
     Release,
     ReleaseRefused,
@@ -201,3 +203,36 @@ def resume(page: LedgerPage, key: str, *, operator: Operator, reason_raw: str | 
             "not re-enqueued: another resumer moved it first, or the broker refused the message"
         )
     return outcome
+
+
+def mark_dead(
+    page: LedgerPage, key: str, *, operator: Operator, reason_raw: str | None, override: bool
+) -> None:
+    """Assert the entry's old attempts dead (``celery-ledger mark-dead``), stamped with the
+    Flower user; refused on a recent sign of life unless ``override``.
+
+    Raises:
+        ActionRefused: bad input, denied, or refused by the store (a sign of life, completed).
+        EntryNotFound: no such key.
+    """
+    reason = parse_reason(reason_raw)
+    _authorized(page, operator, Action.MARK_DEAD, key)
+    s = page.settings
+    try:
+        signal = page.store.mark_dead(
+            key,
+            by=operator.name,
+            reason=reason,
+            grace_seconds=s.death_grace_seconds,
+            lease_seconds=s.lease_seconds,
+            override_heartbeat=override,
+        )
+    except (MarkDeadRefused, OperatorTextError) as exc:
+        raise ActionRefused(str(exc), 409) from None
+    log.info(
+        "marked dead key=%s fence<=%s by %s via Flower%s",
+        key,
+        signal.fence,
+        operator.name,
+        f" (overriding: {'; '.join(signal.overridden)})" if signal.overridden else "",
+    )

@@ -57,6 +57,8 @@ DONE = {
     "resumed": "Re-enqueued with its task id and argument snapshot.",
     "resume-blocked": "Not re-enqueued: interrupted more than ledger_max_resumes times, so it "
     "was blocked as a crash loop.",
+    "marked-dead": "Marked dead: every attempt so far is asserted dead, stamped with your "
+    "user and the reason.",
 }
 
 _STATUS_BADGES = {
@@ -252,6 +254,7 @@ class EntryHandler(LedgerHandler):
             "entry.html",
             view=view,
             e=view.entry,
+            death=self.page.settings,
             error=error,
             done=done,
             form=form or {},
@@ -331,6 +334,22 @@ class ResumeHandler(ActionHandler):
                 self.page, key, operator=operator, reason_raw=self.get_body_argument("reason", None)
             )
             return "resumed" if outcome == "resumed" else f"resume-{outcome}"
+
+        await self.act(key, run)
+
+
+class MarkDeadHandler(ActionHandler):
+    @web.authenticated
+    async def post(self, key: str) -> None:
+        def run(operator: Operator) -> str:
+            actions.mark_dead(
+                self.page,
+                key,
+                operator=operator,
+                reason_raw=self.get_body_argument("reason", None),
+                override=self.get_body_argument("override_heartbeat", "") == "on",
+            )
+            return "marked-dead"
 
         await self.act(key, run)
 
