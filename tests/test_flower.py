@@ -341,3 +341,67 @@ def test_flower_task_list_tells_what_the_ledger_did(
             assert not nameless, nameless
     finally:
         store.dispose()
+
+
+def test_flower_shows_interrupted_when_the_whole_worker_dies(
+    tmp_path: Path, redis: str, pg_url: str
+) -> None:
+    """A worker SIGKILLed whole (parent and pool) sends no event: Flower's task list used to
+    keep ``LEDGER-CLAIMED`` until the sweep resumed the task. Its heartbeats stop, so the task
+    shows ``LEDGER-INTERRUPTED``; the sweep resumes it on another worker and it ends SUCCESS,
+    with ``interrupted`` and ``resumed`` kept in its ``ledger`` field."""
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url)
+    client = Celery("client", broker=redis, backend=redis)
+    port = free_port()
+    flower = FlowerClient(port)
+    with processes(tmp_path, env) as procs:
+        start_flower(procs, port)
+        w1 = procs.worker(
+            "w1",
+            extra=["-E"],
+            concurrency=1,
+            env={
+                "CELERY_LEDGER_CRASH_AT": "step-completed:reserve@worker",
+                "CELERY_LEDGER_CRASH_ONCE": str(tmp_path / "crash-once"),
+                "CELERY_LEDGER_LEASE_SECONDS": "3",
+            },
+        )
+        sent: list[Any] = []
+
+        def claimed_in_flower() -> bool:
+            # Flower subscribes asynchronously; the crash fires once, on the first order.
+            if w1.alive:
+                sent.append(
+                    client.send_task(
+                        "tests_app.order",
+                        kwargs={"order_id": f"w-{len(sent)}", "amount": 1},
+                        queue=env["TEST_QUEUE"],
+                    )
+                )
+            time.sleep(1)
+            return not w1.alive
+
+        wait_for(claimed_in_flower, timeout=90, interval=0, what="w1 killed whole")
+        tasks = flower.tasks()
+        victims = [s.id for s in sent if tasks.get(s.id, {}).get("state") == "LEDGER-CLAIMED"]
+        if not victims:  # Flower missed the claim: the interruption cannot be seen either
+            victims = [s.id for s in sent if s.id in tasks and not tasks[s.id].get("succeeded")]
+        assert victims, {s.id: tasks.get(s.id, {}).get("state") for s in sent}
+        victim = victims[0]
+        wait_for(
+            lambda: flower.state(victim) == "LEDGER-INTERRUPTED",
+            timeout=60,
+            interval=0.5,
+            what="the dead worker's task as LEDGER-INTERRUPTED",
+        )
+        procs.worker("w2", extra=["-E"], concurrency=1)
+        sweep = procs.celery("sweep", ["ledger", "sweep"])
+        wait_for(lambda: sweep.proc.poll() is not None, timeout=60, what="ledger sweep")
+        wait_for(
+            lambda: flower.state(victim) == "SUCCESS",
+            timeout=90,
+            interval=0.5,
+            what="the resumed task SUCCESS",
+        )
+        marks = flower.tasks()[victim]["ledger"]
+        assert marks.index("interrupted") < marks.index("resumed"), marks

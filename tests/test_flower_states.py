@@ -176,3 +176,22 @@ def test_the_sweep_task_ids_carry_the_prefix() -> None:
     assert sent.id.startswith(SWEEP_ID_PREFIX)
     given = app.tasks[SWEEP_TASK].apply_async(task_id="mine", connection=app.connection_for_write())
     assert given.id == "mine"
+
+
+def test_a_worker_whose_heartbeats_stopped_interrupts_its_running_ledger_tasks(
+    state: LedgerEventsState,
+) -> None:
+    import time
+
+    now = time.time()
+    beat = {"type": "worker-heartbeat", "hostname": HOST, "freq": 2.0, "active": 1}
+    state.event({**beat, "timestamp": now, "local_received": now})
+    feed(state, *run_start("t1"), ev("task-ledger-claimed", "t1", key="k", fence=1))
+    assert state.check_workers() == 0, "alive: nothing to mark"
+    assert state.tasks["t1"].state == "LEDGER-CLAIMED"
+    # Its last heartbeat is now long past (a worker SIGKILLed whole sends nothing more).
+    state.workers[HOST].heartbeats[:] = [now - 60]
+    assert state.check_workers() == 1
+    assert state.tasks["t1"].state == INTERRUPTED
+    assert state.tasks["t1"].ledger[-1] == "interrupted"
+    assert not state.running_ledger

@@ -13,7 +13,8 @@ own merge, for ledger tasks only:
 - **interrupted** -- a pool process lost mid-body ends in ``task-rejected`` (re-queued) or
   ``task-failed`` with ``WorkerLostError``; the first ranks below the running ledger state and
   was ignored. Both show ``LEDGER-INTERRUPTED`` until the redelivery runs, as does a running
-  ledger task of a worker that went offline;
+  ledger task of a worker that went offline, or whose heartbeats stopped (a worker killed
+  whole sends nothing: ``check_workers`` runs every few seconds on Flower's event loop);
 - **a new attempt** (``claimed``/``resumed``, e.g. after a release) starts afresh: the previous
   attempt's exception, traceback, result and Failed/Succeeded times are cleared;
 - **resumes, replays, zombies** -- what happened to a task stays on it after ``SUCCESS``, in a
@@ -58,6 +59,8 @@ TRANSIENT = frozenset({"settled", "replayed", "reconciled"})
 PREVIOUS_ATTEMPT = ("exception", "traceback", "failed", "succeeded", "result", "runtime")
 #: Sweep task ids Flower remembers (a sweep's later events carry only its id).
 SWEEP_IDS_KEPT = 256
+#: How often running ledger tasks are checked against their worker's heartbeats (ms).
+WORKER_CHECK_MS = 5000
 
 
 class LedgerTaskState(Task):
@@ -92,8 +95,13 @@ class LedgerEventsState(EventsState):  # type: ignore[misc]
         #: the last sweep Flower saw: ``{"uuid", "type", "timestamp", "expired"}``.
         self.last_sweep: dict[str, Any] | None = None
         self.sweeps_seen = 0
+        #: Task ids in a running ledger state, checked against their worker's heartbeats.
+        self.running_ledger: set[str] = set()
+        self._watch: Any = None
 
     def event(self, event: dict[str, Any]) -> Any:
+        if self._watch is None:
+            self._start_watch()
         type_ = str(event.get("type") or "")
         if not type_.startswith("task-"):
             result = super().event(event)
@@ -113,7 +121,49 @@ class LedgerEventsState(EventsState):  # type: ignore[misc]
             self._read(task, type_, event, before)
             if (state, ledger) != (task.state, task.ledger):
                 self._reindex(task)
+            if _is_running_ledger_state(task.state):
+                self.running_ledger.add(uuid)
+            else:
+                self.running_ledger.discard(uuid)
         return result
+
+    # -- a worker that died whole ---------------------------------------------------------
+
+    def _start_watch(self) -> None:
+        """Check running ledger tasks every few seconds, on Flower's event loop (``event``
+        runs there); nothing when no loop runs (a state used outside Flower)."""
+        import asyncio
+
+        from tornado.ioloop import PeriodicCallback
+
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self._watch = False
+            return
+        self._watch = PeriodicCallback(self.check_workers, WORKER_CHECK_MS)
+        self._watch.start()
+
+    def check_workers(self) -> int:
+        """Mark ``LEDGER-INTERRUPTED`` the running ledger tasks whose worker stopped sending
+        heartbeats (a worker killed whole sends no event at all). Returns how many. Celery
+        counts every event of a worker as a heartbeat, so a worker run
+        ``--without-heartbeat`` is judged by its task events (twice its freq, 60 s by
+        default); Flower needs heartbeats to show workers anyway."""
+        marked = 0
+        for uuid in list(self.running_ledger):
+            task = self.tasks.data.get(uuid)
+            if task is None or not _is_running_ledger_state(task.state):
+                self.running_ledger.discard(uuid)
+                continue
+            worker = getattr(task, "worker", None)
+            if worker is not None and worker.heartbeats and not worker.alive:
+                task.state = INTERRUPTED
+                _mark(task, "interrupted")
+                self._reindex(task)
+                self.running_ledger.discard(uuid)
+                marked += 1
+        return marked
 
     def _reindex(self, task: Any) -> None:
         # Flower's search (``state:LEDGER-BLOCKED``, the state filter buttons) reads its own
