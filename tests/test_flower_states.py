@@ -195,3 +195,19 @@ def test_a_worker_whose_heartbeats_stopped_interrupts_its_running_ledger_tasks(
     assert state.tasks["t1"].state == INTERRUPTED
     assert state.tasks["t1"].ledger[-1] == "interrupted"
     assert not state.running_ledger
+
+
+def test_an_operators_release_shows_until_a_new_attempt_runs(state: LedgerEventsState) -> None:
+    from celery_ledger.flower.states import RELEASED
+
+    feed(
+        state,
+        *run_start("t1"),
+        ev("task-ledger-blocked", "t1", key="k", fence=1),
+        ev("task-failed", "t1", exception="LedgerBlocked('x')"),
+        {**ev("task-ledger-marked-dead", "t1", key="k", fence=1, by="ann"), "hostname": "cli@x"},
+    )
+    assert state.tasks["t1"].state == BLOCKED, "mark-dead changes no state"
+    feed(state, {**ev("task-ledger-released", "t1", key="k", fence=2, verified="completed")})
+    assert state.tasks["t1"].state == RELEASED
+    assert state.tasks["t1"].ledger[-3:] == ["blocked", "marked-dead", "released"]

@@ -10,11 +10,13 @@ from typing import Any
 
 import click
 
+from celery_ledger.announce import announce
 from celery_ledger.authorize import Action, Operator
 from celery_ledger.cli.common import (
     echo,
     emit_json,
     guarded,
+    load_app,
     load_settings,
     open_store,
     resolve_key,
@@ -55,9 +57,8 @@ def mark_dead_cmd(
     settings = load_settings(ctx)
     store = open_store(ctx)
     key = resolve_key(store, ref)
-    _authorize(
-        settings, Operator(by, "cli", authenticated=False), Action.MARK_DEAD, store.get_entry(key)
-    )
+    entry = store.get_entry(key)
+    _authorize(settings, Operator(by, "cli", authenticated=False), Action.MARK_DEAD, entry)
     signal = store.mark_dead(
         key,
         by=by,
@@ -65,6 +66,9 @@ def mark_dead_cmd(
         grace_seconds=settings.death_grace_seconds,
         lease_seconds=settings.lease_seconds,
         override_heartbeat=override_heartbeat,
+    )
+    announce(
+        load_app(ctx), "marked-dead", task_id=entry.task_id, key=key, fence=signal.fence, by=by
     )
     data: dict[str, Any] = {
         "key": key,

@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from celery_ledger.announce import announce
 from celery_ledger.authorize import Action, AuthorizerError, Operator, authorize
 from celery_ledger.cli.common import (
     command_prefix,
@@ -422,6 +423,15 @@ def release_cmd(
         reason=reason,
         result=result,
         require_death_signal=settings.release_requires_death_signal,
+    )
+    announce(
+        load_app(ctx),
+        "released",
+        task_id=rel.task_id,
+        key=key,
+        fence=rel.fence,
+        verified=verdict.value,
+        by=by,
     )
     outcome = None
     if rel.to_status is EntryStatus.INTERRUPTED:

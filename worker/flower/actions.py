@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from celery_ledger.announce import announce
 from celery_ledger.authorize import Action, Operator, authorize
 from celery_ledger.codec import encode
 from celery_ledger.flower.context import LedgerPage
@@ -135,6 +136,15 @@ def release(
         )
     except ReleaseRefused as exc:
         raise ActionRefused(str(exc), 409) from None
+    announce(
+        page.capp,
+        "released",
+        task_id=rel.task_id,
+        key=key,
+        fence=rel.fence,
+        verified=verdict.value,
+        by=operator.name,
+    )
     outcome = None
     if rel.to_status is EntryStatus.INTERRUPTED:
         outcome = "no-snapshot"
@@ -229,6 +239,15 @@ def mark_dead(
         )
     except (MarkDeadRefused, OperatorTextError) as exc:
         raise ActionRefused(str(exc), 409) from None
+    entry = page.store.get_entry(key)
+    announce(
+        page.capp,
+        "marked-dead",
+        task_id=entry.task_id,
+        key=key,
+        fence=signal.fence,
+        by=operator.name,
+    )
     log.info(
         "marked dead key=%s fence<=%s by %s via Flower%s",
         key,

@@ -15,6 +15,8 @@ own merge, for ledger tasks only:
   was ignored. Both show ``LEDGER-INTERRUPTED`` until the redelivery runs, as does a running
   ledger task of a worker that went offline, or whose heartbeats stopped (a worker killed
   whole sends nothing: ``check_workers`` runs every few seconds on Flower's event loop);
+- **a release** (``task-ledger-released``, which the CLI's or Flower's process sends about the
+  task id: ``celery_ledger.announce``) shows ``LEDGER-RELEASED`` until a new attempt runs;
 - **a new attempt** (``claimed``/``resumed``, e.g. after a release) starts afresh: the previous
   attempt's exception, traceback, result and Failed/Succeeded times are cleared;
 - **resumes, replays, zombies** -- what happened to a task stays on it after ``SUCCESS``, in a
@@ -51,10 +53,12 @@ log = logging.getLogger(__name__)
 LEDGER_EVENT = "task-ledger-"
 BLOCKED = "LEDGER-BLOCKED"
 INTERRUPTED = "LEDGER-INTERRUPTED"
+#: An operator released it (``task-ledger-released``, sent by the CLI's or Flower's process).
+RELEASED = "LEDGER-RELEASED"
 #: Ledger events that begin an attempt's body.
 STARTS = frozenset({"claimed", "resumed"})
 #: Ledger events that describe the last moments of an attempt, not a state worth showing.
-TRANSIENT = frozenset({"settled", "replayed", "reconciled"})
+TRANSIENT = frozenset({"settled", "replayed", "reconciled", "marked-dead"})
 #: Fields a new attempt clears: they describe the attempt before it.
 PREVIOUS_ATTEMPT = ("exception", "traceback", "failed", "succeeded", "result", "runtime")
 #: Sweep task ids Flower remembers (a sweep's later events carry only its id).
@@ -208,6 +212,8 @@ class LedgerEventsState(EventsState):  # type: ignore[misc]
                 for name in PREVIOUS_ATTEMPT:
                     setattr(task, name, None)
                 task.state = f"LEDGER-{kind.upper()}"
+            elif kind == "released":
+                task.state = RELEASED
             elif kind in TRANSIENT and before is not None:
                 # Celery set the transient state (or merged under a terminal one):
                 # the task keeps the state it had.
@@ -249,4 +255,4 @@ def install() -> None:
     log.debug("celery-ledger: Flower's task list reads the ledger's events")
 
 
-__all__ = ["BLOCKED", "INTERRUPTED", "LedgerEventsState", "LedgerTaskState", "install"]
+__all__ = ["BLOCKED", "INTERRUPTED", "RELEASED", "LedgerEventsState", "LedgerTaskState", "install"]
