@@ -99,7 +99,7 @@ def create_app(
     return app
 
 
-class _SweepTask(Task):  # type: ignore[misc]
+class _SweepTask(Task):
     """The sweep: every send (beat's, or ``delay()``) gets a ``celery-ledger-sweep-`` task id."""
 
     def apply_async(

@@ -85,7 +85,7 @@ def _mark(task: Any, kind: str) -> None:
     task.ledger = marks
 
 
-class LedgerEventsState(EventsState):  # type: ignore[misc]
+class LedgerEventsState(EventsState):
     """Flower's ``EventsState`` with the ledger's reading of task events (module docstring)."""
 
     Task = LedgerTaskState
@@ -145,8 +145,11 @@ class LedgerEventsState(EventsState):  # type: ignore[misc]
         except RuntimeError:
             self._watch = False
             return
-        self._watch = PeriodicCallback(self.check_workers, WORKER_CHECK_MS)
+        self._watch = PeriodicCallback(self._check_workers_soon, WORKER_CHECK_MS)
         self._watch.start()
+
+    def _check_workers_soon(self) -> None:
+        self.check_workers()
 
     def check_workers(self) -> int:
         """Mark ``LEDGER-INTERRUPTED`` the running ledger tasks whose worker stopped sending
