@@ -115,6 +115,10 @@ def test_flower_task_list_shows_blocked_and_the_ledger_badges(
             badges = [b.text for b in row.find_elements("css selector", ".badge")]
             assert "LEDGER-BLOCKED" in badges, badges
             assert "FAILURE" not in badges, badges
+            [state_badge] = [
+                b for b in row.find_elements("css selector", ".badge") if b.text == "LEDGER-BLOCKED"
+            ]
+            assert "text-bg-warning" in state_badge.get_attribute("class"), "not a red FAILURE"
             marks = [b.text for b in row.find_elements("css selector", ".ledger-marks")]
             assert marks and "interrupted" in marks[0], marks
             screenshot(driver, "flower-tasks")

@@ -95,14 +95,21 @@ _TASKS_BADGES = """</table>
     <script>
     document.addEventListener("DOMContentLoaded", function () {
       var SHOWN = ["resumed", "replayed", "fenced", "returned", "waited", "interrupted",
-                   "conflict", "reconciled"];
+                   "conflict", "reconciled", "released", "marked-dead"];
+      // Not failures, but stuck until someone (an operator, the sweep) acts.
+      var NEEDS_EYES = ["LEDGER-BLOCKED", "LEDGER-INTERRUPTED"];
       jQuery(document).on("draw.dt", "#tasks-table", function () {
         jQuery("#tasks-table").DataTable().rows({page: "current"}).every(function () {
           var marks = (this.data().ledger || []).filter(function (m) {
             return SHOWN.indexOf(m) >= 0;
           });
           var badge = this.node() && this.node().querySelector(".badge");
-          if (!marks.length || !badge || badge.parentNode.querySelector(".ledger-marks")) return;
+          if (!badge) return;
+          if (NEEDS_EYES.indexOf(this.data().state) >= 0) {
+            badge.classList.remove("text-bg-secondary");
+            badge.classList.add("text-bg-warning");
+          }
+          if (!marks.length || badge.parentNode.querySelector(".ledger-marks")) return;
           var extra = document.createElement("span");
           extra.className = "badge text-bg-info ms-1 ledger-marks";
           extra.title = "what the ledger did to this task";
