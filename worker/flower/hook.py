@@ -210,9 +210,18 @@ def install_in_flower(
     settings["template_loader"] = LedgerTemplateLoader(
         os.fspath(settings.get("template_path") or flower_templates())
     )
-    from celery_ledger.flower import context, states
+    from celery_ledger.flower import context
 
-    states.install()
+    try:
+        from celery_ledger.flower import states
+
+        states.install()
+    except Exception as exc:  # noqa: BLE001 - a Flower that changed: its task list as it is
+        log.warning(
+            "celery-ledger: Flower's task list keeps Celery's literal reading of the ledger's "
+            "events (%r); the Ledger page is unaffected",
+            exc,
+        )
     context.cli_prefix = _cli_prefix()
     log.info("celery-ledger: Ledger page installed in Flower at /ledger")
 
