@@ -777,3 +777,21 @@ class TestDeathSignalReadOnly(PageCase):
         assert 'id="mark-dead-form"' not in self.page(f"/ledger/entry/{key}")
         resp = self.post(f"/ledger/entry/{key}/mark-dead", {"reason": "r"}, xsrf_from="/ledger")
         assert resp.code == 403 and self.store.get_entry(key).dead_at is None
+
+
+class TestNavbarCount(PageCase):
+    def test_every_flower_page_shows_how_many_entries_are_blocked(self) -> None:
+        self.blocked()
+        self.blocked()
+        self.interrupted()  # the sweep resumes it: not counted
+
+        def shown() -> str | None:
+            html = self.page("/tasks")  # Flower's own page, not the Ledger's
+            found = re.search(r'id="ledger-nav-blocked"[^>]*>(\d+)<', html)
+            return found.group(1) if found else None
+
+        deadline = time.monotonic() + 10
+        while shown() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the count is refreshed off the request, in Flower's executor
+        assert shown() == "2"
+        assert 'id="ledger-nav-blocked"' in self.page("/workers")

@@ -93,6 +93,7 @@ def test_secret_values_never_reach_flower_events_or_logs(
             # so orders are sent until Flower has seen one blocked and one completed.
             blocked_key = entry_key("page_app.pay", {"order_id": "sec-blk"})
             blocked_id = send("sec-blk")
+
             def blocked() -> bool:
                 try:
                     return store.get_entry(blocked_key).status is EntryStatus.BLOCKED

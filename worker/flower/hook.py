@@ -45,11 +45,19 @@ TEMPLATES = Path(__file__).parent / "templates"
 OWN_PREFIX = "ledger/"
 
 _NAV_ANCHOR = "</ul>"
+# The count beside "Ledger" is the entries blocked now (an operator decides them), on every
+# Flower page, the dashboard included; cached and refreshed off the request
+# (``context.BlockedCount``).
 _NAV_ITEM = """
+        {% import celery_ledger.flower.context %}
+        {% set ledger_blocked = celery_ledger.flower.context.blocked_for_nav(handler) %}
         <li class="nav-item">
           <a class="nav-link{% if active_tab == 'ledger' %} active{% end %}"
             href="{{ reverse_url('ledger') }}"
-            {% if active_tab == 'ledger' %}aria-current="page"{% end %}>Ledger</a>
+            {% if active_tab == 'ledger' %}aria-current="page"{% end %}
+            >Ledger{% if ledger_blocked %} <span class="badge text-bg-warning"
+              id="ledger-nav-blocked" title="blocked entries: an operator decides"
+              >{{ ledger_blocked }}</span>{% end %}</a>
         </li>
       """
 _TASK_ANCHOR = '<div class="detail-actions">'
