@@ -24,6 +24,9 @@ def announce(app: Any, kind: str, *, task_id: str, key: str, fence: int, **field
         if runtime.settings_for(app).send_events is False:
             return
         with app.connection_for_write() as conn:
+            # Bounded: a broker that is down must not hold up the operator's command (kombu
+            # otherwise retries the connection without end when the channel is first used).
+            conn.ensure_connection(max_retries=1, interval_start=0, interval_step=0.5, timeout=5)
             dispatcher = app.events.Dispatcher(conn, enabled=True)
             try:
                 dispatcher.send(
