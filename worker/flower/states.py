@@ -3,7 +3,7 @@
 Flower keeps its task list in ``flower.events.EventsState`` (Celery's ``events.state.State``),
 which turns an unknown ``task-*`` event into the state ``type.upper()`` and ranks every such
 custom state below ``SUCCESS``/``FAILURE`` and above ``STARTED``/``RECEIVED``/``REJECTED``
-(``celery.states.PRECEDENCE``). Read with the ledger's events, that ranking lies in five ways
+(``celery.states.PRECEDENCE``). Read with the ledger's events, that ranking misleads in several ways
 (issue 19, "What an operator sees today"); ``LedgerEventsState`` corrects each after Celery's
 own merge, for ledger tasks only:
 
@@ -28,8 +28,9 @@ own merge, for ledger tasks only:
   the workers page and in ``flower_events_total{task="celery_ledger.sweep"}`` (never as a
   nameless row or a ``task=""`` series), and the last one is kept for the Ledger overview.
 
-The transient events (``settled``, ``replayed``, ``reconciled``) no longer replace the running
-state for the last milliseconds of an attempt; they are recorded in ``ledger``.
+The transient events (``settled``, ``replayed``, ``reconciled``, ``marked-dead``) no longer
+replace the running state for the last milliseconds of an attempt; they are recorded in
+``ledger``.
 
 ``install()`` points ``flower.events.EventsState`` (the name ``Events.__init__`` looks up when
 Flower builds its state) at this subclass; ``install_in_flower()`` calls it from the ``--conf``
