@@ -756,6 +756,8 @@ class TestDeathSignal(PageCase):
         html = self.page(f"/ledger/entry/{key}")
         assert 'id="seen-alive-alert"' in html and "celery@zombie" in html
         assert 'id="entry-seen-alive"' in html
+        stuck = self.page("/ledger/stuck?kind=blocked")
+        assert "Its old worker (celery@zombie) was seen alive" in stuck
         before = self.rows()
         refused = self.post(
             f"/ledger/entry/{key}/mark-dead", {"reason": "looks dead"}, xsrf_from="/ledger"
