@@ -797,3 +797,43 @@ class TestNavbarCount(PageCase):
             time.sleep(0.05)  # the count is refreshed off the request, in Flower's executor
         assert shown() == "2"
         assert 'id="ledger-nav-blocked"' in self.page("/workers")
+
+
+# -- sealed snapshots (issue 19) ------------------------------------------------------------------
+
+try:
+    from cryptography.fernet import Fernet
+
+    SNAPSHOT_KEY = Fernet.generate_key().decode()
+except ImportError:  # pragma: no cover - the dev extra installs it
+    SNAPSHOT_KEY = ""
+
+
+def seal_snapshot(store: LedgerStore, key: str) -> None:
+    """Seal the entry's stored snapshot, as a worker with ``ledger_snapshot_keys`` writes it."""
+    from celery_ledger.ledger import SnapshotCipher
+
+    plain = store.get_entry(key).snapshot
+    with store.engine.begin() as conn:
+        conn.execute(
+            text("UPDATE ledger_entries SET snapshot = :s WHERE key = :k"),
+            {"s": SnapshotCipher([SNAPSHOT_KEY]).seal(plain), "k": key},
+        )
+
+
+class TestSealedSnapshot(PageCase):
+    conf = {"ledger_snapshot_keys": [SNAPSHOT_KEY]}
+
+    def test_the_page_opens_a_sealed_snapshot_with_the_key_and_still_redacts(self) -> None:
+        key = self.blocked()
+        seal_snapshot(self.store, key)
+        html = self.page(f"/ledger/entry/{key}")
+        assert "A-1" in html and "[redacted]" in html and CARD not in html
+
+
+class TestSealedSnapshotWithoutKey(PageCase):
+    def test_without_the_key_the_page_says_it_is_sealed(self) -> None:
+        key = self.blocked()
+        seal_snapshot(self.store, key)
+        html = self.page(f"/ledger/entry/{key}")
+        assert "sealed" in html and "ledger_snapshot_keys" in html and CARD not in html
