@@ -363,3 +363,16 @@ def test_a_sigstopped_zombie_blocks_mark_dead_and_the_gate_blocks_a_rerun(
             assert effect_counts(pg_url, "z-1") == {("z-1", "charge"): 1}
     finally:
         store.dispose()
+
+
+def test_cli_mark_dead_is_gated_by_operator_tokens_like_a_release(
+    cli: Any, store: LedgerStore, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CELERY_LEDGER_OPERATOR_TOKENS", "ann-token")
+    key = blocked(store)
+    before = rows(ledger_url)
+    refused = cli("mark-dead", key, "--by", "bob", "--reason", "r", code=1)
+    one_line_error(refused, "does not match any operator token", "nothing was marked")
+    assert rows(ledger_url) == before and store.get_entry(key).dead_at is None
+    cli("mark-dead", key, "--by", "ann-token", "--reason", "r")
+    assert store.get_entry(key).dead_by == "ann-token"

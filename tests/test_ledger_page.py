@@ -837,3 +837,29 @@ class TestSealedSnapshotWithoutKey(PageCase):
         seal_snapshot(self.store, key)
         html = self.page(f"/ledger/entry/{key}")
         assert "sealed" in html and "ledger_snapshot_keys" in html and CARD not in html
+
+
+def deny_mark_dead(operator: Operator, action: Action, entry: Entry) -> Decision:
+    """A ``ledger_authorizer`` that keeps mark-dead to the on-call."""
+    ASKED.append((operator, action, entry))
+    if action is Action.MARK_DEAD:
+        return Decision.deny(f"{operator.name} is not on call")
+    return Decision.allow()
+
+
+class TestMarkDeadAuthorizer(ActionCase):
+    conf = {
+        "ledger_flower_actions": True,
+        "ledger_authorizer": "test_ledger_page:deny_mark_dead",
+    }
+
+    def test_mark_dead_goes_through_the_shared_authorizer(self) -> None:
+        ASKED.clear()
+        key = self.blocked()
+        before = self.rows()
+        resp = self.post(f"/ledger/entry/{key}/mark-dead", {"reason": "r"}, xsrf_from="/ledger")
+        assert resp.code == 403 and f"{USER} is not on call".encode() in resp.body
+        assert self.rows() == before and self.store.get_entry(key).dead_at is None
+        [(operator, action, entry)] = ASKED
+        assert (operator.name, operator.via, operator.authenticated) == (USER, "flower", True)
+        assert action is Action.MARK_DEAD and entry.key == key
