@@ -368,28 +368,27 @@ def test_flower_shows_interrupted_when_the_whole_worker_dies(
                 "CELERY_LEDGER_LEASE_SECONDS": "3",
             },
         )
-        sent: list[Any] = []
+        # Flower subscribes to events asynchronously: a plain task first, until Flower sees it.
+        probes: list[str] = []
 
-        def claimed_in_flower() -> bool:
-            # Flower subscribes asynchronously; the crash fires once, on the first order.
-            if w1.alive:
-                sent.append(
-                    client.send_task(
-                        "tests_app.order",
-                        kwargs={"order_id": f"w-{len(sent)}", "amount": 1},
-                        queue=env["TEST_QUEUE"],
-                    )
-                )
-            time.sleep(1)
-            return not w1.alive
+        def event_stream_live() -> bool:
+            probes.append(
+                client.send_task(
+                    "tests_app.plain_add", kwargs={"x": 1, "y": 2}, queue=env["TEST_QUEUE"]
+                ).id
+            )
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline:
+                if any(flower.state(p) == "SUCCESS" for p in probes):
+                    return True
+                time.sleep(0.2)
+            return False
 
-        wait_for(claimed_in_flower, timeout=90, interval=0, what="w1 killed whole")
-        tasks = flower.tasks()
-        victims = [s.id for s in sent if tasks.get(s.id, {}).get("state") == "LEDGER-CLAIMED"]
-        if not victims:  # Flower missed the claim: the interruption cannot be seen either
-            victims = [s.id for s in sent if s.id in tasks and not tasks[s.id].get("succeeded")]
-        assert victims, {s.id: tasks.get(s.id, {}).get("state") for s in sent}
-        victim = victims[0]
+        wait_for(event_stream_live, timeout=60, interval=0, what="task events in Flower")
+        victim = client.send_task(
+            "tests_app.order", kwargs={"order_id": "w-1", "amount": 1}, queue=env["TEST_QUEUE"]
+        ).id
+        wait_for(lambda: not w1.alive, timeout=60, what="w1 killed whole after reserve")
         wait_for(
             lambda: flower.state(victim) == "LEDGER-INTERRUPTED",
             timeout=60,
