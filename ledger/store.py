@@ -14,6 +14,7 @@ returns.
 
 from __future__ import annotations
 
+from celery_ledger.ledger.death import DeathSignals
 from celery_ledger.ledger.hotpath import HotPath
 from celery_ledger.ledger.operator import OperatorQueries
 from celery_ledger.ledger.outbox import OutboxQueries
@@ -21,7 +22,9 @@ from celery_ledger.ledger.sweeps import SweepQueries
 from celery_ledger.ledger.transactions import TransactionSteps
 
 
-class LedgerStore(HotPath, SweepQueries, OperatorQueries, TransactionSteps, OutboxQueries):
+class LedgerStore(
+    HotPath, SweepQueries, OperatorQueries, DeathSignals, TransactionSteps, OutboxQueries
+):
     """The ledger store: hot path, sweeps and operator queries over one engine per process.
 
     The structure::
@@ -32,6 +35,7 @@ class LedgerStore(HotPath, SweepQueries, OperatorQueries, TransactionSteps, Outb
         ├── SweepQueries (sweeps.py) interrupt_*, begin_resume, block, prune_settled, ...
         ├── OperatorQueries          get_entry, list_entries, release, stats, ...
         │   (operator.py)
+        ├── DeathSignals (death.py)  mark_dead, record_seen_alive (the release gate)
         ├── TransactionSteps         a step's completed row in a transaction: transaction
         │   (transactions.py)        steps, and a step's children (complete_step)
         └── OutboxQueries            the children steps recorded: unpublished,

@@ -166,7 +166,23 @@ class Attempt:
                 self.fence,
                 why,
             )
+            self._seen_alive(why)
         self.superseded = why
+
+    def _seen_alive(self, why: str) -> None:
+        """Leave "seen alive at" on the entry: this superseded attempt is awake and tried to
+        write (``mark-dead`` refuses on it). Once per attempt; best effort, since the attempt
+        stops either way."""
+        try:
+            self._store.record_seen_alive(self.key, self.fence, owner=self.actor, what=why)
+        except Exception as exc:  # noqa: BLE001 - a sign of life must not break the stop
+            log.warning(
+                "could not record the sign of life of key=%s task_id=%s fence=%s: %r",
+                self.key,
+                self.task_id,
+                self.fence,
+                exc,
+            )
 
     def emit(self, kind: str, **fields: Any) -> None:
         """Send a ``task-ledger-<kind>`` event for this attempt's entry and fence."""
@@ -444,35 +460,47 @@ class Attempt:
 
     def complete_on_connection(
         self, dbapi: Any, ident: Ident, seq: int, encoded: str, sends: Sends
-    ) -> None:
+    ) -> bool:
         """Write the step's completed row (and its children) on a DBAPI connection in its
-        open transaction, which the caller commits (Django's, in ``django_steps``).
+        open transaction, which the caller commits (Django's, in ``django_steps``). Returns
+        False when the fence moved: the caller rolls back, then ``refuse_transaction``.
 
         Raises:
-            Fenced: this attempt was superseded; the caller must roll back.
+            Fenced: this attempt was superseded before (nothing written).
         """
         self._check_fence()
-        ok = self._store.complete_on_dbapi(
+        return self._store.complete_on_dbapi(
             dbapi, self.key, self.fence, ident, seq=seq, output=encoded, children=sends.children
         )
-        self._fenced(ok, f"transaction step {ident[0]} complete")
 
     def complete_transaction(
         self, conn: Any, ident: Ident, seq: int, encoded: str, sends: Sends
-    ) -> None:
+    ) -> bool:
         """Write the step's completed row (and its children) on ``conn`` and commit it.
+        Returns False when the fence moved: nothing was committed (the caller's connection
+        rolls back when it closes), and the caller then calls ``refuse_transaction``.
 
         Raises:
-            Fenced: this attempt was superseded; nothing was committed (the caller's
-                connection rolls back when it closes).
+            Fenced: this attempt was superseded before (nothing written).
             LedgerUnavailable: the commit did not reach the database (it is not known whether
                 it committed; the next attempt replays or re-runs accordingly).
         """
         self._check_fence()
-        ok = self._store.commit_step(
+        return self._store.commit_step(
             conn, self.key, self.fence, ident, seq=seq, output=encoded, children=sends.children
         )
-        self._fenced(ok, f"transaction step {ident[0]} complete")
+
+    def refuse_transaction(self, ident: Ident) -> NoReturn:
+        """A transaction step's row was refused (the fence moved): mark this attempt
+        superseded and stop it. Called once the step's transaction rolled back, so that the
+        sign of life ``mark_superseded`` leaves on the entry never waits for the step's own
+        locks (SQLite's write lock).
+
+        Raises:
+            Fenced: always.
+        """
+        self._fenced(False, f"transaction step {ident[0]} complete")
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _write(
         self,
