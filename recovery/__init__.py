@@ -9,6 +9,7 @@ from celery_ledger.recovery.sweep import (
     boot_sweep,
     read_snapshot,
     resend_retry,
+    resume_batch,
     resume_entry,
     run_sweep,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "SweepReport",
     "run_sweep",
     "boot_sweep",
+    "resume_batch",
     "resume_entry",
     "resend_retry",
     "ResumeOutcome",
