@@ -12,7 +12,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Select, case, delete, func, select, tuple_, update
+from sqlalchemy import (
+    Connection,
+    Integer,
+    Select,
+    String,
+    any_,
+    bindparam,
+    case,
+    delete,
+    func,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
 
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.core import Note, StoreCore
@@ -239,6 +253,9 @@ class SweepQueries(StoreCore):
             return {}
         query = select(entries.c.key, entries.c.fence, entries.c.status, entries.c.snapshot).where(
             entries.c.key.in_(list(keys))
+            if self.is_sqlite
+            # One array parameter, not a thousand: the statement stays small to build and plan.
+            else entries.c.key == any_(bindparam("keys", list(keys), type_=ARRAY(String)))
         )
         with self._read() as conn:
             rows = conn.execute(query).all()
@@ -260,13 +277,22 @@ class SweepQueries(StoreCore):
         """
         if not picks:
             return {}
-        wanted = [(key, fence) for key, fence in picks]
+        if self.is_sqlite:
+            wanted: Any = tuple_(entries.c.key, entries.c.fence).in_(list(picks))
+        else:
+            # Two array parameters, not two thousand scalars (unnest pairs them up).
+            pairs = (
+                func.unnest(
+                    bindparam("w_keys", [k for k, _ in picks], type_=ARRAY(String)),
+                    bindparam("w_fences", [f for _, f in picks], type_=ARRAY(Integer)),
+                )
+                .table_valued("key", "fence")
+                .render_derived()
+            )
+            wanted = tuple_(entries.c.key, entries.c.fence).in_(select(pairs.c.key, pairs.c.fence))
         picked = (
             select(entries.c.key, entries.c.fence.label("picked_fence"))
-            .where(
-                tuple_(entries.c.key, entries.c.fence).in_(wanted),
-                entries.c.status == _INTERRUPTED,
-            )
+            .where(wanted, entries.c.status == _INTERRUPTED)
             .order_by(entries.c.key)
             .with_for_update(skip_locked=True)
             .cte("picked")
