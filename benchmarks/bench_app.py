@@ -17,6 +17,14 @@ still imports nothing of celery-ledger: the memory benchmark reports the ledger 
 Celery as shipped and against plain Celery with that idiom, to separate what the ledger's modules
 cost from what the freeze saves.
 
+Issue 20's variants, from the environment too: ``BENCH_BODY_MS`` (the body sleeps that long,
+every mode), ``BENCH_SIDE_EFFECT`` (the ledgered task's class; default ``non_idempotent``, no
+steps) and ``BENCH_FLOOR_SETTLE_ASYNC=1`` (the floor's settle ``UPDATE`` commits on a second
+connection with ``synchronous_commit = off``: the floor of a task whose claim is its intent and
+whose settle need not wait, one synchronous and one asynchronous commit). The floor with every
+commit asynchronous is the floor run with ``PGOPTIONS='-c synchronous_commit=off'``; the
+ledger's mode is ``CELERY_LEDGER_DURABILITY``.
+
 Both get the same broker, result backend, serializer, ``acks_late``, prefetch and
 ``result_extended`` settings, so a ratio of the two isolates what the ledger costs.
 """
@@ -75,26 +83,51 @@ def make_app(
         if not ledger_url:
             raise ValueError("BENCH_MODE=floor needs BENCH_LEDGER_URL (a PostgreSQL database)")
         floor = FloorWrites(ledger_url)
+        settle = FloorWrites(ledger_url, lazy=True) if os.environ.get(ENV_FLOOR_ASYNC) else floor
 
         @app.task(name="bench_app.noop", shared=False, acks_late=True, reject_on_worker_lost=True)
         def noop_floor(i: int) -> int:
             task_id = noop_floor.request.id
             floor.write(FLOOR_CLAIM, task_id)
-            result = i
-            floor.write(FLOOR_SETTLE, task_id)
+            result = body(i)
+            settle.write(FLOOR_SETTLE, task_id)
             return result
 
         return app
 
     # shared=False: a second app built in the same process (the benchmark's one-process
     # measurement) must not inherit this app's task under the same name.
+    options: dict[str, Any] = {}
+    if mode == "ledger":
+        options["side_effect"] = os.environ.get(ENV_SIDE_EFFECT, "non_idempotent")
+
     @app.task(
-        base=base, name="bench_app.noop", shared=False, acks_late=True, reject_on_worker_lost=True
+        base=base,
+        name="bench_app.noop",
+        shared=False,
+        acks_late=True,
+        reject_on_worker_lost=True,
+        **options,
     )
     def noop(i: int) -> int:
-        return i
+        return body(i)
 
     return app
+
+
+ENV_BODY_MS = "BENCH_BODY_MS"
+ENV_SIDE_EFFECT = "BENCH_SIDE_EFFECT"
+ENV_FLOOR_ASYNC = "BENCH_FLOOR_SETTLE_ASYNC"
+_BODY_SECONDS = float(os.environ.get(ENV_BODY_MS, "0") or 0) / 1000
+
+
+def body(i: int) -> int:
+    """The task's work: nothing, or a sleep of ``BENCH_BODY_MS``."""
+    if _BODY_SECONDS:
+        import time
+
+        time.sleep(_BODY_SECONDS)
+    return i
 
 
 FLOOR_TABLE = "bench_floor"
@@ -117,8 +150,9 @@ class FloorWrites:
     """One autocommit psycopg connection per process (opened after fork), statements prepared
     on first use: the cheapest way for Python to make one durable PostgreSQL write."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, lazy: bool = False) -> None:
         self.url = url.replace("postgresql+psycopg://", "postgresql://")
+        self.lazy = lazy
         self._conn: Any = None
         self._pid = -1
 
@@ -127,6 +161,8 @@ class FloorWrites:
             import psycopg
 
             self._conn = psycopg.connect(self.url, autocommit=True, prepare_threshold=0)
+            if self.lazy:
+                self._conn.execute("SET synchronous_commit = off")
             self._pid = os.getpid()
         self._conn.execute(statement, (task_id,))
 
