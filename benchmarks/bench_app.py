@@ -194,3 +194,125 @@ app = make_app(
     ledger_url=os.environ.get("BENCH_LEDGER_URL"),
     backend=os.environ.get("BENCH_BACKEND_URL"),
 )
+
+
+# -- issue 20, part 1: a wall-clock trace of each task (``benchmarks/trace.py``) ----------------
+
+ENV_TRACE = "BENCH_TRACE"
+
+
+def install_trace(directory: str) -> None:
+    """Write, per process, one JSON line per task with wall-clock stamps around each phase.
+
+    Pool processes: ``prerun`` and ``postrun`` (Celery's signals), and the time spent in each
+    ledger or floor write and in the result backend's store within them. The worker's parent:
+    when each message was received (``Request.__init__``), handed to the pool, accepted by a
+    pool process, reported successful, and acknowledged. Timestamps are ``time.time()`` so the
+    two kinds of process can be joined by task id.
+    """
+    import json
+    import threading
+    import time
+    from pathlib import Path
+
+    from celery import signals
+    from celery.worker import request as request_module
+
+    now = time.time
+    state = threading.local()
+    files: dict[int, Any] = {}
+
+    def out() -> Any:
+        pid = os.getpid()
+        f = files.get(pid)
+        if f is None:
+            f = files[pid] = open(Path(directory) / f"trace-{pid}.jsonl", "a", buffering=1)  # noqa: SIM115
+        return f
+
+    def timed(phase: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            phases = getattr(state, "phases", None)
+            if phases is None:
+                return fn(*args, **kwargs)
+            started = now()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phases.append((phase, started, now()))
+
+        wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+        return wrapper
+
+    @signals.task_prerun.connect(weak=False)
+    def _prerun(task_id: str = "", **_: Any) -> None:
+        state.phases = []
+        state.prerun = now()
+
+    @signals.task_postrun.connect(weak=False)
+    def _postrun(task_id: str = "", **_: Any) -> None:
+        phases = getattr(state, "phases", None) or []
+        state.phases = None
+        line = {"pid": os.getpid(), "id": task_id, "prerun": state.prerun, "postrun": now()}
+        line["phases"] = phases
+        out().write(json.dumps(line) + "\n")
+
+    # Pool process phases.
+    try:
+        from celery_ledger.ledger import LedgerStore
+
+        for name in ("claim", "settle", "renew_lease", "write_step"):
+            setattr(LedgerStore, name, timed(name, getattr(LedgerStore, name)))
+        from celery_ledger import heartbeat as hb
+
+        for name in ("register", "unregister"):
+            setattr(hb.Heartbeat, name, timed(f"heartbeat.{name}", getattr(hb.Heartbeat, name)))
+    except ImportError:
+        pass
+    FloorWrites.write = timed("floor write", FloorWrites.write)  # type: ignore[method-assign]
+    from celery.backends.base import BaseBackend
+
+    BaseBackend.mark_as_done = timed("result backend", BaseBackend.mark_as_done)  # type: ignore[method-assign]
+
+    # The parent's stamps, per task id.
+    Request = request_module.Request
+
+    def parent_stamp(what: str, fn: Any) -> Any:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            started = now()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                line = {"parent": os.getpid(), "id": self.id, "what": what, "t0": started}
+                line["t1"] = now()
+                out().write(json.dumps(line) + "\n")
+
+        return wrapper
+
+    for name, what in (
+        ("__init__", "received"),
+        ("on_accepted", "accepted"),
+        ("acknowledge", "acked"),
+    ):
+        setattr(Request, name, parent_stamp(what, getattr(Request, name)))
+    try:
+        from celery_ledger.request import LedgerRequest
+
+        LedgerRequest._hold = parent_stamp("receipt hold", LedgerRequest._hold)  # type: ignore[method-assign]
+    except ImportError:
+        pass
+    # The strategy builds a Request subclass per task that overrides these two.
+    from celery.worker import strategy
+
+    create = strategy.create_request_cls
+
+    def create_request_cls(*args: Any, **kwargs: Any) -> Any:
+        cls = create(*args, **kwargs)
+        cls.execute_using_pool = parent_stamp("dispatched", cls.execute_using_pool)
+        cls.on_success = parent_stamp("succeeded", cls.on_success)
+        return cls
+
+    strategy.create_request_cls = create_request_cls
+
+
+if os.environ.get(ENV_TRACE):
+    install_trace(os.environ[ENV_TRACE])
