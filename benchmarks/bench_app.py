@@ -269,9 +269,9 @@ def install_trace(directory: str) -> None:
     except ImportError:
         pass
     FloorWrites.write = timed("floor write", FloorWrites.write)  # type: ignore[method-assign]
-    from celery.backends.base import BaseBackend
+    from celery.backends.base import Backend
 
-    BaseBackend.mark_as_done = timed("result backend", BaseBackend.mark_as_done)  # type: ignore[method-assign]
+    Backend.mark_as_done = timed("result backend", Backend.mark_as_done)  # type: ignore[method-assign]
 
     # The parent's stamps, per task id.
     Request = request_module.Request

@@ -35,8 +35,13 @@ from typing import Any
 from common import REDIS_URL, exit_on_sigterm, pg_database
 from throughput import VARIANTS, drain
 
-DEFAULT_VARIANTS = ("plain", "floor-async", "floor-intent", "ledger-effects-idempotent",
-                    "ledger-effects")  # fmt: skip
+DEFAULT_VARIANTS = (
+    "plain",
+    "floor-async",
+    "floor-intent",
+    "ledger-effects-idempotent",
+    "ledger-effects",
+)
 
 
 def load(directory: Path) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
@@ -80,8 +85,16 @@ def breakdown(
         spent: dict[str, float] = defaultdict(float)
         for phase, t0, t1 in c["phases"]:
             spent[phase] += (t1 - t0) * 1000
-        for phase in ("claim", "floor write", "settle", "result backend", "renew_lease",
-                      "write_step", "heartbeat.register", "heartbeat.unregister"):  # fmt: skip
+        for phase in (
+            "claim",
+            "floor write",
+            "settle",
+            "result backend",
+            "renew_lease",
+            "write_step",
+            "heartbeat.register",
+            "heartbeat.unregister",
+        ):
             ms[f"  {phase}"].append(spent.get(phase, 0.0))
         ms["  the rest (body, Celery's trace)"].append(busy - sum(spent.values()))
         p = parent.get(c["id"], {})
@@ -150,8 +163,16 @@ def main() -> None:
         )
 
 
-_ORDER = ("cycle", "in the pool", "  ", "between", "parent: dispatched", "parent: postrun",
-          "parent: received ->", "parent:")  # fmt: skip
+_ORDER = (
+    "cycle",
+    "in the pool",
+    "  ",
+    "between",
+    "parent: dispatched",
+    "parent: postrun",
+    "parent: received ->",
+    "parent:",
+)
 
 
 def _order(row: str) -> tuple[int, str]:

@@ -81,9 +81,17 @@ class OwnPostgres:
             self._run_as = {"user": user.pw_uid, "group": user.pw_gid}
             os.chown(self.root, user.pw_uid, user.pw_gid)
         self._pg(
-            "initdb", "-D", str(self.data), "-U", "postgres", "-A", "trust", "-E", "UTF8",
+            "initdb",
+            "-D",
+            str(self.data),
+            "-U",
+            "postgres",
+            "-A",
+            "trust",
+            "-E",
+            "UTF8",
             "--no-sync",
-        )  # fmt: skip
+        )
 
     @property
     def url(self) -> str:
@@ -95,8 +103,19 @@ class OwnPostgres:
             f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root} "
             f"-c wal_writer_delay={WAL_WRITER_DELAY} -c max_connections=200"
         )
-        self._pg("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", options, "-w",
-                 "-t", "60", "start")  # fmt: skip
+        self._pg(
+            "pg_ctl",
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.log),
+            "-o",
+            options,
+            "-w",
+            "-t",
+            "60",
+            "start",
+        )
 
     def crash(self) -> None:
         """``pg_ctl stop -m immediate``: quit without a checkpoint, losing the WAL buffers."""

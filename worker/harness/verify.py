@@ -495,15 +495,37 @@ def run_verify(
     durability: str | None = None,
 ) -> VerifyReport:
     if not crash_ledger:
-        return _run_verify(tasks, duration, seed, concurrency, broker, ledger, keep, phases,
-                           None, crashes, durability)  # fmt: skip
+        return _run_verify(
+            tasks,
+            duration,
+            seed,
+            concurrency,
+            broker,
+            ledger,
+            keep,
+            phases,
+            None,
+            crashes,
+            durability,
+        )
     from celery_ledger.harness.pgserver import OwnPostgres
 
     server = OwnPostgres()
     try:
         server.start()
-        return _run_verify(tasks, duration, seed, concurrency, broker, server.url, keep, phases,
-                           server, crashes, durability)  # fmt: skip
+        return _run_verify(
+            tasks,
+            duration,
+            seed,
+            concurrency,
+            broker,
+            server.url,
+            keep,
+            phases,
+            server,
+            crashes,
+            durability,
+        )
     finally:
         server.close()
 
