@@ -14,12 +14,13 @@ returns.
 
 from __future__ import annotations
 
+from celery_ledger.ledger.death import DeathSignals
 from celery_ledger.ledger.hotpath import HotPath
 from celery_ledger.ledger.operator import OperatorQueries
 from celery_ledger.ledger.sweeps import SweepQueries
 
 
-class LedgerStore(HotPath, SweepQueries, OperatorQueries):
+class LedgerStore(HotPath, SweepQueries, OperatorQueries, DeathSignals):
     """The ledger store: hot path, sweeps and operator queries over one engine per process.
 
     The structure::
@@ -28,8 +29,9 @@ class LedgerStore(HotPath, SweepQueries, OperatorQueries):
         │                            path's cursors, the event writer, error translation
         ├── HotPath (hotpath.py)     claim, renew_lease, write_step, settle, ...
         ├── SweepQueries (sweeps.py) interrupt_*, begin_resume, block, prune_settled, ...
-        └── OperatorQueries          get_entry, list_entries, release, stats, ...
-            (operator.py)
+        ├── OperatorQueries          get_entry, list_entries, release, stats, ...
+        │   (operator.py)
+        └── DeathSignals (death.py)  mark_dead, record_seen_alive (the release gate)
 
     Each query group is a mixin over ``StoreCore`` alone: none calls another group, and none
     tests which database it runs on (``StoreCore.dialect`` and ``statements`` hold the
