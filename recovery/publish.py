@@ -120,6 +120,8 @@ class Batch:
         self._stack: contextlib.ExitStack | None = None
         self._producer: Any = None
         self._deferred: Any = None
+        #: Queues (by the name the send gave, None for the default) declared on this producer.
+        self._declared: set[Any] = set()
 
     def __enter__(self) -> Batch:
         return self
@@ -133,16 +135,27 @@ class Batch:
         return self._deferred is not None
 
     def send_task(self, name: str, **options: Any) -> None:
-        """``app.send_task(name, **options)`` on the batch's producer."""
+        """``app.send_task(name, **options)`` on the batch's producer.
+
+        The first send to a queue declares it, as ``send_task`` always does; later sends to
+        the same queue on the same producer pass ``declare=[]``: kombu would only find it in
+        its per-connection cache of declared entities, after copying and binding the queue
+        again (a fifth of ``send_task``'s CPU in a sweep of a thousand).
+        """
         producer = self._open()
+        queue = options.get("queue")
         if producer is not None:
             options["producer"] = producer
+            if queue in self._declared:
+                options["declare"] = []
         try:
             self.app.send_task(name, **options)
         except BaseException:
             if self._deferred is None:
                 self._close(failed=True)
             raise
+        if producer is not None:
+            self._declared.add(queue)
 
     def flush(self) -> None:
         """Write the buffered sends; raises if the broker may not have taken them all."""
@@ -180,6 +193,7 @@ class Batch:
     def _close(self, *, failed: bool = False) -> None:
         stack, self._stack = self._stack, None
         self._producer = self._deferred = None
+        self._declared = set()
         if stack is None:
             return
         if failed:

@@ -154,3 +154,31 @@ def test_a_bulk_step_that_fails_falls_back_to_one_entry_at_a_time(ledger_url, mo
         assert sorted(app.sent) == [f"tid-{i}" for i in range(4)]
     finally:
         store.dispose()
+
+
+def test_a_batched_sweep_on_rabbitmq_confirms_every_re_send_to_one_queue(rabbitmq, sqlite_url):
+    """RabbitMQ: no pipeline, one publish confirmed at a time over the one confirming
+    connection; the queue is declared by the first send of the batch only, and every later
+    send still lands in it."""
+    from kombu import Connection
+
+    from celery_ledger import create_app
+    from celery_ledger.recovery import publish
+
+    app = create_app("sweeper", broker_url=rabbitmq, ledger_url=sqlite_url)
+    store = LedgerStore(sqlite_url)
+    try:
+        make_interrupted(store, 7, queue="batch-amqp")
+        report = run_sweep(store, app, lease_seconds=60, max_resumes=5, retention_days=7)
+        assert (report.found, report.resumed, report.errors) == (7, 7, 0)
+        with Connection(rabbitmq) as conn:
+            channel = conn.channel()
+            try:
+                depth = int(channel.queue_declare("batch-amqp", passive=True).message_count)
+            finally:
+                channel.close()
+        assert depth == 7
+    finally:
+        publish.close(app)
+        app.close()
+        store.dispose()
