@@ -23,7 +23,7 @@ from sqlalchemy import (
 metadata = MetaData()
 
 #: Bumped with every Alembic revision; the migration head must equal it.
-SCHEMA_REVISION = "0002"
+SCHEMA_REVISION = "0004_time"
 
 KEY = String(64)
 
@@ -60,6 +60,14 @@ entries = Table(
     # When recovery acts on an entry that waits for a time, on the database clock: a retry
     # whose message has not arrived by then is re-sent. Set only while the entry waits (0002).
     Column("due_at", Float),
+    # Issue 18 (0004_time): a cancellation asked for while the entry may be running; the
+    # attempt stops at its next effect step (the step's own write refuses it) and settles
+    # ``cancelled``.
+    Column("cancel_requested_at", Float),
+    Column("cancel_by", String(255)),
+    Column("cancel_reason", Text),
+    # Issue 18 (0004_time): the latest time (database clock) at which an effect step may start.
+    Column("deadline_at", Float),
 )
 
 # Hot predicates. Partial indexes stay as small as the work in flight, so the stale-lease
@@ -100,6 +108,18 @@ Index(
     postgresql_where=entries.c.due_at.is_not(None),
     sqlite_where=entries.c.due_at.is_not(None),
 )
+
+# Cancellations not yet carried out (issue 18): stays as small as the cancellations in flight.
+CANCEL_PENDING = ("running", "interrupted", "retrying", "scheduled", "sleeping")
+Index(
+    "ix_ledger_entries_cancel_pending",
+    entries.c.cancel_requested_at,
+    postgresql_where=entries.c.cancel_requested_at.is_not(None)
+    & entries.c.status.in_(CANCEL_PENDING),
+    sqlite_where=entries.c.cancel_requested_at.is_not(None) & entries.c.status.in_(CANCEL_PENDING),
+)
+# ``revoke(task_id)`` names a task id, not a key (issue 18).
+Index("ix_ledger_entries_task_id", entries.c.task_id)
 
 steps = Table(
     "ledger_steps",

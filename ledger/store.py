@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from celery_ledger.ledger.hotpath import HotPath
 from celery_ledger.ledger.operator import OperatorQueries
+from celery_ledger.ledger.schedule import ScheduleQueries
 from celery_ledger.ledger.sweeps import SweepQueries
 
 
-class LedgerStore(HotPath, SweepQueries, OperatorQueries):
+class LedgerStore(HotPath, SweepQueries, OperatorQueries, ScheduleQueries):
     """The ledger store: hot path, sweeps and operator queries over one engine per process.
 
     The structure::
@@ -28,8 +29,10 @@ class LedgerStore(HotPath, SweepQueries, OperatorQueries):
         │                            path's cursors, the event writer, error translation
         ├── HotPath (hotpath.py)     claim, renew_lease, write_step, settle, ...
         ├── SweepQueries (sweeps.py) interrupt_*, begin_resume, block, prune_settled, ...
-        └── OperatorQueries          get_entry, list_entries, release, stats, ...
-            (operator.py)
+        ├── OperatorQueries          get_entry, list_entries, release, stats, ...
+        │   (operator.py)
+        └── ScheduleQueries          schedule, list_due, begin_wake, request_cancel, ...
+            (schedule.py)            durable time (issue 18)
 
     Each query group is a mixin over ``StoreCore`` alone: none calls another group, and none
     tests which database it runs on (``StoreCore.dialect`` and ``statements`` hold the

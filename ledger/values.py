@@ -169,6 +169,12 @@ class Entry:
     #: When recovery acts on an entry that waits for a time (database clock): a ``retrying``
     #: entry whose retry has not been claimed by then is re-sent. None when it waits for none.
     due_at: float | None = None
+    #: Issue 18: a cancellation asked for (database clock), by whom and why.
+    cancel_requested_at: float | None = None
+    cancel_by: str | None = None
+    cancel_reason: str | None = None
+    #: Issue 18: no effect step starts after this (database clock).
+    deadline_at: float | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> Entry:

@@ -93,6 +93,12 @@ class SweepReport:
     resent: int = 0
     #: Entries the sweep could not handle (logged with the error); the rest went on.
     errors: int = 0
+    #: Issue 18: scheduled/sleeping entries past their due time ...
+    due: int = 0
+    #: ... of which sent with their task id.
+    woken: int = 0
+    #: Entries with a pending cancellation settled ``cancelled`` (no live attempt had them).
+    cancelled: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -342,6 +348,9 @@ def run_sweep(
     Raises:
         LedgerUnavailable: the ledger went away; the next sweep does the rest.
     """
+    from celery_ledger.recovery import wake  # issue 18's pass; it imports this module
+
+    cancelled = wake.finish_cancelled(store, app, batch=batch, actor=actor)
     interrupted = store.interrupt_expired(limit=batch, actor=actor)
     candidates = store.list_interrupted(limit=batch, resumable=True)
     outcomes: dict[ResumeOutcome | None, list[str]] = {}
@@ -380,6 +389,9 @@ def run_sweep(
             partial(resend_retry, store, app, late, resend_after=lease_seconds, actor=actor),
         )
         resent.setdefault(outcome, []).append(late.key)
+    due, woken, wake_errors = wake.wake_due(
+        store, app, lease_seconds=lease_seconds, batch=batch, actor=actor
+    )
     pruned = store.prune_settled(retention_days * 86400.0, limit=batch)
     report = SweepReport(
         interrupted=len(interrupted),
@@ -392,9 +404,20 @@ def run_sweep(
         resumed_keys=tuple(outcomes.get(ResumeOutcome.RESUMED, [])),
         overdue=len(overdue),
         resent=len(resent.get(ResumeOutcome.RESUMED, [])),
-        errors=len(outcomes.get(None, [])) + len(resent.get(None, [])),
+        errors=len(outcomes.get(None, [])) + len(resent.get(None, [])) + wake_errors,
+        due=due,
+        woken=woken,
+        cancelled=cancelled,
     )
-    if report.interrupted or report.found or report.pruned or report.overdue or report.errors:
+    if (
+        report.interrupted
+        or report.found
+        or report.pruned
+        or report.overdue
+        or report.errors
+        or report.due
+        or report.cancelled
+    ):
         log.info("ledger sweep: %s", report.as_dict())
     return report
 

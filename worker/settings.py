@@ -86,6 +86,13 @@ class LedgerSettings:
     #: message (the claim deduplicates it), never a duplicate run. Shorter finds lost retries
     #: sooner, longer sends fewer needless duplicates.
     retry_grace_seconds: float = 300.0
+    #: A countdown or ETA further away than this (``apply_async(countdown=...)``, ``eta=``,
+    #: ``self.retry(countdown=...)``) is held by the ledger, not by the broker: the entry is
+    #: ``scheduled`` and the sweep publishes it when due (issue 18). Shorter ones keep Celery's
+    #: behaviour. 600 s is a tenth of Redis's default visibility timeout (one hour) and well
+    #: under RabbitMQ's default ``consumer_timeout`` (30 min): a message held longer than that
+    #: in a worker is handed to another worker or kills the channel. 0 turns holding off.
+    hold_threshold_seconds: float = 600.0
     #: Freeze the worker's objects out of the garbage collector before each pool process is
     #: forked (``gc.freeze``; the parent unfreezes them again right after). A pool process's
     #: collections then never write to the pages it shares with the parent, so the modules the
@@ -149,6 +156,8 @@ class LedgerSettings:
             raise ValueError("ledger_sweep_interval must be > 0")
         if self.max_resumes < 0:
             raise ValueError("ledger_max_resumes must be >= 0")
+        if self.hold_threshold_seconds < 0:
+            raise ValueError("ledger_hold_threshold_seconds must be >= 0 (0: never hold)")
         if self.retry_grace_seconds < 0:
             raise ValueError("ledger_retry_grace_seconds must be >= 0")
         for name in ("max_result_bytes", "max_snapshot_bytes", "max_exception_bytes"):
@@ -169,6 +178,7 @@ class LedgerSettings:
 
 
 _FLOATS = {
+    "hold_threshold_seconds",
     "publish_intent_seconds",
     "retry_grace_seconds",
     "lease_seconds",
