@@ -204,7 +204,8 @@ class ScheduleQueries(StoreCore):
         """Cancel ``key`` durably, in one transaction under its row lock.
 
         An entry that nothing runs right now (scheduled, sleeping, retrying, interrupted,
-        blocked, or running under the resume marker) settles ``cancelled`` with ``error`` (the encoded ``TaskCancelled``) at once.
+        blocked, or running under the resume marker) settles ``cancelled`` with ``error``
+        (the encoded ``TaskCancelled``) at once.
         A running one is marked: its attempt's next effect step is refused and the attempt
         settles ``cancelled``; if the attempt is gone, the sweep settles it
         (``finish_cancelled``). A settled entry is left as it is.
@@ -352,5 +353,3 @@ def _cancelled_values(fence: Any, error: str) -> dict[str, Any]:
         "settled_at": now,
         "updated_at": now,
     }
-
-

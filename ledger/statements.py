@@ -255,9 +255,7 @@ def step_upsert(dialect: Dialect, started: bool, *, at_position: bool = False) -
         "started_at": now,
         "completed_at": None if started else now,
     }
-    source = live_entry(B("key"), B("fence"), may_start=started).with_only_columns(
-        *values.values()
-    )
+    source = live_entry(B("key"), B("fence"), may_start=started).with_only_columns(*values.values())
     ins = dialect.insert(steps).from_select(list(values), source)
     ex = ins.excluded
     # An attempt of the step's body is a ``started`` write onto an existing row, from a new

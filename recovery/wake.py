@@ -49,9 +49,7 @@ def wake_entry(
         snapshot = read_snapshot(snapshot_text)
     except UnreadableSnapshot as exc:
         reason = f"argument snapshot cannot be read: {exc}; release it once you know what it was"
-        return _park_unreadable(
-            store, key, task_id, fence, reason, status=status, actor=actor
-        )
+        return _park_unreadable(store, key, task_id, fence, reason, status=status, actor=actor)
     won = store.begin_wake(
         key, fence, status, lease_seconds=lease_seconds, actor=actor, only_due=only_due
     )

@@ -168,14 +168,14 @@ class LedgerTask(Task):
         re-sends the task when it is due; completed steps replay and the body goes on here.
         """
         attempt = self._attempt()
-        timing.sleep_until(
-            self, attempt, runtime.store_for(self.app), seconds=seconds, when=None
-        )
+        timing.sleep_until(self, attempt, runtime.store_for(self.app), seconds=seconds, when=None)
 
     def wait_until(self, when: float | datetime) -> None:
         """``sleep`` until ``when`` (a datetime, or seconds since the epoch)."""
         at = maybe_make_aware(when).timestamp() if isinstance(when, datetime) else float(when)
-        timing.sleep_until(self, self._attempt(), runtime.store_for(self.app), seconds=None, when=at)
+        timing.sleep_until(
+            self, self._attempt(), runtime.store_for(self.app), seconds=None, when=at
+        )
 
     @property
     def provider_key(self) -> str:

@@ -345,8 +345,9 @@ def install_worker_revoke_hook() -> None:
 # -- sleep -------------------------------------------------------------------------------------
 
 
-def sleep_until(task: Any, attempt: Attempt, store: LedgerStore, *, seconds: float | None,
-                when: float | None) -> None:
+def sleep_until(
+    task: Any, attempt: Attempt, store: LedgerStore, *, seconds: float | None, when: float | None
+) -> None:
     """The body of ``self.sleep``/``self.wait_until``: a step whose output is the wake time
     (database clock), so a resume never sleeps again; while it is ahead, settle ``sleeping``
     and end the attempt.

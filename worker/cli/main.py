@@ -23,6 +23,7 @@ import click
 #: skipped so that a partial install still offers the rest.
 COMMANDS = [
     ("celery_ledger.cli.ops", "COMMANDS"),
+    ("celery_ledger.cli.schedule", "COMMANDS"),
     ("celery_ledger.cli.doctor", "COMMANDS"),
     ("celery_ledger.cli.metrics", "COMMANDS"),
     ("celery_ledger.harness.demo", "COMMANDS"),
