@@ -22,7 +22,7 @@ from celery_ledger import create_app
 from celery_ledger.ledger import EntryStatus, LedgerStore
 from celery_ledger.timing import TaskCancelled, TaskExpired
 from helpers import effect_counts, event_names, key_of
-from procs import processes, test_env, wait_for
+from procs import WaitTimeout, processes, test_env, wait_for
 from test_delivery import client_app
 
 pytestmark = pytest.mark.processes
@@ -139,7 +139,10 @@ def test_long_countdowns_are_held_by_the_ledger_and_run_once_through_worker_kill
             counts = effect_counts(pg_url)
             return sum(1 for tag in sent if counts.get((tag, "run"))) == n
 
-        wait_for(all_done, timeout=240, what=f"all {n} held tasks to run")
+        try:
+            wait_for(all_done, timeout=240, what=f"all {n} held tasks to run")
+        except WaitTimeout as exc:
+            raise AssertionError(f"{exc}; entries by status: {store.stats().by_status}") from None
         wait_for(
             lambda: not time_app_messages(redis), timeout=60, what="Redis to hold no message"
         )
