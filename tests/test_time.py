@@ -75,7 +75,8 @@ def redis_messages(url: str) -> list[dict[str, Any]]:
     try:
         found: list[dict[str, Any]] = []
         for raw in client.hvals("unacked"):
-            found.append(json.loads(json.loads(raw)[0]))
+            message = json.loads(raw)[0]  # [message, exchange, routing key]
+            found.append(json.loads(message) if isinstance(message, (str, bytes)) else message)
         for name in client.keys("*"):
             if client.type(name) == b"list":
                 found += [json.loads(m) for m in client.lrange(name, 0, -1)]
@@ -143,13 +144,12 @@ def test_long_countdowns_are_held_by_the_ledger_and_run_once_through_worker_kill
             wait_for(all_done, timeout=240, what=f"all {n} held tasks to run")
         except WaitTimeout as exc:
             raise AssertionError(f"{exc}; entries by status: {store.stats().by_status}") from None
-        wait_for(
-            lambda: not time_app_messages(redis), timeout=60, what="Redis to hold no message"
-        )
+        wait_for(lambda: not time_app_messages(redis), timeout=60, what="Redis to hold no message")
         for tag, (task_id, _) in sent.items():
             wait_for(
-                lambda tid=task_id: entry_status(store, key_of("time_app.once", tid))
-                is EntryStatus.COMPLETED,
+                lambda tid=task_id: (
+                    entry_status(store, key_of("time_app.once", tid)) is EntryStatus.COMPLETED
+                ),
                 timeout=60,
                 what=f"{tag} to settle completed",
             )
@@ -298,9 +298,7 @@ def test_a_deadline_that_passes_in_the_queue_settles_expired_and_runs_no_effect(
     with processes(tmp_path, env) as procs:
         procs.worker("w1", concurrency=1, extra=TIME_TASKS)
         blocker = app.send_task("tests_app.slow_effect", args=("blocker", 5.0))
-        wait_for(
-            lambda: effects_of(pg_url, "blocker"), timeout=60, what="the long task to start"
-        )
+        wait_for(lambda: effects_of(pg_url, "blocker"), timeout=60, what="the long task to start")
         late = app.send_task(
             "time_app.once", args=("late",), headers={"ledger_deadline": time.time() + 1.0}
         )
@@ -335,14 +333,16 @@ def _cli(env: dict[str, str], *args: str) -> Any:
 
 
 def _cancel_round(
-    tmp_path: Path, env: dict[str, str], app: Any, tasks: dict[str, Any], store: LedgerStore,
+    tmp_path: Path,
+    env: dict[str, str],
+    app: Any,
+    tasks: dict[str, Any],
+    store: LedgerStore,
     round_: str,
 ) -> tuple[str, str]:
     """Start a batch of gated tasks, cancel one mid-body (CLI) and one scheduled (revoke)."""
     marker = tmp_path / f"go-{round_}"
-    batch = [
-        tasks["gated"].apply_async((f"{round_}-g{i}", str(marker))) for i in range(3)
-    ]
+    batch = [tasks["gated"].apply_async((f"{round_}-g{i}", str(marker))) for i in range(3)]
     victim = batch[1]
     wait_for(
         lambda: effects_of(env["TEST_EFFECTS_URL"], f"{round_}-g1").get("s0") == 1,

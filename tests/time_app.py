@@ -12,17 +12,30 @@ import time
 from pathlib import Path
 from typing import Any
 
-from celery_ledger import LedgerTask
+import os
+
+from celery_ledger import LedgerTask, Reconciled
+from helpers import effect_counts
 from tests_app import app, effect
 
 #: Worker option that imports this module.
 TIME_TASKS = ["-I", "time_app"]
 
 
+def _ran(step: Any) -> Reconciled:
+    """The effects table is the provider: a ``run`` row for the tag proves the step ran."""
+    tag = step.args[0]
+    if effect_counts(os.environ["TEST_EFFECTS_URL"], tag).get((tag, "run")):
+        return Reconciled.completed(f"run:{tag}", note="effect row found")
+    return Reconciled.not_executed("no effect row")
+
+
 def register(target: Any) -> dict[str, Any]:
     """Register issue 18's test tasks on ``target``; returns them by short name."""
 
-    @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.once")
+    # A SIGKILL between the step's start and its completion leaves it ambiguous: the
+    # reconciler asks the effects table, so the test can demand exactly once.
+    @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.once", reconciler=_ran)
     def once(self: LedgerTask, tag: str, pause: float = 0.0) -> str:
         done = self.step("run", effect, tag, "run")
         time.sleep(pause)
@@ -44,9 +57,7 @@ def register(target: Any) -> dict[str, Any]:
             time.sleep(0.1)
         return [first, self.step("s1", effect, tag, "s1")]
 
-    @target.task(
-        shared=False, base=LedgerTask, bind=True, name="time_app.retry_far", max_retries=2
-    )
+    @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.retry_far", max_retries=2)
     def retry_far(self: LedgerTask, tag: str, countdown: float) -> list[str]:
         charged = self.step("charge", effect, tag, "charge")
         if self.request.retries == 0:
