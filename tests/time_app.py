@@ -8,11 +8,10 @@ producer registers the same names on its own ledger app (``register``), since on
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
-
-import os
 
 from celery_ledger import LedgerTask, Reconciled
 from helpers import effect_counts

@@ -66,6 +66,10 @@ _STATUS_BADGES = {
     "retrying": "text-bg-warning",
     "interrupted": "text-bg-warning",
     "blocked": "text-bg-danger",
+    "scheduled": "text-bg-primary",
+    "sleeping": "text-bg-primary",
+    "cancelled": "text-bg-dark",
+    "expired": "text-bg-dark",
 }
 
 
