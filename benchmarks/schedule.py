@@ -111,7 +111,8 @@ def explain_due(store: LedgerStore, limit: int) -> str:
             for r in conn.exec_driver_sql(
                 "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) SELECT key, task_name, task_id, fence, "
                 "status, due_at FROM ledger_entries WHERE due_at < "
-                "CAST(EXTRACT(EPOCH FROM statement_timestamp()) AS DOUBLE PRECISION) AND status IN ('scheduled', 'sleeping') "
+                "CAST(EXTRACT(EPOCH FROM statement_timestamp()) AS DOUBLE PRECISION) "
+                "AND status IN ('scheduled', 'sleeping') "
                 f"ORDER BY due_at LIMIT {int(limit)}"
             )
         ]

@@ -11,9 +11,28 @@ import json
 from pathlib import Path
 from typing import Any
 
-from test_cli_bad_input import assert_one_clear_line, cli  # noqa: F401
+import pytest
+from click.testing import CliRunner
+from test_cli_bad_input import assert_one_clear_line
 
+from celery_ledger.cli.main import main
 from celery_ledger.ledger import ClaimRequest, EntryStatus, LedgerStore, Owner
+
+
+@pytest.fixture
+def cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+    """``celery-ledger`` in-process from ``tmp_path/cwd`` with a clean environment (as
+    ``test_cli_bad_input``'s)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    for name in ("CELERY_LEDGER_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("CELERY_LEDGER_OPERATOR_TOKENS", raising=False)
+    monkeypatch.setenv("CELERY_LEDGER_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("NO_COLOR", "1")
+    runner = CliRunner()
+    return lambda *args: runner.invoke(main, list(args), catch_exceptions=True)
 
 
 def scheduled_entry(url: str, key: str = "k-sched", due_in: float = 3600.0) -> str:
