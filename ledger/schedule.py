@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Float, case, func, select, update
+from sqlalchemy import Float, case, delete, func, select, update
 
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.core import Note, StoreCore
@@ -279,6 +279,29 @@ class ScheduleQueries(StoreCore):
             )
         return len(rows)
 
+    def prune_tombstones(self, older_than_seconds: float, *, limit: int = 1000) -> int:
+        """Delete up to ``limit`` tombstones settled longer ago than the window (their index's
+        range; one transaction). Returns how many."""
+        picked = (
+            select(entries.c.key)
+            .where(
+                entries.c.tombstone_at.is_not(None),
+                entries.c.tombstone_at < db_now_stable() - older_than_seconds,
+            )
+            .order_by(entries.c.tombstone_at)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        )
+        with self._txn() as conn:
+            keys = [k for (k,) in conn.execute(picked)]
+            if keys:
+                conn.execute(
+                    delete(entries).where(
+                        entries.c.key.in_(keys), entries.c.tombstone_at.is_not(None)
+                    )
+                )
+        return len(keys)
+
     def keys_of_task_id(self, task_id: str, *, limit: int = 5) -> list[str]:
         """Keys whose entry holds ``task_id`` (its index; read-only)."""
         with self._read() as conn:
@@ -352,4 +375,19 @@ def _cancelled_values(fence: Any, error: str) -> dict[str, Any]:
         "due_at": None,
         "settled_at": now,
         "updated_at": now,
+    }
+
+
+def tombstone_values(error: str) -> dict[str, Any]:
+    """What a tombstone keeps of a settled entry: key, task, arguments hash, final status,
+    settled time (``tombstone_at``). A completed one returns nothing (no result is kept); any
+    other raises ``error`` to a late delivery."""
+    return {
+        "tombstone_at": entries.c.settled_at,
+        "settled_at": None,
+        "result": None,
+        "snapshot": None,
+        "reason": None,
+        "cancel_reason": None,
+        "error": case((entries.c.status == EntryStatus.COMPLETED.value, None), else_=error),
     }

@@ -68,6 +68,10 @@ entries = Table(
     Column("cancel_reason", Text),
     # Issue 18 (0004_time): the latest time (database clock) at which an effect step may start.
     Column("deadline_at", Float),
+    # Issue 18 (0004_time): a tombstone. Retention pruned this settled entry's steps, events,
+    # result and snapshot and kept the key, its final status and its settled time (here; then
+    # ``settled_at`` is NULL) for ``ledger_tombstone_days``: a late delivery finds it.
+    Column("tombstone_at", Float),
 )
 
 # Hot predicates. Partial indexes stay as small as the work in flight, so the stale-lease
@@ -117,6 +121,12 @@ Index(
     postgresql_where=entries.c.cancel_requested_at.is_not(None)
     & entries.c.status.in_(CANCEL_PENDING),
     sqlite_where=entries.c.cancel_requested_at.is_not(None) & entries.c.status.in_(CANCEL_PENDING),
+)
+Index(
+    "ix_ledger_entries_tombstone",
+    entries.c.tombstone_at,
+    postgresql_where=entries.c.tombstone_at.is_not(None),
+    sqlite_where=entries.c.tombstone_at.is_not(None),
 )
 # ``revoke(task_id)`` names a task id, not a key (issue 18).
 Index("ix_ledger_entries_task_id", entries.c.task_id)

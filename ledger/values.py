@@ -175,6 +175,8 @@ class Entry:
     cancel_reason: str | None = None
     #: Issue 18: no effect step starts after this (database clock).
     deadline_at: float | None = None
+    #: Issue 18: pruned to a tombstone; the settled time (``settled_at`` is then None).
+    tombstone_at: float | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> Entry:

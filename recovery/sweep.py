@@ -338,6 +338,7 @@ def run_sweep(
     retention_days: float,
     batch: int = 500,
     actor: str = "sweep",
+    tombstone_days: float = 0.0,
 ) -> SweepReport:
     """One full sweep: interrupt expired leases, resume or block interrupted work, re-send
     overdue retries, prune.
@@ -392,7 +393,7 @@ def run_sweep(
     due, woken, wake_errors = wake.wake_due(
         store, app, lease_seconds=lease_seconds, batch=batch, actor=actor
     )
-    pruned = store.prune_settled(retention_days * 86400.0, limit=batch)
+    pruned = wake.prune(store, retention_days, tombstone_days, batch=batch)
     report = SweepReport(
         interrupted=len(interrupted),
         found=len(candidates),

@@ -114,3 +114,16 @@ def finish_cancelled(store: LedgerStore, app: Any, *, batch: int, actor: str = "
     return store.finish_cancelled(
         cancelled_error(app, "cancelled; no attempt was running it"), limit=batch, actor=actor
     )
+
+
+def prune(store: LedgerStore, retention_days: float, tombstone_days: float, *, batch: int) -> int:
+    """Retention: prune settled entries past ``retention_days``, to tombstones when
+    ``tombstone_days`` > 0, and delete tombstones past ``retention_days + tombstone_days``.
+    Returns how many settled entries were pruned."""
+    from celery_ledger.timing import pruned_error
+
+    if tombstone_days <= 0:
+        return store.prune_settled(retention_days * 86400.0, limit=batch)
+    pruned = store.prune_settled(retention_days * 86400.0, limit=batch, tombstone=pruned_error())
+    store.prune_tombstones((retention_days + tombstone_days) * 86400.0, limit=batch)
+    return pruned

@@ -131,6 +131,7 @@ def sweep_now(app: Celery, *, actor: str = "sweep") -> SweepReport:
         max_resumes=settings.max_resumes,
         retention_days=settings.retention_days,
         batch=settings.sweep_batch,
+        tombstone_days=settings.tombstone_days,
         actor=actor,
     )
 

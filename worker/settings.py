@@ -30,8 +30,14 @@ class LedgerSettings:
     sweep_interval: float = 30.0
     #: Interruptions after which an entry is parked as a crash loop instead of resumed again.
     max_resumes: int = 5
-    #: Settled entries are pruned after this many days; a duplicate delivered later runs again.
+    #: Settled entries are pruned after this many days, to a tombstone (issue 18) ...
     retention_days: float = 7.0
+    #: ... which keeps the key, its final status and settled time this many days longer: a
+    #: duplicate delivered meanwhile finds it and does not run (a completed one returns None,
+    #: any other raises ``KeyPruned``). 0: no tombstones; a duplicate of a pruned key runs
+    #: again. 90 days covers the longest redelivery windows of the brokers and of the usual
+    #: provider idempotency windows (Stripe: 24 h) many times over, at one small row per key.
+    tombstone_days: float = 90.0
     #: A result or step output larger than this (serialized) is an error, never truncated.
     max_result_bytes: int = 1024 * 1024
     #: A task's argument snapshot larger than this is not stored: the task still runs, but an
@@ -156,6 +162,8 @@ class LedgerSettings:
             raise ValueError("ledger_sweep_interval must be > 0")
         if self.max_resumes < 0:
             raise ValueError("ledger_max_resumes must be >= 0")
+        if self.tombstone_days < 0:
+            raise ValueError("ledger_tombstone_days must be >= 0 (0: no tombstones)")
         if self.hold_threshold_seconds < 0:
             raise ValueError("ledger_hold_threshold_seconds must be >= 0 (0: never hold)")
         if self.retry_grace_seconds < 0:
@@ -178,6 +186,7 @@ class LedgerSettings:
 
 
 _FLOATS = {
+    "tombstone_days",
     "hold_threshold_seconds",
     "publish_intent_seconds",
     "retry_grace_seconds",

@@ -74,6 +74,10 @@ class LedgerTask(Task):
     #: Seconds after its entry was created (published, or first claimed) past which no effect
     #: step of this task starts: it settles ``expired`` (issue 18, ``worker/timing.py``).
     deadline: float | None = None
+    #: ``keyed`` tasks: how long (seconds) the provider keeps an idempotency key (Stripe: 24 h).
+    #: An ambiguous step older than that goes to its reconciler, else an operator, instead of
+    #: re-running with a key the provider may have forgotten (issue 18). None: no window.
+    provider_key_ttl: float | None = None
 
     # The ledger makes redelivery safe, so take the delivery guarantee that loses nothing:
     # ack after the body, and requeue when the pool process running it dies.

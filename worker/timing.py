@@ -54,6 +54,21 @@ class TaskExpired(Exception):  # noqa: N818
     """The task's deadline (``expires``, ``deadline``) passed; no further effect ran."""
 
 
+class KeyPruned(Exception):  # noqa: N818
+    """A late delivery of a key whose entry retention pruned to a tombstone: it settled failed,
+    cancelled or expired long ago, and it is not run again."""
+
+
+def pruned_error() -> str:
+    """The stored failure of a tombstone that is not ``completed``."""
+    return _stored(
+        KeyPruned(
+            "this key settled (failed, cancelled or expired) and was pruned after the retention "
+            "window; a late delivery does not run it again (ledger_tombstone_days)"
+        )
+    )
+
+
 class Stopped(BaseException):
     """Ends the body without settling it again: the entry is settled (sleeping, cancelled,
     expired) already. A BaseException, so a body's ``except Exception`` does not swallow it.
@@ -340,6 +355,38 @@ def install_worker_revoke_hook() -> None:
 
     revoke._ledger = True  # type: ignore[attr-defined]
     Panel.data["revoke"] = revoke
+
+
+# -- provider key windows ------------------------------------------------------------------
+
+
+def key_window_passed(attempt: Attempt, ident: tuple[str, str, int]) -> bool:
+    """Whether an ambiguous ``keyed`` step's provider key may have been forgotten: its task's
+    ``provider_key_ttl`` (seconds) has passed since the key was first sent, on the database
+    clock. The first send is the step's ``started_at`` when it started once; after a re-run
+    that time was overwritten, so the entry's creation (earlier still) stands in for it: the
+    window is judged passed sooner, never later."""
+    from celery_ledger.ledger import SideEffect
+
+    ttl = getattr(attempt.task, "provider_key_ttl", None)
+    if ttl is None or attempt.side_effect is not SideEffect.KEYED:
+        return False
+    row = attempt.replay_row(ident)
+    if row is None:
+        return False  # first started by this very attempt: just now
+    store = runtime.store_for(attempt.task.app)  # type: ignore[attr-defined]
+    since = row.started_at if row.attempts <= 1 else store.get_entry(attempt.key).created_at
+    passed = store.now() - since > float(ttl)
+    if passed:
+        log.warning(
+            "keyed step %s of key=%s started %.0fs ago, past provider_key_ttl=%ss: asking its "
+            "reconciler instead of re-running it",
+            ident[0],
+            attempt.key,
+            store.now() - since,
+            ttl,
+        )
+    return passed
 
 
 # -- sleep -------------------------------------------------------------------------------------

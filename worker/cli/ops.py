@@ -473,6 +473,7 @@ def sweep_cmd(ctx: click.Context, as_json: bool) -> None:
         retention_days=settings.retention_days,
         batch=settings.sweep_batch,
         actor=operator_actor(),
+        tombstone_days=settings.tombstone_days,
     )
     if as_json:
         emit_json(report.as_dict())
