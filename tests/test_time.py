@@ -412,3 +412,78 @@ def test_cancel_stops_a_running_task_at_its_next_step_and_a_scheduled_one_never_
     cancelled = {e["task_id"] for e in json.loads(listed.stdout)["entries"]}
     assert set(ids) <= cancelled, (ids, cancelled)
     store.dispose()
+
+
+# == (5) key windows and tombstones =========================================================
+
+
+def test_an_ambiguous_keyed_step_past_its_key_window_goes_to_its_reconciler(
+    tmp_path, redis, pg_url
+):
+    """A ``keyed`` charge whose provider forgets keys at once (``provider_key_ttl``): its pool
+    process is SIGKILLed after the charge returned and before it was recorded. The resume must
+    not re-run the charge blindly with the stale key; the reconciler finds the charge and it
+    replays: charge once, receipt once."""
+    once = tmp_path / "crash-once"
+    env = time_env(
+        tmp_path,
+        redis,
+        pg_url,
+        CELERY_LEDGER_CRASH_AT="step-returned:charge",
+        CELERY_LEDGER_CRASH_ONCE=str(once),
+    )
+    app = client_app(env)
+    store = LedgerStore(pg_url)
+    with processes(tmp_path, env) as procs:
+        worker = procs.worker("w1", concurrency=1, extra=TIME_TASKS)
+        procs.beat()
+        result = app.send_task("time_app.keyed_charge", args=("kc",))
+        value = result.get(timeout=120)
+        log = worker.log_text()
+    assert value == ["charge:kc", "receipt:kc"]
+    assert Path(f"{once}.step-returned_charge").exists(), "the crash point did not fire"
+    assert effects_of(pg_url, "kc") == {"charge": 1, "receipt": 1}
+    assert "past provider_key_ttl" in log, "the key window was not consulted"
+    store.dispose()
+
+
+def test_a_pruned_key_delivered_again_finds_its_tombstone_and_does_not_run(tmp_path, redis, pg_url):
+    """Retention prunes a completed and a failed entry to tombstones (beat's sweep, retention
+    under a second). The same task ids delivered again do not run: the completed one returns,
+    the failed one raises ``KeyPruned``; each effect happened once."""
+    env = time_env(tmp_path, redis, pg_url, CELERY_LEDGER_RETENTION_DAYS="0.00001")
+    app = client_app(env)
+    store = LedgerStore(pg_url)
+    with processes(tmp_path, env) as procs:
+        procs.worker("w1", concurrency=1, extra=TIME_TASKS)
+        done = app.send_task("time_app.once", args=("tomb-ok",))
+        assert done.get(timeout=60) == "run:tomb-ok"
+        failed = app.send_task("time_app.fails", args=("tomb-bad",))
+        with pytest.raises(Exception):  # noqa: B017 - the task's own ValueError
+            failed.get(timeout=60)
+        keys = {
+            "ok": key_of("time_app.once", done.id),
+            "bad": key_of("time_app.fails", failed.id),
+        }
+        procs.beat()
+        for key in keys.values():
+            wait_for(
+                lambda k=key: store.get_entry(k).tombstone_at is not None,
+                timeout=60,
+                what=f"{key[:12]} to be pruned to a tombstone",
+            )
+            assert store.load_steps(key) == ()
+        app.send_task("time_app.once", args=("tomb-ok",), task_id=done.id)
+        app.send_task("time_app.fails", args=("tomb-bad",), task_id=failed.id)
+        for key in keys.values():
+            wait_for(
+                lambda k=key: "returned" in event_names(store, k),
+                timeout=60,
+                what=f"the late delivery of {key[:12]} to find its tombstone",
+            )
+    assert effects_of(pg_url, "tomb-ok") == {"run": 1}
+    assert effects_of(pg_url, "tomb-bad") == {"run": 1}
+    ok, bad = store.get_entry(keys["ok"]), store.get_entry(keys["bad"])
+    assert ok.status is EntryStatus.COMPLETED and ok.result is None, ok
+    assert bad.status is EntryStatus.FAILED and "KeyPruned" in (bad.error or ""), bad.error
+    store.dispose()

@@ -29,6 +29,13 @@ def _ran(step: Any) -> Reconciled:
     return Reconciled.not_executed("no effect row")
 
 
+def _charged(step: Any) -> Reconciled:
+    tag = step.args[0]
+    if effect_counts(os.environ["TEST_EFFECTS_URL"], tag).get((tag, "charge")):
+        return Reconciled.completed(f"charge:{tag}", note="effect row found")
+    return Reconciled.not_executed("no effect row")
+
+
 def register(target: Any) -> dict[str, Any]:
     """Register issue 18's test tasks on ``target``; returns them by short name."""
 
@@ -63,7 +70,30 @@ def register(target: Any) -> dict[str, Any]:
             raise self.retry(countdown=countdown)
         return [charged, self.step("email", effect, tag, "email")]
 
+    # The provider forgets a key at once: any ambiguous charge is past its window.
+    @target.task(
+        shared=False,
+        base=LedgerTask,
+        bind=True,
+        name="time_app.keyed_charge",
+        side_effect="keyed",
+        provider_key_ttl=0.001,
+        reconciler=_charged,
+    )
+    def keyed_charge(self: LedgerTask, tag: str) -> list[str]:
+        return [
+            self.step("charge", effect, tag, "charge"),
+            self.step("receipt", effect, tag, "receipt"),
+        ]
+
+    @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.fails")
+    def fails(self: LedgerTask, tag: str) -> None:
+        self.step("run", effect, tag, "run")
+        raise ValueError(f"{tag} failed")
+
     return {
+        "keyed_charge": keyed_charge,
+        "fails": fails,
         "once": once,
         "sleeper": sleeper,
         "gated": gated,
