@@ -174,6 +174,12 @@ class LedgerTask(Task):
         attempt = self._attempt()
         timing.sleep_until(self, attempt, runtime.store_for(self.app), seconds=seconds, when=None)
 
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's ``retry``; a countdown beyond ``ledger_hold_threshold_seconds`` is held by
+        the ledger (the entry settles ``scheduled``) instead of published (issue 18)."""
+        with timing.in_retry():
+            return super().retry(*args, **kwargs)
+
     def wait_until(self, when: float | datetime) -> None:
         """``sleep`` until ``when`` (a datetime, or seconds since the epoch)."""
         at = maybe_make_aware(when).timestamp() if isinstance(when, datetime) else float(when)

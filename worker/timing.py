@@ -22,10 +22,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +85,18 @@ class Stopped(BaseException):
 _held_retry: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "ledger_held_retry", default=None
 )
+#: Set while ``LedgerTask.retry`` runs: only its publish is a retry the attempt may hold (not
+#: the ledger's own re-sends from inside an attempt, which carry a retry count too).
+_in_retry: contextvars.ContextVar[bool] = contextvars.ContextVar("ledger_in_retry", default=False)
+
+
+@contextlib.contextmanager
+def in_retry() -> Iterator[None]:
+    token = _in_retry.set(True)
+    try:
+        yield
+    finally:
+        _in_retry.reset(token)
 
 
 def hold_due(task: Any, options: dict[str, Any], *, linked: bool) -> dict[str, float] | None:
@@ -127,7 +140,7 @@ def hold(
     from celery_ledger.attempt import current_attempt
 
     attempt = current_attempt.get()
-    if options.get("retries") and attempt is not None and attempt.task_id == task_id:
+    if _in_retry.get() and attempt is not None and attempt.task_id == task_id:
         _held_retry.set(dict(due))
         return True
     headers = options.get("headers") or {}
