@@ -487,3 +487,43 @@ def test_a_pruned_key_delivered_again_finds_its_tombstone_and_does_not_run(tmp_p
     assert ok.status is EntryStatus.COMPLETED and ok.result is None, ok
     assert bad.status is EntryStatus.FAILED and "KeyPruned" in (bad.error or ""), bad.error
     store.dispose()
+
+
+def test_a_revoke_from_an_app_without_the_ledger_is_recorded_by_the_worker(tmp_path, redis, pg_url):
+    """``revoke()`` sent by a plain Celery app (no ledger on the producer): the worker's
+    ``revoke`` control command records the cancellation, and the running task stops at its
+    next effect step, ``cancelled``; it stays cancelled after the worker restarts."""
+    env = time_env(tmp_path, redis, pg_url)
+    app = client_app(env)  # plain Celery: its revoke is only Celery's broadcast
+    store = LedgerStore(pg_url)
+    url = env["TEST_EFFECTS_URL"]
+    marker = tmp_path / "go"
+    with processes(tmp_path, env) as procs:
+        worker = procs.worker("w1", concurrency=1, extra=TIME_TASKS)
+        result = app.send_task("time_app.gated", args=("rv", str(marker)))
+        key = key_of("time_app.gated", result.id)
+        wait_for(lambda: effects_of(url, "rv").get("s0") == 1, timeout=60, what="rv s0")
+        app.control.revoke(result.id)
+        wait_for(
+            lambda: store.get_entry(key).cancel_requested_at is not None,
+            timeout=30,
+            what="the worker to record the revoke in the ledger",
+        )
+        marker.touch()
+        wait_for(
+            lambda: entry_status(store, key) is EntryStatus.CANCELLED,
+            timeout=60,
+            what=f"rv to settle cancelled (now {entry_status(store, key)})",
+        )
+        worker.stop()
+        procs.worker("w2", concurrency=1, extra=TIME_TASKS)
+        # Delivered again to a worker that never saw the revoke: still not run.
+        app.send_task("time_app.gated", args=("rv", str(marker)), task_id=result.id)
+        wait_for(
+            lambda: "returned" in event_names(store, key),
+            timeout=60,
+            what="the new delivery to find the entry cancelled",
+        )
+    assert effects_of(url, "rv") == {"s0": 1}
+    assert store.get_entry(key).cancel_by.startswith("revoke@")
+    store.dispose()
