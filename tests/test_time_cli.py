@@ -163,3 +163,12 @@ def test_cancel_of_an_unknown_or_settled_entry_is_one_clear_line(cli: Any, tmp_p
         cli("--url", url, "cancel", key, "--by", "ops", "--reason", "again"),
         "cancelled already",
     )
+
+
+def test_list_stuck_shows_a_scheduled_entry_past_its_due_time(cli: Any, tmp_path: Path) -> None:
+    url = url_of(tmp_path)
+    late = scheduled_entry(url, "k-late", due_in=-60.0)
+    scheduled_entry(url, "k-later", due_in=3600.0)
+    listed = json.loads(cli("--url", url, "list", "--stuck", "--json").stdout)
+    assert [e["key"] for e in listed["entries"]] == [late]
+    assert listed["entries"][0]["hint"] == "due now: the sweep sends it"
