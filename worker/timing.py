@@ -387,7 +387,7 @@ def key_window_passed(attempt: Attempt, ident: tuple[str, str, int]) -> bool:
     row = attempt.replay_row(ident)
     if row is None:
         return False  # first started by this very attempt: just now
-    store = runtime.store_for(attempt.task.app)  # type: ignore[attr-defined]
+    store = runtime.store_for(attempt.task.app)
     since = row.started_at if row.attempts <= 1 else store.get_entry(attempt.key).created_at
     passed = store.now() - since > float(ttl)
     if passed:
