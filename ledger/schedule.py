@@ -148,9 +148,10 @@ class ScheduleQueries(StoreCore):
         lease_seconds: float,
         actor: str = "sweep",
         only_due: bool = True,
-    ) -> Resuming | None:
+    ) -> tuple[Resuming, float | None] | None:
         """CAS a ``scheduled``/``sleeping`` entry at ``fence`` to ``running`` under the resume
-        marker (fence + 1, lease ``lease_seconds``), returning what the winner re-sends.
+        marker (fence + 1, lease ``lease_seconds``), returning what the winner re-sends and
+        the entry's deadline (sent along, so that the claim checks it at once).
 
         The claim of the re-sent message then RUNs it (no execution yet) or takes it over
         (a sleeper: its completed steps replay); if the message is lost, the lease expires
@@ -186,7 +187,13 @@ class ScheduleQueries(StoreCore):
                 due_at=None,
                 updated_at=db_now(),
             )
-            .returning(*sql.RETURNED, entries.c.task_name, entries.c.snapshot, completed)
+            .returning(
+                *sql.RETURNED,
+                entries.c.task_name,
+                entries.c.snapshot,
+                entries.c.deadline_at,
+                completed,
+            )
         )
         with self._one_statement() as conn:
             note = Note("woken", actor, f"{status.value}: due")
@@ -194,9 +201,10 @@ class ScheduleQueries(StoreCore):
         if not rows:
             return None
         row = rows[0]
-        return Resuming(
+        won = Resuming(
             row.task_name, row.task_id, row.fence, row.snapshot, int(row.completed_steps)
         )
+        return won, row.deadline_at
 
     # -- cancellation ---------------------------------------------------------------------
 

@@ -161,10 +161,16 @@ def _park_unreadable(
     return ResumeOutcome.BLOCKED
 
 
-def _send(app: Any, name: str, task_id: str, snapshot: ArgumentSnapshot) -> None:
+def _send(
+    app: Any,
+    name: str,
+    task_id: str,
+    snapshot: ArgumentSnapshot,
+    extra_headers: dict[str, Any] | None = None,
+) -> None:
     """Re-send a task with its original task id and its argument snapshot."""
     # ledger_redelivery: the entry exists, so the publisher records no publish intent.
-    headers: dict[str, Any] = {"ledger_redelivery": True}
+    headers: dict[str, Any] = {**(extra_headers or {}), "ledger_redelivery": True}
     if snapshot.ledger_key is not None:
         headers["ledger_key"] = snapshot.ledger_key
     options: dict[str, Any] = {"task_id": task_id, "headers": headers}

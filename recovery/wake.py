@@ -50,13 +50,16 @@ def wake_entry(
     except UnreadableSnapshot as exc:
         reason = f"argument snapshot cannot be read: {exc}; release it once you know what it was"
         return _park_unreadable(store, key, task_id, fence, reason, status=status, actor=actor)
-    won = store.begin_wake(
+    woke = store.begin_wake(
         key, fence, status, lease_seconds=lease_seconds, actor=actor, only_due=only_due
     )
-    if won is None:
+    if woke is None:
         return ResumeOutcome.LOST_RACE
+    won, deadline = woke
+    # The deadline rides along, so the claim checks it before the body starts.
+    extra = None if deadline is None else {"ledger_deadline": deadline}
     try:
-        _send(app, won.task_name, won.task_id, snapshot)
+        _send(app, won.task_name, won.task_id, snapshot, extra)
     except Exception as exc:  # noqa: BLE001 - the lease brings it back to a later sweep
         log.error(
             "wake of key=%s task_id=%s could not be sent (%r); resumed after %ss",

@@ -312,6 +312,31 @@ def test_a_deadline_that_passes_in_the_queue_settles_expired_and_runs_no_effect(
     store.dispose()
 
 
+def test_a_held_task_whose_expires_passes_before_it_is_due_settles_expired_unrun(
+    tmp_path, redis, pg_url
+):
+    """A held task (no steps: its body is the effect) whose ``expires`` passes before its due
+    time: the sweep sends it with its deadline, the claim finds it passed, and the body never
+    runs."""
+    env = time_env(tmp_path, redis, pg_url)
+    app, tasks = producer(tmp_path, env)
+    store = LedgerStore(pg_url)
+    with processes(tmp_path, env) as procs:
+        procs.worker("w1", concurrency=1, extra=TIME_TASKS)
+        procs.beat()
+        result = tasks["bare"].apply_async(("bx",), countdown=4.0, expires=2.0)
+        key = key_of("time_app.bare", result.id)
+        assert entry_status(store, key) is EntryStatus.SCHEDULED
+        wait_for(
+            lambda: entry_status(store, key) is EntryStatus.EXPIRED,
+            timeout=60,
+            what=f"the held task to settle expired",
+        )
+    assert effects_of(pg_url, "bx") == {}
+    assert "woken" in event_names(store, key)
+    store.dispose()
+
+
 # == (4) cancellation =======================================================================
 
 
@@ -399,7 +424,7 @@ def test_cancel_stops_a_running_task_at_its_next_step_and_a_scheduled_one_never_
         wait_for(
             lambda: entry_status(store, key) is EntryStatus.CANCELLED,
             timeout=90,
-            what=f"r3 to settle cancelled (now {entry_status(store, key)})",
+            what=f"r3 to settle cancelled",
         )
         ids.append(victim.id)
         time.sleep(2 * SWEEP)  # a late delivery of any of them would show as an effect
@@ -513,7 +538,7 @@ def test_a_revoke_from_an_app_without_the_ledger_is_recorded_by_the_worker(tmp_p
         wait_for(
             lambda: entry_status(store, key) is EntryStatus.CANCELLED,
             timeout=60,
-            what=f"rv to settle cancelled (now {entry_status(store, key)})",
+            what=f"rv to settle cancelled",
         )
         worker.stop()
         procs.worker("w2", concurrency=1, extra=TIME_TASKS)

@@ -91,7 +91,13 @@ def register(target: Any) -> dict[str, Any]:
         self.step("run", effect, tag, "run")
         raise ValueError(f"{tag} failed")
 
+    @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.bare")
+    def bare(self: LedgerTask, tag: str) -> str:
+        """Records no steps: the body is the effect."""
+        return effect(tag, "bare")
+
     return {
+        "bare": bare,
         "keyed_charge": keyed_charge,
         "fails": fails,
         "once": once,
