@@ -330,7 +330,7 @@ def test_a_held_task_whose_expires_passes_before_it_is_due_settles_expired_unrun
         wait_for(
             lambda: entry_status(store, key) is EntryStatus.EXPIRED,
             timeout=60,
-            what=f"the held task to settle expired",
+            what="the held task to settle expired",
         )
     assert effects_of(pg_url, "bx") == {}
     assert "woken" in event_names(store, key)
@@ -424,7 +424,7 @@ def test_cancel_stops_a_running_task_at_its_next_step_and_a_scheduled_one_never_
         wait_for(
             lambda: entry_status(store, key) is EntryStatus.CANCELLED,
             timeout=90,
-            what=f"r3 to settle cancelled",
+            what="r3 to settle cancelled",
         )
         ids.append(victim.id)
         time.sleep(2 * SWEEP)  # a late delivery of any of them would show as an effect
@@ -538,7 +538,7 @@ def test_a_revoke_from_an_app_without_the_ledger_is_recorded_by_the_worker(tmp_p
         wait_for(
             lambda: entry_status(store, key) is EntryStatus.CANCELLED,
             timeout=60,
-            what=f"rv to settle cancelled",
+            what="rv to settle cancelled",
         )
         worker.stop()
         procs.worker("w2", concurrency=1, extra=TIME_TASKS)
