@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from test_ledger_page import PageCase
+from test_ledger_page import USER, ActionCase, PageCase
 
 from celery_ledger.ledger import ClaimRequest, EntryStatus, Owner
 
@@ -34,3 +34,24 @@ class TimePage(PageCase):
         assert re.search(r'id="status-scheduled">.*?>2<', html, re.S), html
         assert re.search(r'id="status-cancelled">.*?>1<', html, re.S)
         assert re.search(r'id="status-expired">.*?>1<', html, re.S)
+
+
+class TimeActions(ActionCase):
+    def test_cancel_from_the_entry_page_stamps_the_flower_user(self) -> None:
+        key = self.interrupted()
+        assert 'id="cancel-form"' in self.page(f"/ledger/entry/{key}")
+        resp = self.post(
+            f"/ledger/entry/{key}/cancel", {"reason": "customer asked"}, xsrf_from="/ledger"
+        )
+        assert resp.code == 302 and resp.headers["Location"].endswith("done=cancel-cancelled")
+        entry = self.store.get_entry(key)
+        assert entry.status is EntryStatus.CANCELLED and entry.cancel_by == USER
+        assert 'id="cancel-form"' not in self.page(f"/ledger/entry/{key}")
+        again = self.post(f"/ledger/entry/{key}/cancel", {"reason": "twice"}, xsrf_from="/ledger")
+        assert again.code == 409 and b"nothing to cancel" in again.body
+        running = self.claim()
+        resp = self.post(
+            f"/ledger/entry/{running.key}/cancel", {"reason": "stop"}, xsrf_from="/ledger"
+        )
+        assert resp.headers["Location"].endswith("done=cancel-requested")
+        assert self.store.get_entry(running.key).cancel_requested_at is not None

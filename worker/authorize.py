@@ -49,6 +49,8 @@ class Action(str, Enum):
     RELEASE_NOT_EXECUTED = "release-not-executed"
     #: Re-enqueue an interrupted entry now (what the sweep would do).
     RESUME = "resume"
+    #: Cancel a task (issue 18): it never starts, or stops at its next effect step.
+    CANCEL = "cancel"
 
     @property
     def is_release(self) -> bool:

@@ -51,7 +51,17 @@ def cancel_cmd(
         raise click.ClickException("--by must be an operator token; nothing was cancelled")
     store = open_store(ctx)
     key = resolve_key(store, ref)
+    from celery_ledger.authorize import Action, AuthorizerError, Operator, authorize
     from celery_ledger.timing import cancel_entry
+
+    try:
+        decision = authorize(
+            settings, Operator(by, "cli", authenticated=False), Action.CANCEL, store.get_entry(key)
+        )
+    except AuthorizerError as exc:
+        raise click.ClickException(str(exc).splitlines()[0]) from None
+    if not decision.allowed:
+        raise click.ClickException(f"{decision.reason or 'not allowed'}; nothing was cancelled")
 
     done = cancel_entry(load_app(ctx), store, key, by=by, reason=reason)
     data = {

@@ -57,6 +57,9 @@ DONE = {
     "resumed": "Re-enqueued with its task id and argument snapshot.",
     "resume-blocked": "Not re-enqueued: interrupted more than ledger_max_resumes times, so it "
     "was blocked as a crash loop.",
+    "cancel-cancelled": "Cancelled: it never starts; a later delivery raises TaskCancelled.",
+    "cancel-requested": "Cancellation recorded: it is running and stops at its next effect "
+    "step (a step already started finishes).",
 }
 
 _STATUS_BADGES = {
@@ -332,6 +335,18 @@ class ResumeHandler(ActionHandler):
                 self.page, key, operator=operator, reason_raw=self.get_body_argument("reason", None)
             )
             return "resumed" if outcome == "resumed" else f"resume-{outcome}"
+
+        await self.act(key, run)
+
+
+class CancelHandler(ActionHandler):
+    """Issue 18: cancel a task (``actions.cancel``)."""
+
+    @web.authenticated
+    async def post(self, key: str) -> None:
+        def run(operator: Operator) -> str:
+            reason = self.get_body_argument("reason", None)
+            return "cancel-" + actions.cancel(self.page, key, operator=operator, reason_raw=reason)
 
         await self.act(key, run)
 
