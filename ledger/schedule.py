@@ -17,6 +17,7 @@ Every transition is a compare-and-set on (key, fence, status) with its audit eve
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from sqlalchemy import Float, case, delete, func, select, update
@@ -399,3 +400,29 @@ def tombstone_values(error: str) -> dict[str, Any]:
         "cancel_reason": None,
         "error": case((entries.c.status == EntryStatus.COMPLETED.value, None), else_=error),
     }
+
+
+#: Where the exceptions a settled cancelled/expired/pruned entry raises live (the runtime);
+#: named, not imported: the ledger stays free of the runtime.
+EXC_MODULE = "celery_ledger.timing"
+
+
+def stored_exception(exc_type: str, message: str) -> str:
+    """A failure as the ledger stores it (the form of Celery's JSON ``prepare_exception``),
+    raised again by every later delivery (gate RETURN)."""
+    return json.dumps(
+        {"exc_type": exc_type, "exc_message": [message[:2000]], "exc_module": EXC_MODULE}
+    )
+
+
+def cancelled_failure(why: str) -> str:
+    """The stored ``TaskCancelled`` of a cancellation settled outside any attempt."""
+    return stored_exception("TaskCancelled", why)
+
+
+#: The stored failure of a tombstone that is not ``completed``.
+PRUNED_FAILURE = stored_exception(
+    "KeyPruned",
+    "this key settled (failed, cancelled or expired) and was pruned after the retention "
+    "window; a late delivery does not run it again (ledger_tombstone_days)",
+)

@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from celery_ledger.ledger import EntryStatus, LedgerStore, LedgerUnavailable
+from celery_ledger.ledger.schedule import PRUNED_FAILURE, cancelled_failure
 from celery_ledger.recovery.sweep import (
     ResumeOutcome,
     UnreadableSnapshot,
@@ -112,10 +113,8 @@ def wake_due(
 def finish_cancelled(store: LedgerStore, app: Any, *, batch: int, actor: str = "sweep") -> int:
     """Settle ``cancelled`` the entries with a pending cancellation that no live attempt will
     settle (interrupted, asleep, running past its lease)."""
-    from celery_ledger.timing import cancelled_error
-
     return store.finish_cancelled(
-        cancelled_error(app, "cancelled; no attempt was running it"), limit=batch, actor=actor
+        cancelled_failure("cancelled; no attempt was running it"), limit=batch, actor=actor
     )
 
 
@@ -123,10 +122,8 @@ def prune(store: LedgerStore, retention_days: float, tombstone_days: float, *, b
     """Retention: prune settled entries past ``retention_days``, to tombstones when
     ``tombstone_days`` > 0, and delete tombstones past ``retention_days + tombstone_days``.
     Returns how many settled entries were pruned."""
-    from celery_ledger.timing import pruned_error
-
     if tombstone_days <= 0:
         return store.prune_settled(retention_days * 86400.0, limit=batch)
-    pruned = store.prune_settled(retention_days * 86400.0, limit=batch, tombstone=pruned_error())
+    pruned = store.prune_settled(retention_days * 86400.0, limit=batch, tombstone=PRUNED_FAILURE)
     store.prune_tombstones((retention_days + tombstone_days) * 86400.0, limit=batch)
     return pruned

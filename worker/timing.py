@@ -36,6 +36,7 @@ from celery.utils.time import maybe_make_aware
 from celery_ledger import runtime
 from celery_ledger.codec import encode, encode_snapshot
 from celery_ledger.ledger import ClaimRequest, EntryStatus, LedgerError, LedgerStore
+from celery_ledger.ledger.schedule import PRUNED_FAILURE, cancelled_failure
 from celery_ledger.redelivery import header
 
 if TYPE_CHECKING:
@@ -62,12 +63,7 @@ class KeyPruned(Exception):  # noqa: N818
 
 def pruned_error() -> str:
     """The stored failure of a tombstone that is not ``completed``."""
-    return _stored(
-        KeyPruned(
-            "this key settled (failed, cancelled or expired) and was pruned after the retention "
-            "window; a late delivery does not run it again (ledger_tombstone_days)"
-        )
-    )
+    return PRUNED_FAILURE
 
 
 class Stopped(BaseException):
@@ -284,7 +280,7 @@ def _stored(exc: BaseException) -> str:
 
 def cancelled_error(app: Any, why: str) -> str:
     """The stored ``TaskCancelled`` of a cancellation made outside any attempt."""
-    return _stored(TaskCancelled(why))
+    return cancelled_failure(why)
 
 
 def cancel_entry(app: Any, store: LedgerStore, key: str, *, by: str, reason: str) -> Any:
