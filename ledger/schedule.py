@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sqlalchemy import Float, case, delete, func, select, update
+from sqlalchemy import Float, case, cast, delete, func, select, update
 
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.core import Note, StoreCore
@@ -329,11 +329,13 @@ class ScheduleQueries(StoreCore):
         """Store the attempt's deadline (the earlier of ``at`` and created_at +
         ``after_created``), fenced, in one statement. Returns whether it already passed on the
         database clock; None when the fence moved."""
-        rel = entries.c.created_at + B("rel", Float)
-        abs_ = B("abs", Float)
+        # Typed casts: PostgreSQL cannot type a bare NULL parameter in ``$1 IS NULL``.
+        rel_in = cast(B("rel", Float), Float)
+        abs_ = cast(B("abs", Float), Float)
+        rel = entries.c.created_at + rel_in
         deadline = case(
             (abs_.is_(None), rel),
-            (B("rel", Float).is_(None), abs_),
+            (rel_in.is_(None), abs_),
             (rel < abs_, rel),
             else_=abs_,
         )
