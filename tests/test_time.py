@@ -291,9 +291,11 @@ def test_a_deadline_that_passes_in_the_queue_settles_expired_and_runs_no_effect(
     tmp_path, redis, pg_url
 ):
     """A task whose ``ledger_deadline`` header passes while it waits behind a long task on a
-    one-slot worker settles ``expired`` after its claim; its effect never happens."""
+    one-slot worker settles ``expired`` after its claim; its effect never happens. The same for
+    a task whose own ``deadline`` option (seconds after its publish) passes."""
     env = time_env(tmp_path, redis, pg_url)
     app = client_app(env)
+    _, tasks = producer(tmp_path, env)  # publish intents: the entry exists from the publish
     store = LedgerStore(pg_url)
     with processes(tmp_path, env) as procs:
         procs.worker("w1", concurrency=1, extra=TIME_TASKS)
@@ -302,13 +304,19 @@ def test_a_deadline_that_passes_in_the_queue_settles_expired_and_runs_no_effect(
         late = app.send_task(
             "time_app.once", args=("late",), headers={"ledger_deadline": time.time() + 1.0}
         )
+        option = tasks["soon"].delay("soon")  # the task's own ``deadline`` (1 s)
         with pytest.raises(Exception) as raised:
             late.get(timeout=60)
+        with pytest.raises(Exception) as raised_option:
+            option.get(timeout=60)
         blocker.get(timeout=60)
     assert type(raised.value).__name__ == TaskExpired.__name__, raised.value
+    assert type(raised_option.value).__name__ == TaskExpired.__name__, raised_option.value
     entry = store.get_entry(key_of("time_app.once", late.id))
     assert entry.status is EntryStatus.EXPIRED, entry.status
+    assert store.get_entry(key_of("time_app.soon", option.id)).status is EntryStatus.EXPIRED
     assert effects_of(pg_url, "late") == {}
+    assert effects_of(pg_url, "soon") == {}
     store.dispose()
 
 

@@ -96,7 +96,13 @@ def register(target: Any) -> dict[str, Any]:
         """Records no steps: the body is the effect."""
         return effect(tag, "bare")
 
+    @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.soon", deadline=1.0)
+    def soon(self: LedgerTask, tag: str) -> str:
+        """Must start its effect within a second of being published (``deadline``)."""
+        return self.step("run", effect, tag, "run")
+
     return {
+        "soon": soon,
         "bare": bare,
         "keyed_charge": keyed_charge,
         "fails": fails,
