@@ -213,6 +213,26 @@ def test_a_long_retry_countdown_is_held_by_the_ledger_and_replays_completed_step
     store.dispose()
 
 
+def test_a_woken_task_that_retries_far_is_held_again(tmp_path, redis, pg_url):
+    """A held task, woken by the sweep (its message carries the ledger's re-send header),
+    retries with a long countdown: the retry is held too (the entry is ``scheduled`` again and
+    woken a second time), not published for a worker to hold."""
+    env = time_env(tmp_path, redis, pg_url)
+    _, tasks = producer(tmp_path, env)
+    store = LedgerStore(pg_url)
+    with processes(tmp_path, env) as procs:
+        procs.worker("w1", concurrency=1, extra=TIME_TASKS)
+        procs.beat()
+        result = tasks["retry_far"].apply_async(("rf2", 4.0), countdown=3.0)
+        value = result.get(timeout=90)
+    key = key_of("time_app.retry_far", result.id)
+    assert value == ["charge:rf2", "email:rf2"]
+    assert effects_of(pg_url, "rf2") == {"charge": 1, "email": 1}
+    names = event_names(store, key)
+    assert names.count("woken") == 2, names
+    store.dispose()
+
+
 # == (2) durable sleep ======================================================================
 
 

@@ -103,7 +103,10 @@ def hold_due(task: Any, options: dict[str, Any], *, linked: bool) -> dict[str, f
     if threshold <= 0 or linked or task.app.conf.task_always_eager:
         return None
     headers = options.get("headers") or {}
-    if headers.get("ledger_redelivery") or headers.get("ledger_unavailable"):
+    # The ledger's own re-sends are never held; a retry is not one, even of a delivery that
+    # was (its options copy the delivery's headers).
+    resent = headers.get("ledger_redelivery") or headers.get("ledger_unavailable")
+    if resent and not _in_retry.get():
         return None
     if options.get("chain") or options.get("chord"):
         return None
