@@ -4,7 +4,9 @@ Knows nothing of Celery; a reader can test it with SQLAlchemy alone.
 """
 
 from celery_ledger.ledger.crashloop import CrashLoop, crash_loop_reason
+from celery_ledger.ledger.death import DeathSignal
 from celery_ledger.ledger.errors import (
+    DeathSignalRequired,
     EntryNotFound,
     Fenced,
     IdentityError,
@@ -12,6 +14,7 @@ from celery_ledger.ledger.errors import (
     LedgerBlocked,
     LedgerError,
     LedgerUnavailable,
+    MarkDeadRefused,
     OperatorTextError,
     PayloadError,
     PayloadNotSerializable,
@@ -19,6 +22,7 @@ from celery_ledger.ledger.errors import (
     ReleaseRefused,
     SchemaError,
     SchemaTooNew,
+    SnapshotSealError,
 )
 from celery_ledger.ledger.identity import (
     canonical_json,
@@ -38,6 +42,7 @@ from celery_ledger.ledger.operator import (
     Release,
     check_release_text,
 )
+from celery_ledger.ledger.sealing import SnapshotCipher, cipher_from, is_sealed, open_snapshot
 from celery_ledger.ledger.states import EntryStatus, Gate, SideEffect, StepStatus, Verdict
 from celery_ledger.ledger.store import LedgerStore
 from celery_ledger.ledger.values import (
@@ -61,6 +66,7 @@ __all__ = [
     "OperatorQueries",
     "LedgerStats",
     "Release",
+    "DeathSignal",
     "check_release_text",
     "MAX_RELEASE_BY_CHARS",
     "MAX_RELEASE_REASON_CHARS",
@@ -78,6 +84,11 @@ __all__ = [
     "RESUME_OWNER",
     "NO_ARGS_HASH",
     "BODY_STEP",
+    # Encryption at rest
+    "SnapshotCipher",
+    "cipher_from",
+    "is_sealed",
+    "open_snapshot",
     # States
     "EntryStatus",
     "Gate",
@@ -108,6 +119,9 @@ __all__ = [
     "LedgerBlocked",
     "ReleaseRefused",
     "OperatorTextError",
+    "DeathSignalRequired",
+    "MarkDeadRefused",
+    "SnapshotSealError",
     "EntryNotFound",
     "Fenced",
 ]

@@ -14,13 +14,14 @@ returns.
 
 from __future__ import annotations
 
+from celery_ledger.ledger.death import DeathSignals
 from celery_ledger.ledger.hotpath import HotPath
 from celery_ledger.ledger.operator import OperatorQueries
 from celery_ledger.ledger.schedule import ScheduleQueries
 from celery_ledger.ledger.sweeps import SweepQueries
 
 
-class LedgerStore(HotPath, SweepQueries, OperatorQueries, ScheduleQueries):
+class LedgerStore(HotPath, SweepQueries, OperatorQueries, DeathSignals, ScheduleQueries):
     """The ledger store: hot path, sweeps and operator queries over one engine per process.
 
     The structure::
@@ -31,6 +32,7 @@ class LedgerStore(HotPath, SweepQueries, OperatorQueries, ScheduleQueries):
         ├── SweepQueries (sweeps.py) interrupt_*, begin_resume, block, prune_settled, ...
         ├── OperatorQueries          get_entry, list_entries, release, stats, ...
         │   (operator.py)
+        ├── DeathSignals (death.py)  mark_dead, record_seen_alive (the release gate)
         └── ScheduleQueries          schedule, list_due, begin_wake, request_cancel, ...
             (schedule.py)            durable time (issue 18)
 

@@ -13,7 +13,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery_ledger.ledger import EntryStatus, LedgerStore, LedgerUnavailable
+from celery_ledger.ledger import (
+    EntryStatus,
+    LedgerStore,
+    LedgerUnavailable,
+    SnapshotCipher,
+    SnapshotSealError,
+)
 from celery_ledger.ledger.schedule import PRUNED_FAILURE, cancelled_failure
 from celery_ledger.recovery.sweep import (
     ResumeOutcome,
@@ -38,6 +44,7 @@ def wake_entry(
     lease_seconds: float,
     actor: str,
     only_due: bool = True,
+    cipher: SnapshotCipher | None = None,
 ) -> ResumeOutcome:
     """Wake one ``scheduled``/``sleeping`` entry at ``fence``: CAS it to running, then send it.
 
@@ -47,7 +54,11 @@ def wake_entry(
     if snapshot_text is None:
         return ResumeOutcome.NO_SNAPSHOT
     try:
-        snapshot = read_snapshot(snapshot_text)
+        snapshot = read_snapshot(snapshot_text, cipher)
+    except SnapshotSealError as exc:
+        # This process lacks the key (as ``_snapshot_at``): a process with it wakes the entry.
+        log.error("cannot wake key=%s fence=%s here: %s", key, fence, exc)
+        return ResumeOutcome.LOST_RACE
     except UnreadableSnapshot as exc:
         reason = f"argument snapshot cannot be read: {exc}; release it once you know what it was"
         return _park_unreadable(store, key, task_id, fence, reason, status=status, actor=actor)
@@ -75,7 +86,13 @@ def wake_entry(
 
 
 def wake_due(
-    store: LedgerStore, app: Any, *, lease_seconds: float, batch: int, actor: str = "sweep"
+    store: LedgerStore,
+    app: Any,
+    *,
+    lease_seconds: float,
+    batch: int,
+    actor: str = "sweep",
+    cipher: SnapshotCipher | None = None,
 ) -> tuple[int, int, int]:
     """Send every due ``scheduled``/``sleeping`` entry (up to ``batch``).
 
@@ -99,6 +116,7 @@ def wake_due(
                 task_id=entry.task_id,
                 lease_seconds=lease_seconds,
                 actor=actor,
+                cipher=cipher,
             )
         except LedgerUnavailable:
             raise

@@ -136,7 +136,23 @@ class Attempt:
                 self.fence,
                 why,
             )
+            self._seen_alive(why)
         self.superseded = why
+
+    def _seen_alive(self, why: str) -> None:
+        """Leave "seen alive at" on the entry: this superseded attempt is awake and tried to
+        write (``mark-dead`` refuses on it). Once per attempt; best effort, since the attempt
+        stops either way."""
+        try:
+            self._store.record_seen_alive(self.key, self.fence, owner=self.actor, what=why)
+        except Exception as exc:  # noqa: BLE001 - a sign of life must not break the stop
+            log.warning(
+                "could not record the sign of life of key=%s task_id=%s fence=%s: %r",
+                self.key,
+                self.task_id,
+                self.fence,
+                exc,
+            )
 
     def emit(self, kind: str, **fields: Any) -> None:
         """Send a ``task-ledger-<kind>`` event for this attempt's entry and fence."""

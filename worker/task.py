@@ -531,6 +531,7 @@ class LedgerTask(Task):
                 queue=delivery.get("routing_key") or None,
                 ledger_key=header(req, "ledger_key"),
                 limit=settings.max_snapshot_bytes,
+                cipher=runtime.snapshot_cipher(self.app),
             )
         except PayloadError as exc:
             log.warning(
@@ -571,6 +572,7 @@ class LedgerTask(Task):
                 ledger_key=header(req, "ledger_key"),
                 limit=settings.max_snapshot_bytes,
                 retries=int(options.get("retries") or (req.retries or 0) + 1),
+                cipher=runtime.snapshot_cipher(self.app),
             )
         except Exception as exc_:  # noqa: BLE001 - nothing here may stop the retry itself
             # The entry keeps the snapshot it has, as a claim does for arguments it cannot

@@ -152,6 +152,7 @@ def hold(
             queue=options.get("queue") or getattr(task, "queue", None),
             ledger_key=headers.get("ledger_key"),
             limit=settings.max_snapshot_bytes,
+            cipher=runtime.snapshot_cipher(task.app),
         )
         recorded = runtime.store_for(task.app).schedule(
             ClaimRequest(

@@ -98,6 +98,7 @@ def resume_waiting(ctx: click.Context, store: Any, entry: Any, as_json: bool) ->
     """``resume`` of a scheduled or sleeping entry: send it now, before its due time."""
     from celery_ledger.authorize import Action, Operator, authorize
     from celery_ledger.cli.common import operator_actor
+    from celery_ledger.ledger import cipher_from
     from celery_ledger.recovery.wake import wake_entry
 
     settings = load_settings(ctx)
@@ -118,6 +119,7 @@ def resume_waiting(ctx: click.Context, store: Any, entry: Any, as_json: bool) ->
         lease_seconds=settings.lease_seconds,
         actor=actor,
         only_due=False,
+        cipher=cipher_from(settings.snapshot_keys),
     )
     if as_json:
         emit_json(

@@ -39,7 +39,14 @@ def stuck_reason(kind: q.StuckKind, entry: Entry, now: float, page: LedgerPage) 
     s = page.settings
     if kind.status is EntryStatus.BLOCKED:
         why = entry.reason or "blocked (no reason recorded)"
-        return f"Needs an operator: {why}"
+        alive = ""
+        if entry.seen_alive_at is not None and now - entry.seen_alive_at < s.death_grace_seconds:
+            # The death-signal gate's warning, where the operator looks first.
+            alive = (
+                f" Its old worker ({entry.seen_alive_owner or 'unknown'}) was seen alive "
+                f"{duration(now - entry.seen_alive_at)} ago: check whether its call landed."
+            )
+        return f"Needs an operator: {why}{alive}"
     if kind.status is EntryStatus.INTERRUPTED:
         why = entry.reason or "interrupted"
         if entry.snapshot is None:
@@ -249,7 +256,7 @@ def entry(page: LedgerPage, key: str) -> EntryView:
     events = store.entry_events(key, limit=500)
     now = store.now()
     # Decoded defensively: an entry whose snapshot no process can read is shown (and released).
-    snapshot, unreadable = decode_stored(e.snapshot)
+    snapshot, unreadable = decode_stored(e.snapshot, page.cipher)
     if not isinstance(snapshot, dict):
         snapshot = None
     task = page.task(e.task_name)
