@@ -100,3 +100,41 @@ def test_prune_to_tombstones_keeps_the_final_status_and_blocks_a_rerun(store: Le
     assert store.prune_tombstones(3600) == 0
     assert store.prune_tombstones(0.0) == 2
     assert store.claim(request("k-ok", task_id="t-k-ok")).gate is Gate.RUN
+
+
+def test_a_held_snapshot_is_sealed_and_the_wake_pass_opens_it(tmp_path) -> None:
+    """With ``ledger_snapshot_keys`` a held task's snapshot is sealed like a worker's; the
+    sweep wakes it with the key, and without the key leaves it for a process that has it."""
+    from cryptography.fernet import Fernet
+
+    from celery_ledger import LedgerTask, create_app, runtime
+    from celery_ledger.ledger import cipher_from, entry_key, is_sealed
+    from celery_ledger.recovery import run_sweep
+
+    key = Fernet.generate_key().decode()
+    app = create_app(
+        "sealed-producer",
+        data_dir=tmp_path,
+        ledger_snapshot_keys=[key],
+        ledger_hold_threshold_seconds=60,
+    )
+
+    @app.task(shared=False, base=LedgerTask, bind=True, name="sealed.remind")
+    def remind(self: LedgerTask, card: str) -> str:
+        return card
+
+    result = remind.apply_async(("4242",), countdown=3600)
+    store = runtime.store_for(app)
+    k = entry_key("sealed.remind", result.id)
+    entry = store.get_entry(k)
+    assert entry.status is EntryStatus.SCHEDULED
+    assert is_sealed(entry.snapshot) and "4242" not in entry.snapshot
+    with store.engine.begin() as conn:
+        from sqlalchemy import text
+
+        conn.execute(text("UPDATE ledger_entries SET due_at = 1 WHERE key = :k"), {"k": k})
+    kw = {"lease_seconds": 60, "max_resumes": 5, "retention_days": 7}
+    assert run_sweep(store, app, **kw).woken == 0, "woken without the key"
+    assert store.get_entry(k).status is EntryStatus.SCHEDULED, "parked for a missing key"
+    assert run_sweep(store, app, cipher=cipher_from([key]), **kw).woken == 1
+    assert store.get_entry(k).status is EntryStatus.RUNNING
