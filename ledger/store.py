@@ -17,10 +17,11 @@ from __future__ import annotations
 from celery_ledger.ledger.death import DeathSignals
 from celery_ledger.ledger.hotpath import HotPath
 from celery_ledger.ledger.operator import OperatorQueries
+from celery_ledger.ledger.schedule import ScheduleQueries
 from celery_ledger.ledger.sweeps import SweepQueries
 
 
-class LedgerStore(HotPath, SweepQueries, OperatorQueries, DeathSignals):
+class LedgerStore(HotPath, SweepQueries, OperatorQueries, DeathSignals, ScheduleQueries):
     """The ledger store: hot path, sweeps and operator queries over one engine per process.
 
     The structure::
@@ -31,7 +32,9 @@ class LedgerStore(HotPath, SweepQueries, OperatorQueries, DeathSignals):
         ├── SweepQueries (sweeps.py) interrupt_*, begin_resume, block, prune_settled, ...
         ├── OperatorQueries          get_entry, list_entries, release, stats, ...
         │   (operator.py)
-        └── DeathSignals (death.py)  mark_dead, record_seen_alive (the release gate)
+        ├── DeathSignals (death.py)  mark_dead, record_seen_alive (the release gate)
+        └── ScheduleQueries          schedule, list_due, begin_wake, request_cancel, ...
+            (schedule.py)            durable time (issue 18)
 
     Each query group is a mixin over ``StoreCore`` alone: none calls another group, and none
     tests which database it runs on (``StoreCore.dialect`` and ``statements`` hold the

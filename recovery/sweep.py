@@ -97,6 +97,12 @@ class SweepReport:
     resent: int = 0
     #: Entries the sweep could not handle (logged with the error); the rest went on.
     errors: int = 0
+    #: Issue 18: scheduled/sleeping entries past their due time ...
+    due: int = 0
+    #: ... of which sent with their task id.
+    woken: int = 0
+    #: Entries with a pending cancellation settled ``cancelled`` (no live attempt had them).
+    cancelled: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -176,17 +182,29 @@ def _park_unreadable(
     return ResumeOutcome.BLOCKED
 
 
-def _send(app: Any, name: str, task_id: str, snapshot: ArgumentSnapshot) -> None:
+def _send(
+    app: Any,
+    name: str,
+    task_id: str,
+    snapshot: ArgumentSnapshot,
+    extra_headers: dict[str, Any] | None = None,
+) -> None:
     """Re-send a task with its original task id and its argument snapshot."""
     with Batch(app) as batch:
-        _send_on(batch, name, task_id, snapshot)
+        _send_on(batch, name, task_id, snapshot, extra_headers)
         batch.flush()
 
 
-def _send_on(batch: Batch, name: str, task_id: str, snapshot: ArgumentSnapshot) -> None:
+def _send_on(
+    batch: Batch,
+    name: str,
+    task_id: str,
+    snapshot: ArgumentSnapshot,
+    extra_headers: dict[str, Any] | None = None,
+) -> None:
     """``_send`` on a batch's producer (one connection for a whole sweep)."""
     # ledger_redelivery: the entry exists, so the publisher records no publish intent.
-    headers: dict[str, Any] = {"ledger_redelivery": True}
+    headers: dict[str, Any] = {**(extra_headers or {}), "ledger_redelivery": True}
     if snapshot.ledger_key is not None:
         headers["ledger_key"] = snapshot.ledger_key
     options: dict[str, Any] = {"task_id": task_id, "headers": headers}
@@ -576,6 +594,7 @@ def run_sweep(
     batch: int = 500,
     actor: str = "sweep",
     cipher: SnapshotCipher | None = None,
+    tombstone_days: float = 0.0,
 ) -> SweepReport:
     """One full sweep: interrupt expired leases, resume or block interrupted work, re-send
     overdue retries, prune.
@@ -586,6 +605,9 @@ def run_sweep(
     Raises:
         LedgerUnavailable: the ledger went away; the next sweep does the rest.
     """
+    from celery_ledger.recovery import wake  # issue 18's pass; it imports this module
+
+    cancelled = wake.finish_cancelled(store, app, batch=batch, actor=actor)
     interrupted = store.interrupt_expired(limit=batch, actor=actor)
     candidates = store.list_interrupted(limit=batch, resumable=True)
     outcomes: dict[ResumeOutcome | None, list[str]] = {}
@@ -628,7 +650,10 @@ def run_sweep(
             ),
         )
         resent.setdefault(outcome, []).append(late.key)
-    pruned = store.prune_settled(retention_days * 86400.0, limit=batch)
+    due, woken, wake_errors = wake.wake_due(
+        store, app, lease_seconds=lease_seconds, batch=batch, actor=actor, cipher=cipher
+    )
+    pruned = wake.prune(store, retention_days, tombstone_days, batch=batch)
     report = SweepReport(
         interrupted=len(interrupted),
         found=len(candidates),
@@ -640,9 +665,20 @@ def run_sweep(
         resumed_keys=tuple(outcomes.get(ResumeOutcome.RESUMED, [])),
         overdue=len(overdue),
         resent=len(resent.get(ResumeOutcome.RESUMED, [])),
-        errors=len(outcomes.get(None, [])) + len(resent.get(None, [])),
+        errors=len(outcomes.get(None, [])) + len(resent.get(None, [])) + wake_errors,
+        due=due,
+        woken=woken,
+        cancelled=cancelled,
     )
-    if report.interrupted or report.found or report.pruned or report.overdue or report.errors:
+    if (
+        report.interrupted
+        or report.found
+        or report.pruned
+        or report.overdue
+        or report.errors
+        or report.due
+        or report.cancelled
+    ):
         log.info("ledger sweep: %s", report.as_dict())
     return report
 

@@ -84,13 +84,13 @@ def partial_index_clauses(engine: Engine) -> dict[str, str]:
 
 
 def test_head_revision_matches_schema_module() -> None:
-    assert head_revision() == SCHEMA_REVISION == "0005_operators"
+    assert head_revision() == SCHEMA_REVISION == "0004_time"
 
 
 def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine) -> None:
     assert tables(raw_engine) == set()
     with raw_engine.connect() as conn:
-        assert pending_revisions(conn) == ["0001", "0002", "0005_operators"]
+        assert pending_revisions(conn) == ["0001", "0002", "0005_operators", "0004_time"]
         assert current_revision(conn) is None
     store = LedgerStore(ledger_url)
     try:
@@ -232,4 +232,4 @@ def test_0002_keeps_a_pending_release_one_shot(ledger_url: str, raw_engine: Engi
     finally:
         store.dispose()
     with raw_engine.connect() as conn:
-        assert current_revision(conn) == "0005_operators"
+        assert current_revision(conn) == "0004_time"
