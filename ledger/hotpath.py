@@ -26,6 +26,9 @@ from celery_ledger.ledger.values import (
     StepRecord,
 )
 
+#: Side-effect classes whose claim is the intent of a body without steps (issue 20).
+_CLAIM_IS_INTENT = frozenset({"non_idempotent", "irreversible"})
+
 
 class HotPath(StoreCore):
     """Claim, renew, write steps, settle: the store methods every ledgered task calls."""
@@ -53,8 +56,16 @@ class HotPath(StoreCore):
         raise RuntimeError(f"claim of {req.key} did not converge")  # pragma: no cover
 
     def _insert_new(self, req: ClaimRequest) -> int | None:
+        # The claim of a non_idempotent or irreversible task is its intent when the body has
+        # no steps (issue 20): it waits for the flush. Other classes may re-run: it need not.
         rows = self._insert_entry(
-            req, req.owner.node, req.owner.boot, req.owner.pid, executions=1, event="claimed"
+            req,
+            req.owner.node,
+            req.owner.boot,
+            req.owner.pid,
+            executions=1,
+            event="claimed",
+            lazy=self._lazy(req.side_effect in _CLAIM_IS_INTENT),
         )
         return int(rows[0][2]) if rows else None
 
@@ -78,6 +89,7 @@ class HotPath(StoreCore):
         *,
         executions: int,
         event: str,
+        lazy: bool = False,
     ) -> list[Any]:
         """The claim's insert (``sql.claim_insert``): a new running entry, or no row if the
         key exists. A claim owns it with one execution; a publish intent with none."""
@@ -98,6 +110,7 @@ class HotPath(StoreCore):
                 "executions": executions,
             },
             Note(event, req.owner.node),
+            lazy=lazy,
         )
 
     def _claim_existing_txn(self, conn: Connection, req: ClaimRequest) -> Claim | None:
@@ -123,6 +136,8 @@ class HotPath(StoreCore):
             return decided(Gate.RETURN, "returned", result=row.result, error=row.error)
         if found is EntryStatus.BLOCKED:
             return decided(Gate.BLOCK, "block-gate", reason=row.reason)
+        if found.waits_for_time:  # issue 18: the ledger sends it when due
+            return decided(Gate.HOLD, "held", f"{found.value} until {row.due_at}")
 
         interruptions = row.interruptions
         gate = Gate.TAKEOVER
@@ -252,7 +267,7 @@ class HotPath(StoreCore):
         nothing is written then.
         """
         stmt = self.fast.compiled("renew", sql.renew_update)
-        with self.fast.cursor() as cur:
+        with self.fast.cursor(lazy=self._lazy(False)) as cur:
             cur.execute(stmt.sql, stmt.params({"k": key, "f": fence, "lease": lease_seconds}))
             return bool(cur.rowcount == 1)
 
@@ -329,7 +344,8 @@ class HotPath(StoreCore):
             ("step", started, at_position),
             lambda: sql.step_upsert(self.dialect, started, at_position=at_position),
         )
-        with self.fast.cursor() as cur:
+        # A started row lets its effect begin: it waits for the flush (issue 20).
+        with self.fast.cursor(lazy=self._lazy(started)) as cur:
             cur.execute(stmt.sql, stmt.params(params))
             return cur.fetchone() is not None
 
@@ -437,7 +453,11 @@ class HotPath(StoreCore):
         if status in (EntryStatus.RUNNING, EntryStatus.INTERRUPTED):
             raise ValueError(f"settle cannot move an entry to {status.value}")
         waits = (due_in, due_at, snapshot) != (None, None, None)
-        if waits and status is not EntryStatus.RETRYING:
+        if waits and status not in (
+            EntryStatus.RETRYING,
+            EntryStatus.SCHEDULED,  # a long retry countdown held by the ledger (issue 18)
+            EntryStatus.SLEEPING,  # ``self.sleep()`` (issue 18)
+        ):
             raise ValueError(
                 f"only a retrying settle has a due time or a new snapshot, not {status.value}"
             )
@@ -458,6 +478,9 @@ class HotPath(StoreCore):
             lambda: sql.settle_update(self.dialect, settled),
             params,
             Note("settled", actor, reason or error),
+            # A settle lets no effect begin; a lost one is recovered by replay or blocks
+            # (issue 20). A block is rare and is what an operator acts on: it waits.
+            lazy=self._lazy(status is EntryStatus.BLOCKED),
         )
         return bool(rows)
 

@@ -18,12 +18,19 @@ from celery_ledger.ledger.death import DeathSignals
 from celery_ledger.ledger.hotpath import HotPath
 from celery_ledger.ledger.operator import OperatorQueries
 from celery_ledger.ledger.outbox import OutboxQueries
+from celery_ledger.ledger.schedule import ScheduleQueries
 from celery_ledger.ledger.sweeps import SweepQueries
 from celery_ledger.ledger.transactions import TransactionSteps
 
 
 class LedgerStore(
-    HotPath, SweepQueries, OperatorQueries, DeathSignals, TransactionSteps, OutboxQueries
+    HotPath,
+    SweepQueries,
+    OperatorQueries,
+    DeathSignals,
+    ScheduleQueries,
+    TransactionSteps,
+    OutboxQueries,
 ):
     """The ledger store: hot path, sweeps and operator queries over one engine per process.
 
@@ -36,6 +43,8 @@ class LedgerStore(
         ├── OperatorQueries          get_entry, list_entries, release, stats, ...
         │   (operator.py)
         ├── DeathSignals (death.py)  mark_dead, record_seen_alive (the release gate)
+        ├── ScheduleQueries          schedule, list_due, begin_wake, request_cancel, ...
+        │   (schedule.py)            durable time (issue 18)
         ├── TransactionSteps         a step's completed row in a transaction: transaction
         │   (transactions.py)        steps, and a step's children (complete_step)
         └── OutboxQueries            the children steps recorded: unpublished,

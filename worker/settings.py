@@ -12,6 +12,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+#: ``ledger_durability`` values (the store checks the same: ``celery_ledger.ledger.core``).
+DURABILITY = ("effects", "every-write")
+
 #: Where the embedded default keeps its files (ledger, broker folders, results).
 DEFAULT_DATA_DIR = ".celery-ledger"
 
@@ -22,6 +25,13 @@ class LedgerSettings:
 
     #: SQLAlchemy URL of the ledger database (sqlite:///... or postgresql://...).
     url: str
+    #: When a ledger write waits for the database's flush to disk (issue 20, docs/design.md
+    #: "Durability follows effects"). ``effects``: only the writes that let an effect begin
+    #: (a step's ``started`` row; the claim of a non_idempotent or irreversible task, which is
+    #: the intent of a body without steps; a block); the others commit without waiting, and a
+    #: database crash that loses one ends in a replay, a takeover or a block, never in a
+    #: second run of an effect. ``every-write``: every commit waits.
+    durability: str = "effects"
     #: Lease length. Long enough that a heartbeat every lease/3 survives a slow database;
     #: short enough that a dead worker's task is found within a minute plus the sweep interval.
     lease_seconds: float = 60.0
@@ -30,8 +40,14 @@ class LedgerSettings:
     sweep_interval: float = 30.0
     #: Interruptions after which an entry is parked as a crash loop instead of resumed again.
     max_resumes: int = 5
-    #: Settled entries are pruned after this many days; a duplicate delivered later runs again.
+    #: Settled entries are pruned after this many days, to a tombstone (issue 18) ...
     retention_days: float = 7.0
+    #: ... which keeps the key, its final status and settled time this many days longer: a
+    #: duplicate delivered meanwhile finds it and does not run (a completed one returns None,
+    #: any other raises ``KeyPruned``). 0: no tombstones; a duplicate of a pruned key runs
+    #: again. 90 days covers the longest redelivery windows of the brokers and of the usual
+    #: provider idempotency windows (Stripe: 24 h) many times over, at one small row per key.
+    tombstone_days: float = 90.0
     #: A result or step output larger than this (serialized) is an error, never truncated.
     max_result_bytes: int = 1024 * 1024
     #: A task's argument snapshot larger than this is not stored: the task still runs, but an
@@ -86,6 +102,13 @@ class LedgerSettings:
     #: message (the claim deduplicates it), never a duplicate run. Shorter finds lost retries
     #: sooner, longer sends fewer needless duplicates.
     retry_grace_seconds: float = 300.0
+    #: A countdown or ETA further away than this (``apply_async(countdown=...)``, ``eta=``,
+    #: ``self.retry(countdown=...)``) is held by the ledger, not by the broker: the entry is
+    #: ``scheduled`` and the sweep publishes it when due (issue 18). Shorter ones keep Celery's
+    #: behaviour. 600 s is a tenth of Redis's default visibility timeout (one hour) and well
+    #: under RabbitMQ's default ``consumer_timeout`` (30 min): a message held longer than that
+    #: in a worker is handed to another worker or kills the channel. 0 turns holding off.
+    hold_threshold_seconds: float = 600.0
     #: Freeze the worker's objects out of the garbage collector before each pool process is
     #: forked (``gc.freeze``; the parent unfreezes them again right after). A pool process's
     #: collections then never write to the pages it shares with the parent, so the modules the
@@ -155,12 +178,20 @@ class LedgerSettings:
         return cached
 
     def validate(self) -> None:
+        if self.durability not in DURABILITY:
+            raise ValueError(
+                f"ledger_durability must be one of {', '.join(DURABILITY)}, not {self.durability!r}"
+            )
         if self.lease_seconds <= 0:
             raise ValueError("ledger_lease_seconds must be > 0")
         if self.sweep_interval <= 0:
             raise ValueError("ledger_sweep_interval must be > 0")
         if self.max_resumes < 0:
             raise ValueError("ledger_max_resumes must be >= 0")
+        if self.tombstone_days < 0:
+            raise ValueError("ledger_tombstone_days must be >= 0 (0: no tombstones)")
+        if self.hold_threshold_seconds < 0:
+            raise ValueError("ledger_hold_threshold_seconds must be >= 0 (0: never hold)")
         if self.retry_grace_seconds < 0:
             raise ValueError("ledger_retry_grace_seconds must be >= 0")
         if self.death_grace_seconds < 0:
@@ -188,6 +219,8 @@ class LedgerSettings:
 
 _FLOATS = {
     "death_grace_seconds",
+    "tombstone_days",
+    "hold_threshold_seconds",
     "publish_intent_seconds",
     "retry_grace_seconds",
     "lease_seconds",
@@ -239,6 +272,8 @@ def _parse(name: str, raw: Any) -> Any:
             return str(raw).strip().lower() in ("1", "true", "yes", "on")
     except (TypeError, ValueError) as exc:
         raise ValueError(f"ledger setting {name}={raw!r}: {exc}") from None
+    if name == "durability" and isinstance(raw, str):
+        return raw.strip().lower()
     if name == "authorizer" and isinstance(raw, str):
         return raw.strip() or None
     return raw
