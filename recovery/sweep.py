@@ -676,7 +676,6 @@ def run_sweep(
         due=due,
         woken=woken,
         cancelled=cancelled,
-        errors=len(outcomes.get(None, [])) + len(resent.get(None, [])),
         outbox_pending=outbox_pending,
         outbox_published=outbox_published,
     )
