@@ -164,3 +164,28 @@ def gc_frozen() -> int:
     import gc
 
     return gc.get_freeze_count()
+
+
+# -- canvas (issue 17): chains, groups, chords of ledgered members ---------------------------
+
+
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.link")
+def link(self: LedgerTask, acc: list[int], n: int, tag: str) -> list[int]:
+    """A chain link: its effect, then the accumulated list with ``n`` appended."""
+    self.step("effect", effect, tag, f"link{n}")
+    return [*acc, n]
+
+
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.member")
+def member(self: LedgerTask, n: int, tag: str, pause: float = 0.0) -> int:
+    """A group/chord member: one effect, then ``n * n``."""
+    self.step("effect", effect, tag, f"member{n}")
+    time.sleep(pause)
+    return n * n
+
+
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.collect")
+def collect(self: LedgerTask, results: list[int], tag: str) -> list[int]:
+    """A chord callback: one effect, the members' results sorted."""
+    self.step("effect", effect, tag, "callback")
+    return sorted(results)

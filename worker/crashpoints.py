@@ -10,6 +10,11 @@ crash point is one frozenset lookup. Names:
 - ``step-completed:<step>`` after its ``completed`` row is durable
 - ``before-settle``         after the body returned, before the settle
 - ``after-claim``           after the claim, before the body
+- ``after-settle``          after the settle, before Celery publishes the next chain link,
+  the callbacks and the chord part (the tracer does that once the task returns)
+- ``after-publish``         after a ledgered task's worker published a message whose parent
+  is that task (its next chain link, a callback, a chord callback), before its result
+  is stored and its message acked (``celery_ledger.canvas``)
 
 A point may end with ``@worker`` to kill the whole worker (the pool's parent too) instead of
 only the process running the body. ``CELERY_LEDGER_CRASH_ONCE=<file>`` makes each point fire

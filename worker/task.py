@@ -419,6 +419,7 @@ class LedgerTask(Task):
             if not attempt.settle(EntryStatus.COMPLETED, result=encoded):
                 self._emit("fenced", attempt.key, attempt.fence, reason="settle refused")
                 raise Ignore()
+            crash_point(settings, "after-settle")
             return result
         finally:
             heartbeat.unregister(attempt)
