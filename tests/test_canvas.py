@@ -81,3 +81,87 @@ def test_chain_of_three_effects_once_next_link_published_once(tmp_path, redis, p
     assert received(log, first.id) == 2  # the crashed delivery and its redelivery
     assert received(log, second.id) == 1
     assert received(log, result.id) == 1
+
+
+def members_done(effects_url: str, tag: str) -> int:
+    return sum(n for (_, name), n in effect_counts(effects_url, tag).items() if name != "callback")
+
+
+def chord_of(app, tag: str, size: int, pause: float):
+    return chord(
+        [app.signature("tests_app.member", args=(n, tag, pause)) for n in range(size)],
+        app.signature("tests_app.collect", args=(tag,)),
+    )
+
+
+def chord_with_kills(tmp_path, env, effects_url: str, tag: str, *, size: int = 10) -> None:
+    """A chord of ``size`` members on two pool processes; every pool process is SIGKILLed
+    each time the members' effects pass 2, 5 and 8 (bounded: three rounds). Then: each member's
+    effect once, the callback's once, with every result."""
+    app = client_app(env)
+    with processes(tmp_path, env) as procs:
+        worker = procs.worker("w1", concurrency=2)
+        result = chord_of(app, tag, size, 0.5).apply_async()
+        kills = 0
+        for passed in (2, 5, 8):
+            wait_for(
+                lambda p=passed: members_done(effects_url, tag) >= p,
+                timeout=90,
+                what=f"{passed} members' effects",
+            )
+            children = wait_for(worker.children, timeout=30, what="pool processes")
+            kills += sum(worker.kill_child(child) for child in children)
+        assert result.get(timeout=120) == sorted(n * n for n in range(size))
+        # The callback's own message can come back after its result was stored: let any
+        # redelivery run before counting (one queue; the barrier runs after it).
+        assert app.send_task("tests_app.plain_add", args=(1, 1)).get(timeout=60) == 2
+        log = worker.log_text()
+    assert kills >= 3 and "SIGKILL" in log, "the chaos never killed a pool process"
+    expected = {(tag, f"member{n}"): 1 for n in range(size)}
+    expected[(tag, "callback")] = 1
+    assert effect_counts(effects_url, tag) == expected
+    assert received(log, result.id) == 1, "the chord callback was published more than once"
+
+
+def test_chord_members_killed_redis_backend(tmp_path, redis, pg_url):
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url)
+    chord_with_kills(tmp_path, env, pg_url, "chord-redis")
+
+
+def test_chord_members_killed_database_backend(tmp_path, redis, pg_url):
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url)
+    env["CELERY_RESULT_BACKEND"] = f"db+postgresql://{pg_url.split('://', 1)[1]}"
+    chord_with_kills(tmp_path, env, pg_url, "chord-db")
+
+
+def test_chord_members_killed_embedded(tmp_path, sqlite_url):
+    """filesystem:// broker, db+sqlite results, SQLite ledger: the embedded default."""
+    env = test_env(tmp_path, broker=None, ledger_url=sqlite_url)
+    chord_with_kills(tmp_path, env, sqlite_url, "chord-embedded")
+
+
+def test_chord_member_duplicated_by_visibility_timeout(tmp_path, redis, pg_url):
+    """Members outlive a 2 s visibility timeout: Redis hands each to the other worker while it
+    runs (WAIT), and again after it settled (RETURN). The callback still runs once."""
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url, TEST_VISIBILITY_TIMEOUT="2")
+    app = client_app(env)
+    tag = "chord-vt"
+    with processes(tmp_path, env) as procs:
+        w1 = procs.worker("w1", concurrency=2)
+        w2 = procs.worker("w2", concurrency=2)
+        result = chord_of(app, tag, 4, 4.0).apply_async()
+        assert result.get(timeout=120) == [0, 1, 4, 9]
+        members = [r.id for r in result.parent.results]
+        # Let the redeliveries run out: each member is seen again after it settled.
+        wait_for(
+            lambda: all(
+                received(w1.log_text() + w2.log_text(), m) >= 2 for m in members
+            ),
+            timeout=90,
+            what="every member delivered twice",
+        )
+        logs = w1.log_text() + w2.log_text()
+    expected = {(tag, f"member{n}"): 1 for n in range(4)}
+    expected[(tag, "callback")] = 1
+    assert effect_counts(pg_url, tag) == expected
+    assert received(logs, result.id) == 1

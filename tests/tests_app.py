@@ -11,7 +11,7 @@ import signal
 import time
 from typing import Any
 
-from sqlalchemy import Column, Float, Integer, MetaData, String, Table, insert
+from sqlalchemy import Column, Float, Integer, MetaData, String, Table, func, insert, select
 from sqlalchemy.exc import DBAPIError
 
 from celery_ledger import LedgerTask, Reconciled, create_app
@@ -169,14 +169,40 @@ def gc_frozen() -> int:
 # -- canvas (issue 17): chains, groups, chords of ledgered members ---------------------------
 
 
-@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.link")
+def _effect_seen(tag: str, name: str) -> Reconciled:
+    """The canvas tasks' reconciler: the effects table is the provider. A row for the step's
+    (tag, effect) means the effect happened; none means it did not."""
+    with effects_engine().connect() as conn:
+        seen = conn.execute(
+            select(func.count()).select_from(effects).where(
+                effects.c.tag == tag, effects.c.effect == name
+            )
+        ).scalar_one()
+    if seen:
+        return Reconciled.completed(f"{name}:{tag}", note="effect row found")
+    return Reconciled.not_executed("no effect row")
+
+
+@app.task(
+    shared=False,
+    base=LedgerTask,
+    bind=True,
+    name="tests_app.link",
+    reconciler=lambda step: _effect_seen(step.args[2], f"link{step.args[1]}"),
+)
 def link(self: LedgerTask, acc: list[int], n: int, tag: str) -> list[int]:
     """A chain link: its effect, then the accumulated list with ``n`` appended."""
     self.step("effect", effect, tag, f"link{n}")
     return [*acc, n]
 
 
-@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.member")
+@app.task(
+    shared=False,
+    base=LedgerTask,
+    bind=True,
+    name="tests_app.member",
+    reconciler=lambda step: _effect_seen(step.args[1], f"member{step.args[0]}"),
+)
 def member(self: LedgerTask, n: int, tag: str, pause: float = 0.0) -> int:
     """A group/chord member: one effect, then ``n * n``."""
     self.step("effect", effect, tag, f"member{n}")
@@ -184,7 +210,13 @@ def member(self: LedgerTask, n: int, tag: str, pause: float = 0.0) -> int:
     return n * n
 
 
-@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.collect")
+@app.task(
+    shared=False,
+    base=LedgerTask,
+    bind=True,
+    name="tests_app.collect",
+    reconciler=lambda step: _effect_seen(step.args[1], "callback"),
+)
 def collect(self: LedgerTask, results: list[int], tag: str) -> list[int]:
     """A chord callback: one effect, the members' results sorted."""
     self.step("effect", effect, tag, "callback")
