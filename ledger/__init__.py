@@ -38,8 +38,15 @@ from celery_ledger.ledger.operator import (
     Release,
     check_release_text,
 )
+from celery_ledger.ledger.outbox import (
+    Child,
+    OutboxMessage,
+    OutboxQueries,
+    child_task_id,
+)
 from celery_ledger.ledger.states import EntryStatus, Gate, SideEffect, StepStatus, Verdict
 from celery_ledger.ledger.store import LedgerStore
+from celery_ledger.ledger.transactions import TRANSACTION_STEP_REF, TransactionSteps
 from celery_ledger.ledger.values import (
     NO_ARGS_HASH,
     RESUME_OWNER,
@@ -59,11 +66,18 @@ __all__ = [
     # Store
     "LedgerStore",
     "OperatorQueries",
+    "OutboxQueries",
     "LedgerStats",
     "Release",
     "check_release_text",
     "MAX_RELEASE_BY_CHARS",
     "MAX_RELEASE_REASON_CHARS",
+    # Outbox
+    "Child",
+    "OutboxMessage",
+    "child_task_id",
+    "TRANSACTION_STEP_REF",
+    "TransactionSteps",
     # Values
     "ArgumentSnapshot",
     "Claim",

@@ -23,7 +23,7 @@ from sqlalchemy import (
 metadata = MetaData()
 
 #: Bumped with every Alembic revision; the migration head must equal it.
-SCHEMA_REVISION = "0002"
+SCHEMA_REVISION = "0003_outbox"
 
 KEY = String(64)
 
@@ -150,3 +150,33 @@ Index(
 
 Index("ix_ledger_events_key", events.c.key, events.c.id)
 Index("ix_ledger_events_event", events.c.event, events.c.key)
+
+# The transactional outbox (0003_outbox): a child task a step sends, recorded in the same
+# transaction as the step's ``completed`` row and published after it commits. ``child_id`` is
+# the child's task id, derived from (parent_key, step, occurrence, n), so a re-publish is the
+# same message and the child's own claim deduplicates it.
+outbox = Table(
+    "ledger_outbox",
+    metadata,
+    Column("child_id", String(255), primary_key=True),
+    Column("parent_key", KEY, nullable=False),
+    Column("step", String(255), nullable=False),
+    # The step's occurrence (its position among the steps of that name), and the n-th send
+    # inside that one step run.
+    Column("occurrence", Integer, nullable=False),
+    Column("n", Integer, nullable=False),
+    Column("task_name", String(255), nullable=False),
+    # JSON: {"args": [...], "kwargs": {...}, "options": {...}} (kombu's JSON).
+    Column("payload", Text, nullable=False),
+    Column("fence", BigInteger, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("published_at", Float),
+)
+Index("ix_ledger_outbox_parent", outbox.c.parent_key, outbox.c.occurrence, outbox.c.n)
+# What the sweep publishes: only the children not yet confirmed, normally none.
+Index(
+    "ix_ledger_outbox_unpublished",
+    outbox.c.created_at,
+    postgresql_where=outbox.c.published_at.is_(None),
+    sqlite_where=outbox.c.published_at.is_(None),
+)

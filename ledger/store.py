@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from celery_ledger.ledger.hotpath import HotPath
 from celery_ledger.ledger.operator import OperatorQueries
+from celery_ledger.ledger.outbox import OutboxQueries
 from celery_ledger.ledger.sweeps import SweepQueries
+from celery_ledger.ledger.transactions import TransactionSteps
 
 
-class LedgerStore(HotPath, SweepQueries, OperatorQueries):
+class LedgerStore(HotPath, SweepQueries, OperatorQueries, TransactionSteps, OutboxQueries):
     """The ledger store: hot path, sweeps and operator queries over one engine per process.
 
     The structure::
@@ -28,8 +30,12 @@ class LedgerStore(HotPath, SweepQueries, OperatorQueries):
         │                            path's cursors, the event writer, error translation
         ├── HotPath (hotpath.py)     claim, renew_lease, write_step, settle, ...
         ├── SweepQueries (sweeps.py) interrupt_*, begin_resume, block, prune_settled, ...
-        └── OperatorQueries          get_entry, list_entries, release, stats, ...
-            (operator.py)
+        ├── OperatorQueries          get_entry, list_entries, release, stats, ...
+        │   (operator.py)
+        ├── TransactionSteps         a step's completed row in a transaction: transaction
+        │   (transactions.py)        steps, and a step's children (complete_step)
+        └── OutboxQueries            the children steps recorded: unpublished,
+            (outbox.py)              mark_published, children_of, parent_of
 
     Each query group is a mixin over ``StoreCore`` alone: none calls another group, and none
     tests which database it runs on (``StoreCore.dialect`` and ``statements`` hold the

@@ -49,6 +49,7 @@ from celery_ledger.ledger import (
     LedgerUnavailable,
     Overdue,
 )
+from celery_ledger.recovery.outbox import sweep_outbox
 from celery_ledger.recovery.publish import confirmed
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,10 @@ class SweepReport:
     resent: int = 0
     #: Entries the sweep could not handle (logged with the error); the rest went on.
     errors: int = 0
+    #: Children recorded by steps and still unpublished past the grace (the outbox) ...
+    outbox_pending: int = 0
+    #: ... of which published (confirmed) and marked by this sweep.
+    outbox_published: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -380,7 +385,9 @@ def run_sweep(
             partial(resend_retry, store, app, late, resend_after=lease_seconds, actor=actor),
         )
         resent.setdefault(outcome, []).append(late.key)
+    outbox_pending, outbox_published = sweep_outbox(store, app, batch=batch)
     pruned = store.prune_settled(retention_days * 86400.0, limit=batch)
+    store.prune_outbox(limit=batch)
     report = SweepReport(
         interrupted=len(interrupted),
         found=len(candidates),
@@ -393,8 +400,17 @@ def run_sweep(
         overdue=len(overdue),
         resent=len(resent.get(ResumeOutcome.RESUMED, [])),
         errors=len(outcomes.get(None, [])) + len(resent.get(None, [])),
+        outbox_pending=outbox_pending,
+        outbox_published=outbox_published,
     )
-    if report.interrupted or report.found or report.pruned or report.overdue or report.errors:
+    if (
+        report.interrupted
+        or report.found
+        or report.pruned
+        or report.overdue
+        or report.errors
+        or report.outbox_pending
+    ):
         log.info("ledger sweep: %s", report.as_dict())
     return report
 

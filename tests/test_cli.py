@@ -556,9 +556,13 @@ def test_a_url_that_does_not_connect_is_one_line(cli: Any, tmp_path: Path) -> No
 
 def test_migrate_plan_changes_nothing_then_migrate_applies(cli: Any, pg_url: str) -> None:
     plan = json.loads(cli("--url", pg_url, "migrate", "--plan", "--json").stdout)
-    assert plan["current"] is None and plan["pending"] == ["0001", plan["head"]] == ["0001", "0002"]
+    assert plan["current"] is None and plan["pending"] == ["0001", "0002", plan["head"]] == [
+        "0001",
+        "0002",
+        "0003_outbox",
+    ]
     said = cli("--url", pg_url, "migrate", "--plan").stdout
-    assert "no ledger schema yet" in said and "2 pending: 0001, 0002" in said
+    assert "no ledger schema yet" in said and "3 pending: 0001, 0002, 0003_outbox" in said
     engine = make_engine(pg_url)
     with engine.connect() as conn:
         assert not conn.dialect.has_table(conn, "ledger_entries")

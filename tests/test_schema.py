@@ -17,7 +17,7 @@ from celery_ledger.ledger.migrate import (
 )
 from celery_ledger.ledger.schema import SCHEMA_REVISION, metadata
 
-LEDGER_TABLES = {"ledger_entries", "ledger_steps", "ledger_events"}
+LEDGER_TABLES = {"ledger_entries", "ledger_steps", "ledger_events", "ledger_outbox"}
 
 #: The partial indexes on the hot predicates, and a fragment each WHERE clause must hold.
 PARTIAL_INDEXES = {
@@ -84,13 +84,13 @@ def partial_index_clauses(engine: Engine) -> dict[str, str]:
 
 
 def test_head_revision_matches_schema_module() -> None:
-    assert head_revision() == SCHEMA_REVISION == "0002"
+    assert head_revision() == SCHEMA_REVISION == "0003_outbox"
 
 
 def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine) -> None:
     assert tables(raw_engine) == set()
     with raw_engine.connect() as conn:
-        assert pending_revisions(conn) == ["0001", "0002"]
+        assert pending_revisions(conn) == ["0001", "0002", "0003_outbox"]
         assert current_revision(conn) is None
     store = LedgerStore(ledger_url)
     try:
@@ -232,4 +232,4 @@ def test_0002_keeps_a_pending_release_one_shot(ledger_url: str, raw_engine: Engi
     finally:
         store.dispose()
     with raw_engine.connect() as conn:
-        assert current_revision(conn) == "0002"
+        assert current_revision(conn) == head_revision()

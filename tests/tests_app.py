@@ -221,3 +221,53 @@ def collect(self: LedgerTask, results: list[int], tag: str) -> list[int]:
     """A chord callback: one effect, the members' results sorted."""
     self.step("effect", effect, tag, "callback")
     return sorted(results)
+
+
+# -- issue 16: transaction steps and the outbox ---------------------------------------------
+
+
+def _row(tag: str, name: str) -> dict[str, Any]:
+    return {"tag": tag, "effect": name, "pid": os.getpid(), "at": time.time()}
+
+
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.transfer", key_from=("tag",))
+def transfer(self: LedgerTask, tag: str) -> list[str]:
+    """Two transaction steps writing to ``test_effects`` in the ledger's database: Core on a
+    connection (``transaction_step``), then the ORM session form (``with``)."""
+    effects_engine()  # the table exists before the first transaction writes to it
+
+    def credit(conn: Any) -> str:
+        conn.execute(insert(effects).values(**_row(tag, "credit")))
+        return f"credit:{tag}"
+
+    credited = self.transaction_step("credit", credit)
+    tx = self.transaction("debit", session=True)
+    with tx as session:
+        session.execute(insert(effects).values(**_row(tag, "debit")))
+        tx.output = f"debit:{tag}"
+    return [credited, tx.output]
+
+
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.child_effect")
+def child_effect(self: LedgerTask, tag: str, n: int) -> str:
+    """A ledgered child (keyed by its task id): its body is the effect."""
+    return effect(tag, f"child-{n}")
+
+
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.fanout", key_from=("tag",))
+def fanout(self: LedgerTask, tag: str, children: int = 2) -> list[str]:
+    """A plain step that sends ``children`` children, then a transaction step that sends one
+    more with its write."""
+
+    def notify() -> list[str]:
+        return [self.send(child_effect.s(tag, n)) for n in range(children)]
+
+    sent = self.step("notify", notify)
+
+    def book(conn: Any) -> str:
+        conn.execute(insert(effects).values(**_row(tag, "book")))
+        return self.send(child_effect.s(tag, children))
+
+    effects_engine()
+    sent.append(self.transaction_step("book", book))
+    return sent

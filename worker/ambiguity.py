@@ -24,6 +24,7 @@ from celery_ledger.attempt import BODY_IDENT, Attempt, Ident
 from celery_ledger.codec import decode, encode
 from celery_ledger.ledger import (
     BODY_STEP,
+    TRANSACTION_STEP_REF,
     Claim,
     EntryStatus,
     Fenced,
@@ -74,7 +75,8 @@ class Ambiguity:
         body = attempt.replay_row(BODY_IDENT)
         real_steps = [r for r in claim.steps if r.name != BODY_STEP]
         for row in real_steps:
-            if row.status is StepStatus.STARTED:
+            # A transaction step's started row is never ambiguous (``TRANSACTION_STEP_REF``).
+            if row.status is StepStatus.STARTED and row.external_ref != TRANSACTION_STEP_REF:
                 self.resolve(row.ident, row.external_ref)
         if real_steps or not attempt.side_effect.writes_intent:
             return RUN_BODY

@@ -32,6 +32,7 @@ from celery_ledger.ledger import (
     LedgerBlocked,
     LedgerStore,
     LedgerUnavailable,
+    OutboxMessage,
     PayloadError,
     SideEffect,
     StepRecord,
@@ -39,8 +40,12 @@ from celery_ledger.ledger import (
     Verdict,
     step_provider_key,
 )
+from celery_ledger.ledger.transactions import TRANSACTION_STEP_REF
+from celery_ledger.outbox import Sends
+from celery_ledger.recovery.outbox import publish
 from celery_ledger.replay import Drift, Ident, Identify, ReplayBook, check_step_name, identity_of
 from celery_ledger.settings import LedgerSettings
+from celery_ledger.transaction import TransactionStep
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +76,7 @@ class AttemptTask(Protocol):
 
     name: str
     side_effect: str
+    app: Any
 
 
 class EmitEvent(Protocol):
@@ -123,6 +129,8 @@ class Attempt:
         #: Set when an exception escaped from a started effect step: it may have crossed.
         self.ambiguous: Ident | None = None
         self.replayed = 0
+        #: The children the running step sends (``send``), recorded with its completed row.
+        self._sends: Sends | None = None
 
     def __repr__(self) -> str:
         return f"<Attempt key={self.key} task_id={self.task_id} fence={self.fence}>"
@@ -255,6 +263,7 @@ class Attempt:
             crash_point(self.settings, f"step-started:{name}")
         self.current = ident
         self._current_has_row = writes_intent
+        sends = self._sends = Sends(self.key, name, ident[2])
         try:
             output = fn(*args, **kwargs)
         except StepUsageError:
@@ -272,6 +281,7 @@ class Attempt:
             raise
         finally:
             self.current = None
+            self._sends = None
         crash_point(self.settings, f"step-returned:{name}")
         try:
             encoded = encode(
@@ -282,14 +292,146 @@ class Attempt:
                 self.ambiguous = ident
             raise
         try:
-            done = self._write(ident, seq, StepStatus.COMPLETED, output=encoded)
+            # The children the step sent are recorded in the same write (a transaction when
+            # there are any): a crash before it loses both, after it keeps both.
+            done = self._retrying(
+                lambda: self._store.complete_step(
+                    self.key, self.fence, ident, seq=seq, output=encoded, children=sends.children
+                ),
+                f"step {name} write",
+            )
         except LedgerUnavailable:
             self.ambiguous = ident  # it ran; the ledger could not be told
             raise
         self._fenced(done, f"step {name} complete")
         crash_point(self.settings, f"step-completed:{name}")
+        self.publish_children(ident, sends)
         # Return what replay would return, so the first run and a resume agree exactly.
         return decode(encoded)
+
+    # -- the outbox -----------------------------------------------------------------------
+
+    def send(self, sig: Any) -> str:
+        """Record ``sig`` as a child of the running step; returns the child's task id.
+
+        The child is published after the step's completed row commits (``outbox``).
+
+        Raises:
+            StepUsageError: outside a step.
+            TypeError: not a signature, or an option the outbox cannot keep.
+            PayloadError: its arguments cannot be stored.
+        """
+        if self._sends is None:
+            raise StepUsageError(
+                "send() records a child with the step that sends it: call it inside a step "
+                "(self.step, self.transaction), not in the body itself"
+            )
+        return self._sends.add(sig, limit=self.settings.max_snapshot_bytes)
+
+    def publish_children(self, ident: Ident, sends: Sends) -> None:
+        """Publish the children a step recorded, after its row committed (never raises for the
+        broker: what is not confirmed waits for the sweep)."""
+        if not sends.children:
+            return
+        messages = [
+            OutboxMessage(
+                child_id=c.child_id,
+                parent_key=self.key,
+                step=ident[0],
+                occurrence=ident[2],
+                n=c.n,
+                task_name=c.task_name,
+                payload=c.payload,
+                fence=self.fence,
+                created_at=0.0,
+                published_at=None,
+            )
+            for c in sends.children
+        ]
+        name = ident[0]
+        publish(
+            self._store,
+            self.task.app,
+            messages,
+            after_send=lambda: crash_point(self.settings, f"children-published:{name}"),
+        )
+
+    # -- transaction steps ----------------------------------------------------------------
+
+    def transaction(
+        self, name: str, input_hash: str, *, identity: str | None = None, session: bool = False
+    ) -> TransactionStep:
+        """The transaction step ``name`` (``celery_ledger.transaction``): place it, and hand
+        back what runs or replays it.
+
+        Raises:
+            ValueError: a bad step name.
+            NestedStepError: inside another step.
+            LedgerBlocked: its input drifted; the entry is parked.
+            Fenced: this attempt was superseded.
+        """
+        check_step_name(name)
+        self._check_fence()
+        if self.current is not None:
+            raise NestedStepError(
+                f"step {name!r} started inside step {self.current[0]!r}; steps do not nest"
+            )
+        try:
+            # A transaction step counts as an effect for drift: its writes committed with its
+            # row, so running it again under another input would write them twice.
+            ident, row = self._replay.place(name, input_hash, identity=identity, effect=True)
+        except Drift as drift:
+            self.park(drift.reason)
+        if row is not None and row.status is StepStatus.COMPLETED:
+            self.replayed += 1
+            return TransactionStep(self, ident, 0, replayed=row.output, session=session)
+        first = self._seq == 0 and row is None
+        self._seq += 1
+        seq = row.seq if row is not None else self._seq
+        if first and self.side_effect.writes_intent:
+            # No replay row yet: a crash inside would leave none, and the next attempt would
+            # take the body for a stepless one that ran (ambiguous). One marker row, once
+            # per entry, says a step was under way (``TRANSACTION_STEP_REF``).
+            self._fenced(self._write(ident, seq, StepStatus.STARTED), f"step {name} start")
+            self._fenced(
+                self._retrying(
+                    lambda: self._store.record_external_ref(
+                        self.key, self.fence, ident, TRANSACTION_STEP_REF
+                    ),
+                    f"step {name} marker",
+                ),
+                f"step {name} marker",
+            )
+        return TransactionStep(self, ident, seq, replayed=None, session=session)
+
+    def enter_transaction(self, ident: Ident) -> Sends:
+        """Mark the transaction step ``ident`` as running (for ``send`` and nesting)."""
+        self.current = ident
+        self._current_has_row = False
+        sends = self._sends = Sends(self.key, ident[0], ident[2])
+        return sends
+
+    def leave_transaction(self) -> None:
+        self.current = None
+        self._sends = None
+
+    def complete_transaction(
+        self, conn: Any, ident: Ident, seq: int, encoded: str, sends: Sends
+    ) -> None:
+        """Write the step's completed row (and its children) on ``conn`` and commit it.
+
+        Raises:
+            Fenced: this attempt was superseded; nothing was committed (the caller's
+                connection rolls back when it closes).
+            LedgerUnavailable: the commit did not reach the database (it is not known whether
+                it committed; the next attempt replays or re-runs accordingly).
+        """
+        self._check_fence()
+        ok = self._store.complete_on(
+            conn, self.key, self.fence, ident, seq=seq, output=encoded, children=sends.children
+        )
+        self._fenced(ok, f"transaction step {ident[0]} complete")
+        self._store.commit_transaction(conn)
 
     def _write(
         self,

@@ -15,9 +15,16 @@ crash point is one frozenset lookup. Names:
 - ``after-publish``         after a ledgered task's worker published a message whose parent
   is that task (its next chain link, a callback, a chord callback), before its result
   is stored and its message acked (``celery_ledger.canvas``)
+- ``txn-written:<step>``    inside a transaction step: its block returned, its writes are
+  made but nothing is committed (the step's row is the next statement)
+- ``children-published:<step>`` after the children a step sent were published, before
+  they are marked published (``step-completed:<step>`` is after the commit, before the
+  publish)
 
 A point may end with ``@worker`` to kill the whole worker (the pool's parent too) instead of
-only the process running the body. ``CELERY_LEDGER_CRASH_ONCE=<file>`` makes each point fire
+only the process running the body, or with ``@stop`` to SIGSTOP the process running the body
+instead of killing it (a paused attempt, for fencing tests; its marker file holds its pid).
+``CELERY_LEDGER_CRASH_ONCE=<file>`` makes each point fire
 once: the first process to create the marker file for that point dies, later ones go on.
 """
 
@@ -35,7 +42,8 @@ def crash_point(settings: LedgerSettings, name: str) -> None:
     if not settings.crash_points:
         return
     whole_worker = f"{name}@worker" in settings.crash_points
-    if not whole_worker and name not in settings.crash_points:
+    stop = f"{name}@stop" in settings.crash_points
+    if not whole_worker and not stop and name not in settings.crash_points:
         return
     if settings.crash_once_file:
         marker = Path(f"{settings.crash_once_file}.{name.replace(':', '_')}")
@@ -43,7 +51,11 @@ def crash_point(settings: LedgerSettings, name: str) -> None:
             fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return
+        os.write(fd, str(os.getpid()).encode())
         os.close(fd)
+    if stop:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
     if whole_worker:
         os.kill(os.getppid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)

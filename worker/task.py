@@ -53,6 +53,7 @@ from celery_ledger.recovery.reconcile import Reconciler
 from celery_ledger.redelivery import header, ledger_unavailable, redeliver, wait_briefly
 from celery_ledger.replay import Identify
 from celery_ledger.settings import LedgerSettings
+from celery_ledger.transaction import TransactionStep
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,52 @@ class LedgerTask(Task):
             not_executed_on=not_executed_on + tuple(self.not_executed_on),
             identify=identify,
         )
+
+    def transaction(
+        self, name: str, *, session: bool = False, input: Any = None
+    ) -> TransactionStep:
+        """A transaction step: ``with self.transaction("credit") as conn:`` runs the block on a
+        connection of the ledger's database inside a transaction, and commits the step's
+        ``completed`` row with the block's writes (``celery_ledger.transaction``).
+
+        Exactly once for writes to the ledger's own database: a crash inside commits nothing
+        and the step runs again; on replay the block does not run and ``.output`` holds what
+        it stored (set ``tx.output`` inside the block: ``with self.transaction(...) as conn``
+        binds the connection; keep the step itself with ``tx = self.transaction(...)``).
+        ``session=True`` binds an ORM ``Session`` instead. ``input`` is what identifies the
+        step's input for replay (checked like a step's arguments).
+
+        Raises:
+            LedgerBlocked: its input drifted from the stored one; the entry is parked.
+            Fenced: this attempt was superseded (nothing committed).
+        """
+        return self._attempt().transaction(name, arguments_hash([[input], {}]), session=session)
+
+    def transaction_step(
+        self, name: str, fn: Callable[..., Any], *args: Any, session: bool = False, **kwargs: Any
+    ) -> Any:
+        """Run ``fn(conn, *args, **kwargs)`` as a transaction step (``transaction``); on
+        replay, return its stored output without calling ``fn``."""
+        tx = self._attempt().transaction(
+            name, arguments_hash([list(args), kwargs]), session=session
+        )
+        return tx.run(fn, args, kwargs)
+
+    def send(self, sig: Any) -> str:
+        """Send a child task from inside a step, through the transactional outbox.
+
+        The child is recorded with the step's ``completed`` row and published after it
+        commits, under a task id derived from this entry, the step and the send's position:
+        a crash anywhere gives it exactly one run (a ledgered child deduplicates a second
+        publish by its claim). Returns the child's task id.
+
+        Raises:
+            StepUsageError: outside a step.
+        """
+        return self._attempt().send(sig)
+
+    #: ``self.enqueue(task.s(...))``: the same as ``send``.
+    enqueue = send
 
     def record_external_ref(self, ref: str) -> None:
         """Durably attach a provider handle to the running step before calling the provider."""

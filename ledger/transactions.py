@@ -1,0 +1,155 @@
+"""Transaction steps: the user's writes and the step's ``completed`` row in one transaction.
+
+A transaction step (``self.transaction(name)`` / ``self.transaction_step(name, fn)``) runs
+its block on a connection of the ledger's own engine, inside a transaction, and writes the
+step's ``completed`` row (with the output, and the children the step sent) on that same
+connection before it commits. So:
+
+- the block's writes and the replay row commit together, or neither does: a process that dies
+  anywhere inside leaves nothing, and the next attempt runs the block again. There is no
+  ``started`` row and no ambiguous window (this is exactly once for writes to the ledger's own
+  database, which is the condition: the application's tables live in the ledger's database);
+- the row is the hot path's fenced upsert (``statements.step_upsert``): its fence check reads
+  the entry ``FOR SHARE`` on PostgreSQL, so a takeover that moves the fence and this commit
+  serialize. A zombie's upsert finds the fence moved and writes nothing, and the caller rolls
+  the whole transaction back, its writes included. On SQLite the transaction holds the
+  database's write lock from its ``BEGIN IMMEDIATE``: nothing interleaves at all;
+- one commit per step: the row rides the transaction the block needed anyway, as one more
+  statement on the same connection (compiled once, run on its DBAPI cursor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from sqlalchemy import Connection
+
+from celery_ledger.ledger import statements as sql
+from celery_ledger.ledger.core import StoreCore
+from celery_ledger.ledger.errors import translate_db_errors
+from celery_ledger.ledger.outbox import Child, child_rows, insert_children
+from celery_ledger.ledger.states import StepStatus
+
+#: The external reference of a transaction step's ``started`` row. Such a row is written only
+#: for the first step of an entry that has no replay row yet, so that a crash inside it does
+#: not make the body look stepless (a stepless body that ran is ambiguous). It is never
+#: ambiguous itself: the step's writes commit with its ``completed`` row or not at all.
+TRANSACTION_STEP_REF = "celery-ledger:transaction-step"
+
+
+class TransactionSteps(StoreCore):
+    """A step's completed row written in a transaction: the transaction step, the outbox."""
+
+    @contextmanager
+    def step_transaction(self) -> Iterator[Connection]:
+        """A connection of the ledger's engine inside a new transaction (``BEGIN IMMEDIATE`` on
+        SQLite), for a transaction step's block and its ``complete_on``.
+
+        The caller commits (``conn.commit()``) after ``complete_on`` returned True; anything
+        else (an exception, a refused fence, leaving the block) rolls back.
+
+        Raises:
+            LedgerUnavailable: the database cannot be reached to begin.
+        """
+        with translate_db_errors():
+            conn = self.engine.connect()
+            try:
+                conn.begin()
+            except BaseException:
+                conn.close()
+                raise
+        try:
+            yield conn
+        finally:
+            # Closing rolls back whatever was not committed.
+            with translate_db_errors():
+                conn.close()
+
+    # -- record ---------------------------------------------------------------------------
+
+    def complete_step(
+        self,
+        key: str,
+        fence: int,
+        ident: tuple[str, str, int],
+        *,
+        seq: int,
+        output: str | None,
+        children: Sequence[Child] = (),
+    ) -> bool:
+        """Write the step's ``completed`` row and record its ``children``, in one transaction
+        (atomic), fenced on the entry like ``write_step``.
+
+        Without children this is ``write_step`` (one statement). Returns False when this
+        attempt was superseded or the row was completed already; no child is recorded then.
+        """
+        if not children:
+            return self.write_step(
+                key, fence, ident, seq=seq, status=StepStatus.COMPLETED, output=output
+            )
+        with self._txn() as conn:
+            return self.complete_on(
+                conn, key, fence, ident, seq=seq, output=output, children=children
+            )
+
+    def complete_on(
+        self,
+        conn: Connection,
+        key: str,
+        fence: int,
+        ident: tuple[str, str, int],
+        *,
+        seq: int,
+        output: str | None,
+        children: Sequence[Child] = (),
+    ) -> bool:
+        """The ``completed`` row and the children on ``conn``, in the caller's transaction.
+
+        The row is the hot path's compiled upsert, run on ``conn``'s own DBAPI cursor: the
+        fence check (``statements.live_entry``, share-locked on PostgreSQL until the caller
+        commits) and the row are one statement, one round trip. Returns False when the fence
+        moved or the row is completed already: the caller must roll back.
+        """
+        name, ihash, occurrence = ident
+        stmt = self.fast.compiled(
+            ("step", False, False), lambda: sql.step_upsert(self.dialect, False)
+        )
+        params = {
+            "key": key,
+            "name": name,
+            "input_hash": ihash,
+            "occurrence": occurrence,
+            "seq": seq,
+            "status": StepStatus.COMPLETED.value,
+            "output": output,
+            "error": None,
+            "fence": fence,
+            "authorized": 0,
+        }
+        cur = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+        try:
+            cur.execute(stmt.sql, stmt.params(params))
+            if cur.fetchone() is None:
+                return False
+            if children:
+                ins = self.fast.compiled("outbox-insert", lambda: insert_children(self.dialect))
+                cur.executemany(
+                    ins.sql,
+                    [ins.params(r) for r in child_rows(key, fence, name, occurrence, children)],
+                )
+        finally:
+            cur.close()
+        return True
+
+    def commit_transaction(self, conn: Connection) -> None:
+        """Commit a ``step_transaction`` after its ``complete_on`` returned True.
+
+        Raises:
+            LedgerUnavailable: the commit did not reach the database, or its answer was lost.
+                Which one is not known here, and need not be: the step's row committed with
+                the block's writes or neither did, and the next attempt replays or re-runs
+                accordingly.
+        """
+        with translate_db_errors():
+            conn.commit()
