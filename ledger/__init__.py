@@ -38,6 +38,7 @@ from celery_ledger.ledger.operator import (
     Release,
     check_release_text,
 )
+from celery_ledger.ledger.links import LINKS_STEP, LinkQueries
 from celery_ledger.ledger.outbox import (
     Child,
     OutboxMessage,
@@ -76,6 +77,8 @@ __all__ = [
     "Child",
     "OutboxMessage",
     "child_task_id",
+    "LINKS_STEP",
+    "LinkQueries",
     "TRANSACTION_STEP_REF",
     "TransactionSteps",
     # Values

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from celery import chain, chord, group
 
-from helpers import effect_counts
+from celery_ledger.ledger import LedgerStore
+from helpers import effect_counts, key_of
 from procs import processes, test_env, wait_for
 from test_delivery import client_app
 
@@ -81,6 +82,11 @@ def test_chain_of_three_effects_once_next_link_published_once(tmp_path, redis, p
     assert received(log, first.id) == 2  # the crashed delivery and its redelivery
     assert received(log, second.id) == 1
     assert received(log, result.id) == 1
+    # Each next link went through the outbox with its parent's settle, and was marked.
+    store = LedgerStore(pg_url)
+    assert store.recorded_links(key_of("tests_app.link", first.id)) == {second.id: True}
+    assert store.recorded_links(key_of("tests_app.link", second.id)) == {result.id: True}
+    assert store.recorded_links(key_of("tests_app.link", result.id)) == {}
 
 
 def members_done(effects_url: str, tag: str) -> int:

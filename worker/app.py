@@ -22,7 +22,7 @@ from typing import Any
 
 from celery import Celery, current_app, signals
 
-from celery_ledger import canvas, intents, runtime
+from celery_ledger import intents, runtime
 from celery_ledger.backoff import retry_while_unavailable
 from celery_ledger.ledger import LedgerError, LedgerUnavailable
 from celery_ledger.recovery import SweepReport, boot_sweep, run_sweep
@@ -159,7 +159,6 @@ def on_task_published(
     """``after_task_publish``: the publish intent of a ledgered task sent by name
     (``app.send_task``; ``celery_ledger.intents``), once the broker took it."""
     headers = headers or {}
-    canvas.link_published(headers)
     task_id = headers.get("id")
     if not sender or not task_id or intents.recorded_by_this_publish(task_id):
         return

@@ -18,7 +18,7 @@ Which row a step call is (its name and position, its input checked) is ``replay`
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from typing import Any, NoReturn, Protocol, TypeVar
 
@@ -27,6 +27,7 @@ from celery_ledger.codec import arguments_hash, decode, encode
 from celery_ledger.crashpoints import crash_point
 from celery_ledger.ledger import (
     BODY_STEP,
+    Child,
     EntryStatus,
     Fenced,
     LedgerBlocked,
@@ -546,20 +547,28 @@ class Attempt:
             self.mark_superseded("heartbeat found the fence moved")
         return ok
 
-    def settle(self, status: EntryStatus, **fields: Any) -> bool:
+    def settle(
+        self, status: EntryStatus, *, links: Sequence[Child] = (), **fields: Any
+    ) -> bool:
         """Settle the entry, retrying an unreachable ledger for ``ledger_settle_retry_seconds``.
+
+        ``links`` (a ``completed`` settle only): the next chain link and callbacks, recorded
+        as outbox children in the settle's transaction (``ledger.links``).
 
         Returns False when the fence moved (superseded). If the ledger stays unreachable past
         the bound, the entry is left running and this returns True: its lease expires, the
         sweep interrupts it, and the resume replays the completed steps. Nothing is lost.
         """
+
+        def write() -> bool:
+            if links:
+                return self._store.settle_with_links(
+                    self.key, self.fence, result=fields.get("result"), links=links, actor=self.actor
+                )
+            return self._store.settle(self.key, self.fence, status, actor=self.actor, **fields)
+
         try:
-            ok = self._retrying(
-                lambda: self._store.settle(
-                    self.key, self.fence, status, actor=self.actor, **fields
-                ),
-                f"settle {status.value}",
-            )
+            ok = self._retrying(write, f"settle {status.value}")
         except LedgerUnavailable as exc:
             log.error(
                 "settle %s of key=%s task_id=%s fence=%s failed for %ss (%s); "

@@ -1,37 +1,154 @@
-"""Celery's canvas (chains, groups, chords, ``link``) around ledgered tasks.
+"""Celery's canvas (chains, ``link`` callbacks, chords, groups) around ledgered tasks.
 
-Celery publishes a task's next chain link and its ``link`` callbacks from the worker, after the
-body returned and before the result is stored (``celery.app.trace``), and counts a chord member
-when it stores the result (``Backend.on_chord_part_return``). Every one of those happens again
-when a settled member is redelivered and its claim RETURNs: the stored result is handed back to
-the tracer, which publishes and counts as if the body had run. Where that is safe and where the
-ledger steps in is argued in docs/design.md ("Canvas").
+Celery publishes a finished task's next chain link and its ``link`` callbacks from the worker,
+after the body returned and before the result is stored (``celery.app.trace``), and counts a
+chord member when it stores the result (``Backend.on_chord_part_return``). A settled member
+that is redelivered RETURNs its stored result, and the tracer then publishes and counts again
+as if the body had run.
+
+The ledger takes the links over (``links_of``): a completed settle records the next chain link
+and the callbacks as outbox children in its own transaction (``ledger.links``), the tracer is
+told there is nothing left to publish (``handed_over``), and the outbox publishes them once
+the settle committed. A redelivery that RETURNs finds them recorded and publishes only what
+was not confirmed yet. Chord counting stays Celery's: why that is exactly once for ledgered
+members, and what is not, is argued in docs/design.md ("Canvas").
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from celery import current_task
+from celery.canvas import Signature, maybe_signature
 
 from celery_ledger import runtime
-from celery_ledger.crashpoints import crash_point
+from celery_ledger.codec import encode
+from celery_ledger.ledger import LINKS_STEP, Child, LedgerStore, OutboxMessage, child_task_id
+from celery_ledger.recovery.outbox import publish
+
+#: Options of a recorded link that the outbox sets itself (``task_id``) or that are a
+#: signature's fields rather than publish options.
+_NOT_OPTIONS = frozenset({"task_id", "immutable", "subtask_type"})
 
 
-def link_published(headers: dict[str, Any]) -> None:
-    """``after_task_publish`` in a worker: the crash point ``after-publish`` fires once a
-    ledgered task running in this process has published a message whose parent it is (its
-    next link, a callback), before its own result is stored and its message acked."""
-    task = current_task
-    if task is None or not getattr(task, "ledger_attempt", None) and not _ledgered(task):
+@dataclass
+class Links:
+    """What a finished delivery would publish next: the links the outbox takes over, and
+    what stays Celery's (a group or chord as the next link or a callback)."""
+
+    children: list[Child]
+    #: The request's ``chain`` was taken over (its next link is a task signature).
+    chain: bool
+    #: The callbacks left to Celery's tracer (not task signatures).
+    callbacks_left: list[Any]
+
+    def hand_over(self, request: Any) -> None:
+        """Tell the tracer the links recorded here are not its to publish."""
+        if self.chain:
+            request.chain = None
+        if request.callbacks:
+            request.callbacks = self.callbacks_left or None
+
+
+def links_of(task: Any, request: Any, key: str, retval: Any) -> Links:
+    """The next chain link and the ``link`` callbacks of ``request``, as outbox children of
+    ``key`` carrying ``retval`` (how the tracer would publish them: ``retval`` first, unless
+    the signature is immutable).
+
+    A link keeps its frozen task id (a chain's links are frozen when the chain is applied,
+    and its ``AsyncResult`` points at them); a callback without one gets the outbox's
+    deterministic id, the same on every redelivery.
+
+    Raises:
+        PayloadError: a link's arguments cannot be stored.
+    """
+    app = task.app
+    limit = runtime.settings_for(app).max_snapshot_bytes
+    children: list[Child] = []
+    parent = {"parent_id": request.id, "root_id": request.root_id or request.id}
+
+    def add(sig: Signature, extra: dict[str, Any]) -> None:
+        n = len(children)
+        args = list(sig.args or ()) if sig.immutable else [retval, *(sig.args or ())]
+        options = {k: v for k, v in (sig.options or {}).items() if k not in _NOT_OPTIONS}
+        options.update(extra)
+        payload = encode(
+            {"args": args, "kwargs": dict(sig.kwargs or {}), "options": options},
+            limit=limit,
+            what=f"link {sig.task} of {task.name}",
+            setting="ledger_max_snapshot_bytes",
+        )
+        child_id = (sig.options or {}).get("task_id") or child_task_id(key, LINKS_STEP, 0, n)
+        children.append(Child(child_id, sig.task, payload, n))
+
+    chain = list(request.chain or ())
+    took_chain = False
+    if chain:
+        nxt = maybe_signature(chain[-1], app=app)
+        if _plain(nxt):
+            add(nxt, {**parent, "chain": chain[:-1] or None})
+            took_chain = True
+    left: list[Any] = []
+    for cb in request.callbacks or ():
+        sig = maybe_signature(cb, app=app)
+        if _plain(sig):
+            add(sig, parent)
+        else:
+            left.append(cb)
+    return Links(children, took_chain, left)
+
+
+def _plain(sig: Any) -> bool:
+    """A task signature (not a group, chain or chord, which Celery publishes itself)."""
+    return type(sig) is Signature and isinstance(sig.task, str)
+
+
+def publish_links(store: LedgerStore, app: Any, key: str, fence: int, links: Sequence[Child]) -> None:
+    """Publish links recorded with ``key``'s settle (broker-confirmed, then marked); what
+    does not go out now is the sweep's (``recovery.outbox.sweep_outbox``)."""
+    if not links:
         return
+    publish(
+        store,
+        app,
+        [
+            OutboxMessage(
+                child_id=c.child_id,
+                parent_key=key,
+                step=LINKS_STEP,
+                occurrence=0,
+                n=c.n,
+                task_name=c.task_name,
+                payload=c.payload,
+                fence=fence,
+                created_at=0.0,
+                published_at=None,
+            )
+            for c in links
+        ],
+    )
+
+
+def returned(task: Any, store: LedgerStore, key: str, fence: int, retval: Any) -> None:
+    """A RETURN gate: the links of this delivery that the settle recorded are the outbox's.
+
+    Hand them over (the tracer must not publish them again) and publish those not confirmed
+    yet: the worker that settled died before its publish, and this delivery is the first to
+    know. Links the settle did not record (another delivery's chain under the same business
+    key, an entry released by an operator) stay Celery's: the tracer publishes them with the
+    stored result.
+    """
     request = task.request
-    if request is None or request.called_directly or headers.get("parent_id") != request.id:
+    if not (request.chain or request.callbacks):
         return
-    crash_point(runtime.settings_for(task.app), "after-publish")
-
-
-def _ledgered(task: Any) -> bool:
-    from celery_ledger.task import LedgerTask  # canvas is imported by app, before task
-
-    return isinstance(task._get_current_object(), LedgerTask)
+    links = links_of(task, request, key, retval)
+    if not links.children:
+        return
+    recorded = store.recorded_links(key)
+    if any(c.child_id not in recorded for c in links.children):
+        return
+    links.hand_over(request)
+    publish_links(
+        store, task.app, key, fence, [c for c in links.children if not recorded[c.child_id]]
+    )

@@ -10,11 +10,10 @@ crash point is one frozenset lookup. Names:
 - ``step-completed:<step>`` after its ``completed`` row is durable
 - ``before-settle``         after the body returned, before the settle
 - ``after-claim``           after the claim, before the body
-- ``after-settle``          after the settle, before Celery publishes the next chain link,
-  the callbacks and the chord part (the tracer does that once the task returns)
-- ``after-publish``         after a ledgered task's worker published a message whose parent
-  is that task (its next chain link, a callback, a chord callback), before its result
-  is stored and its message acked (``celery_ledger.canvas``)
+- ``after-settle``          after the settle (and the links it recorded: the next chain
+  link, the callbacks) committed, before they are published
+- ``after-publish``         after the links were published and marked, before Celery stores
+  the result (and counts a chord member) and the message is acked
 - ``txn-written:<step>``    inside a transaction step: its block returned, its writes are
   made but nothing is committed (the step's row is the next statement)
 - ``children-published:<step>`` after the children a step sent were published, before

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from celery_ledger.codec import arguments_hash
-from celery_ledger.ledger import BODY_STEP, StepRecord, StepStatus, declared_identity, is_declared
+from celery_ledger.ledger import BODY_STEP, LINKS_STEP, StepRecord, StepStatus, declared_identity, is_declared
 
 #: A step's replay row identity: (name, stored input hash, occurrence).
 Ident = tuple[str, str, int]
@@ -79,6 +79,8 @@ def check_step_name(name: Any) -> None:
         )
     if name == BODY_STEP:
         raise ValueError(f"step name {name!r} is reserved for a body that records no steps")
+    if name == LINKS_STEP:
+        raise ValueError(f"step name {name!r} is reserved for the links a settle records")
 
 
 def identity_of(

@@ -29,7 +29,7 @@ from celery.exceptions import Ignore, Retry
 from celery.utils import uuid
 from celery.utils.time import maybe_make_aware
 
-from celery_ledger import intents, runtime
+from celery_ledger import canvas, intents, runtime
 from celery_ledger.ambiguity import RUN_BODY, Ambiguity
 from celery_ledger.attempt import Attempt, current_attempt
 from celery_ledger.codec import arguments_hash, check_depth, decode, encode, encode_snapshot
@@ -363,7 +363,9 @@ class LedgerTask(Task):
         if claim.gate is Gate.RETURN:
             if claim.error is not None:
                 raise self._stored_failure(claim.error)
-            return decode(claim.result)
+            retval = decode(claim.result)
+            canvas.returned(self, store, key, claim.fence, retval)
+            return retval
         if claim.gate is Gate.WAIT:
             countdown = min(max(claim.lease_remaining or 1.0, 1.0), settings.wait_countdown_max)
             redeliver(self, args, kwargs, countdown=countdown)
@@ -460,17 +462,39 @@ class LedgerTask(Task):
             except PayloadError as exc:
                 attempt.settle(EntryStatus.FAILED, error=self._dump_exc(exc, settings))
                 raise
+            links = self._links(attempt.key, encoded)
             crash_point(settings, "before-settle")
             if attempt.replayed:
                 self._emit("replayed", attempt.key, attempt.fence, steps=attempt.replayed)
-            if not attempt.settle(EntryStatus.COMPLETED, result=encoded):
+            if not attempt.settle(EntryStatus.COMPLETED, result=encoded, links=links.children):
                 self._emit("fenced", attempt.key, attempt.fence, reason="settle refused")
                 raise Ignore()
+            # The links are the outbox's now: the tracer must not publish them too.
+            links.hand_over(req)
             crash_point(settings, "after-settle")
+            canvas.publish_links(store, self.app, attempt.key, attempt.fence, links.children)
+            crash_point(settings, "after-publish")
             return result
         finally:
             heartbeat.unregister(attempt)
             current_attempt.reset(token)
+
+    def _links(self, key: str, encoded: str) -> canvas.Links:
+        """The links this delivery publishes when it completes (``canvas.links_of``); none
+        taken over if one cannot be stored (the tracer then publishes them, as Celery does)."""
+        req = self.request
+        if not (req.chain or req.callbacks):
+            return canvas.Links([], False, list(req.callbacks or ()))
+        try:
+            return canvas.links_of(self, req, key, decode(encoded))
+        except PayloadError as exc:
+            log.warning(
+                "links of key=%s task_id=%s not recorded (%s); Celery publishes them",
+                key,
+                req.id,
+                exc,
+            )
+            return canvas.Links([], False, list(req.callbacks or ()))
 
     def _ambiguity(
         self, attempt: Attempt, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -1,0 +1,83 @@
+"""A task's links recorded with its settle: the next chain link and its ``link`` callbacks.
+
+Celery publishes a finished task's next chain link and callbacks from the worker, after the
+body returned (``celery.app.trace``). A worker killed between the settle and that publish
+loses the rest of the chain unless the message comes back; killed after the publish and before
+the ack, the redelivery publishes it again (celery#9835 is the first window with
+``worker_deduplicate_successful_tasks``). Recorded here, in the same transaction as the
+``completed`` settle, the links are outbox children (``ledger.outbox``): they exist exactly when
+the entry completed, and the outbox publishes them once they committed (its sweep if the
+worker died first).
+
+The rows use the outbox's table under the step name ``LINKS_STEP``, which a step may not take
+(``check_step_name`` reserves it, as it reserves the stepless body's name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import select
+
+from celery_ledger.ledger import statements as sql
+from celery_ledger.ledger.core import Note, StoreCore
+from celery_ledger.ledger.outbox import Child, child_rows, insert_children
+from celery_ledger.ledger.schema import outbox
+from celery_ledger.ledger.states import EntryStatus
+
+#: The outbox "step" a settle's links are recorded under.
+LINKS_STEP = "__links__"
+
+
+class LinkQueries(StoreCore):
+    """The settle that records a task's links."""
+
+    def settle_with_links(
+        self,
+        key: str,
+        fence: int,
+        *,
+        result: str | None,
+        links: Sequence[Child],
+        actor: str | None = None,
+    ) -> bool:
+        """Settle a running entry ``completed`` with ``result`` and record ``links`` as its
+        outbox children, in one transaction (atomic), fenced like ``settle``.
+
+        Returns False when this attempt was superseded: nothing is written, no link recorded.
+        A link id recorded already is left as it is.
+
+        Raises:
+            ValueError: no links (that settle is ``settle``, one statement).
+        """
+        if not links:
+            raise ValueError("settle_with_links without links: use settle")
+        params = {
+            "k": key,
+            "f": fence,
+            "to_status": EntryStatus.COMPLETED.value,
+            "new_result": result,
+            "new_error": None,
+            "new_reason": None,
+            "due_in": None,
+            "due_abs": None,
+            "new_snapshot": None,
+        }
+        with self._txn() as conn:
+            rows = self._write_with_event(
+                conn, sql.settle_update(self.dialect, True), params, Note("settled", actor)
+            )
+            if not rows:
+                return False
+            conn.execute(insert_children(self.dialect), child_rows(key, fence, LINKS_STEP, 0, links))
+        return True
+
+    def recorded_links(self, key: str) -> dict[str, bool]:
+        """The links recorded with ``key``'s settle: child id -> published (read-only)."""
+        with self._read() as conn:
+            rows = conn.execute(
+                select(outbox.c.child_id, outbox.c.published_at).where(
+                    outbox.c.parent_key == key, outbox.c.step == LINKS_STEP
+                )
+            ).all()
+        return {child_id: published_at is not None for child_id, published_at in rows}
