@@ -29,11 +29,13 @@ from celery_ledger.cli.main import main
 from celery_ledger.codec import decode, encode
 from celery_ledger.ledger import (
     RESUME_OWNER,
+    Child,
     ClaimRequest,
     EntryStatus,
     LedgerStore,
     Owner,
     StepStatus,
+    child_task_id,
     entry_key,
 )
 from celery_ledger.ledger.engine import make_engine
@@ -710,3 +712,44 @@ def test_full_story_blocked_found_shown_released_runs_once(tmp_path: Path, ledge
         finally:
             store.dispose()
     assert effect_counts(ledger_url, order) == {(order, "charge"): 1, (order, "receipt"): 1}
+
+
+def test_show_lists_children_and_the_child_names_its_parent(cli: Any, store: LedgerStore) -> None:
+    """Issue 16: the outbox in ``show``: a parent's children (sent / pending), navigable by
+    their task ids, and a child's parent."""
+    parent = claim(store, "shop.parent")
+    sent, pending = (
+        Child(child_task_id(parent.key, "notify", 0, n), "shop.child", '{"args": []}', n)
+        for n in (0, 1)
+    )
+    assert store.complete_step(
+        parent.key, parent.fence, ("notify", "h", 0), seq=1, output="1", children=[sent, pending]
+    )
+    store.mark_published([sent.child_id])
+    out = cli("show", parent.key).stdout
+    assert "children" in out
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip()}
+    assert "sent" in lines[sent.child_id] and "pending" in lines[pending.child_id]
+    data = json.loads(cli("show", parent.key, "--json").stdout)
+    assert [(c["child_id"], c["state"]) for c in data["children"]] == [
+        (sent.child_id, "sent"),
+        (pending.child_id, "pending"),
+    ]
+    assert data["parent"] is None
+    # The child's own entry (keyed by its task id) names its parent.
+    store.claim(
+        ClaimRequest(
+            key=entry_key("shop.child", sent.child_id),
+            task_name="shop.child",
+            task_id=sent.child_id,
+            args_hash="task-id",
+            snapshot=None,
+            side_effect="non_idempotent",
+            owner=Owner(NODE, "boot-1", 4242),
+            lease_seconds=60.0,
+        )
+    )
+    shown = cli("show", sent.child_id).stdout
+    assert "parent" in shown and parent.key in shown and "notify #0" in shown
+    as_json = json.loads(cli("show", sent.child_id, "--json").stdout)
+    assert as_json["parent"] == {"key": parent.key, "step": "notify", "occurrence": 0}

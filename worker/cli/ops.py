@@ -36,6 +36,7 @@ from celery_ledger.cli.common import (
 )
 from celery_ledger.codec import encode
 from celery_ledger.ledger import (
+    TRANSACTION_STEP_REF,
     EntryStatus,
     Interrupted,
     StepStatus,
@@ -146,10 +147,31 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
                 if s.completed_at is None or s.started_at is None
                 else round(s.completed_at - s.started_at, 6)
             ),
-            "ambiguous": s.status is StepStatus.STARTED,
+            # A transaction step's marker row is never ambiguous: its writes commit with its
+            # completed row or not at all.
+            "ambiguous": s.status is StepStatus.STARTED and s.external_ref != TRANSACTION_STEP_REF,
         }
         for s in steps
     ]
+    # The outbox: the children this entry's steps sent, and the step that sent this one.
+    view["children"] = [
+        {
+            "child_id": c.child_id,
+            "task": c.task_name,
+            "step": c.step,
+            "occurrence": c.occurrence,
+            "n": c.n,
+            "state": "sent" if c.published else "pending",
+            "published_at": c.published_at,
+        }
+        for c in store.children_of(key)
+    ]
+    parent = store.parent_of(entry.task_id)
+    view["parent"] = (
+        None
+        if parent is None
+        else {"key": parent.parent_key, "step": parent.step, "occurrence": parent.occurrence}
+    )
     view["events"] = [
         {
             "id": e.id,
@@ -198,6 +220,9 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
         fields.append(("result", unreadable.get("result") or _dumped(view["result"])[:200]))
     if entry.error is not None:
         fields.append(("error", unreadable.get("error") or _dumped(view["error"])[:200]))
+    if view["parent"]:
+        p = view["parent"]
+        fields.append(("parent", f"{p['key']}  (sent by step {p['step']} #{p['occurrence']})"))
     if view["released"]:
         r = view["released"]
         fields.append(
@@ -232,6 +257,23 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
         )
     else:
         echo(ctx, "  (none recorded)")
+    if view["children"]:
+        echo(ctx)
+        echo(ctx, click.style("children", bold=True) + "  (celery-ledger show CHILD-ID)")
+        print_table(
+            ctx,
+            ["CHILD ID", "TASK", "STEP", "STATE"],
+            [
+                [
+                    c["child_id"],
+                    printable(c["task"], limit=SHOWN_CHARS),
+                    printable(f"{c['step']} #{c['occurrence']}", limit=SHOWN_CHARS),
+                    c["state"],
+                ]
+                for c in view["children"]
+            ],
+            lambda i, v: "yellow" if i == 3 and v == "pending" else None,
+        )
     echo(ctx)
     echo(ctx, click.style("events", bold=True))
     print_table(
