@@ -29,6 +29,7 @@ from celery_ledger.ledger.identity import (
     provider_key,
     step_provider_key,
 )
+from celery_ledger.ledger.links import LINKS_STEP, LinkQueries, Member
 from celery_ledger.ledger.operator import (
     BODY_STEP,
     MAX_RELEASE_BY_CHARS,
@@ -38,7 +39,6 @@ from celery_ledger.ledger.operator import (
     Release,
     check_release_text,
 )
-from celery_ledger.ledger.links import LINKS_STEP, LinkQueries
 from celery_ledger.ledger.outbox import (
     Child,
     OutboxMessage,
@@ -79,6 +79,7 @@ __all__ = [
     "child_task_id",
     "LINKS_STEP",
     "LinkQueries",
+    "Member",
     "TRANSACTION_STEP_REF",
     "TransactionSteps",
     # Values

@@ -16,17 +16,30 @@ The rows use the outbox's table under the step name ``LINKS_STEP``, which a step
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.core import Note, StoreCore
 from celery_ledger.ledger.outbox import Child, child_rows, insert_children
-from celery_ledger.ledger.schema import outbox
+from celery_ledger.ledger.schema import entries, outbox
 from celery_ledger.ledger.states import EntryStatus
 
 #: The outbox "step" a settle's links are recorded under.
 LINKS_STEP = "__links__"
+
+
+@dataclass(frozen=True)
+class Member:
+    """An entry in a canvas: published in a group, or by a parent task."""
+
+    key: str
+    task_name: str
+    task_id: str
+    status: EntryStatus
+    group_id: str | None
+    parent_id: str | None
 
 
 class LinkQueries(StoreCore):
@@ -69,8 +82,32 @@ class LinkQueries(StoreCore):
             )
             if not rows:
                 return False
-            conn.execute(insert_children(self.dialect), child_rows(key, fence, LINKS_STEP, 0, links))
+            conn.execute(
+                insert_children(self.dialect), child_rows(key, fence, LINKS_STEP, 0, links)
+            )
         return True
+
+    def members(self, of: str, *, limit: int = 1000) -> list[Member]:
+        """The entries published in group ``of`` or by the task ``of`` (its parent), oldest
+        first, up to ``limit`` (read-only; both columns are indexed where set)."""
+        with self._read() as conn:
+            rows = conn.execute(
+                select(
+                    entries.c.key,
+                    entries.c.task_name,
+                    entries.c.task_id,
+                    entries.c.status,
+                    entries.c.group_id,
+                    entries.c.parent_id,
+                )
+                .where(or_(entries.c.group_id == of, entries.c.parent_id == of))
+                .order_by(entries.c.created_at, entries.c.key)
+                .limit(limit)
+            ).all()
+        return [
+            Member(r.key, r.task_name, r.task_id, EntryStatus(r.status), r.group_id, r.parent_id)
+            for r in rows
+        ]
 
     def recorded_links(self, key: str) -> dict[str, bool]:
         """The links recorded with ``key``'s settle: child id -> published (read-only)."""

@@ -23,7 +23,7 @@ from sqlalchemy import (
 metadata = MetaData()
 
 #: Bumped with every Alembic revision; the migration head must equal it.
-SCHEMA_REVISION = "0003_outbox"
+SCHEMA_REVISION = "0007_canvas"
 
 KEY = String(64)
 
@@ -60,6 +60,11 @@ entries = Table(
     # When recovery acts on an entry that waits for a time, on the database clock: a retry
     # whose message has not arrived by then is re-sent. Set only while the entry waits (0002).
     Column("due_at", Float),
+    # The Celery group (or chord header) this task was published in, and the task that
+    # published it (a chain's previous link, a task that sent a group): ``show`` lists a
+    # parent's members (0007_canvas). NULL outside any canvas.
+    Column("group_id", String(255)),
+    Column("parent_id", String(255)),
 )
 
 # Hot predicates. Partial indexes stay as small as the work in flight, so the stale-lease
@@ -146,6 +151,19 @@ Index(
     steps.c.key,
     postgresql_where=steps.c.attempts > steps.c.authorized + 1,
     sqlite_where=steps.c.attempts > steps.c.authorized + 1,
+)
+
+Index(
+    "ix_ledger_entries_group",
+    entries.c.group_id,
+    postgresql_where=entries.c.group_id.is_not(None),
+    sqlite_where=entries.c.group_id.is_not(None),
+)
+Index(
+    "ix_ledger_entries_parent",
+    entries.c.parent_id,
+    postgresql_where=entries.c.parent_id.is_not(None),
+    sqlite_where=entries.c.parent_id.is_not(None),
 )
 
 Index("ix_ledger_events_key", events.c.key, events.c.id)

@@ -91,6 +91,10 @@ class ClaimRequest:
     #: entry keyed by its task id: ``retry(args=...)`` may change them). The claim then takes
     #: the new ``args_hash`` instead of answering CONFLICT.
     args_may_change: bool = False
+    #: Where Celery's canvas put this delivery: its group (or chord header) id, and the task
+    #: that published it. Stored on the entry for ``show``; never part of its identity.
+    group_id: str | None = None
+    parent_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,9 @@ class Entry:
     #: When recovery acts on an entry that waits for a time (database clock): a ``retrying``
     #: entry whose retry has not been claimed by then is re-sent. None when it waits for none.
     due_at: float | None = None
+    #: The Celery group this task was published in, and the task that published it.
+    group_id: str | None = None
+    parent_id: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> Entry:

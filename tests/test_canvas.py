@@ -12,6 +12,7 @@ Redis redelivers (``acks_late`` + ``reject_on_worker_lost``).
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -160,9 +161,7 @@ def test_chord_member_duplicated_by_visibility_timeout(tmp_path, redis, pg_url):
         members = [r.id for r in result.parent.results]
         # Let the redeliveries run out: each member is seen again after it settled.
         wait_for(
-            lambda: all(
-                received(w1.log_text() + w2.log_text(), m) >= 2 for m in members
-            ),
+            lambda: all(received(w1.log_text() + w2.log_text(), m) >= 2 for m in members),
             timeout=90,
             what="every member delivered twice",
         )
@@ -171,3 +170,46 @@ def test_chord_member_duplicated_by_visibility_timeout(tmp_path, redis, pg_url):
     expected[(tag, "callback")] = 1
     assert effect_counts(pg_url, tag) == expected
     assert received(logs, result.id) == 1
+
+
+def ledger_cli(*args: str) -> tuple[int, str]:
+    from click.testing import CliRunner
+
+    from celery_ledger.cli.main import main
+
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def test_group_members_have_their_own_entries_and_show_lists_them(tmp_path, redis, pg_url):
+    """A group of 4 ledgered members and a chain: each member is its own entry, and
+    ``celery-ledger show`` of the group id (or of a chain link) lists the members' states."""
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url)
+    app = client_app(env)
+    tag = "group-show"
+    with processes(tmp_path, env) as procs:
+        procs.worker("w1", concurrency=2)
+        res = group(app.signature("tests_app.member", args=(n, tag)) for n in range(4))()
+        assert res.get(timeout=90) == [0, 1, 4, 9]
+        linked = chain(
+            app.signature("tests_app.link", args=([], 1, tag)),
+            app.signature("tests_app.link", args=(2, tag)),
+        ).apply_async()
+        assert linked.get(timeout=90) == [1, 2]
+    store = LedgerStore(pg_url)
+    members = store.members(res.id)
+    assert sorted(m.task_id for m in members) == sorted(r.id for r in res.results)
+    assert {m.status.value for m in members} == {"completed"}
+    code, out = ledger_cli("--url", pg_url, "show", res.id)
+    assert code == 0, out
+    assert "4 member(s): 4 completed" in out
+    assert all(r.id in out for r in res.results)
+    code, out = ledger_cli("--url", pg_url, "show", "--json", res.id)
+    assert code == 0 and json.loads(out)["counts"] == {"completed": 4}
+    # A chain link lists the next one among the entries it published, and its outbox row.
+    code, out = ledger_cli("--url", pg_url, "show", "--json", linked.parent.id)
+    view = json.loads(out)
+    assert [m["task_id"] for m in view["members"]] == [linked.id]
+    assert [(c["child_id"], c["state"]) for c in view["children"]] == [(linked.id, "sent")]
+    code, out = ledger_cli("--url", pg_url, "show", "no-such-group")
+    assert code != 0 and "Traceback" not in out and "no ledger entry matches" in out

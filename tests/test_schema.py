@@ -84,13 +84,13 @@ def partial_index_clauses(engine: Engine) -> dict[str, str]:
 
 
 def test_head_revision_matches_schema_module() -> None:
-    assert head_revision() == SCHEMA_REVISION == "0003_outbox"
+    assert head_revision() == SCHEMA_REVISION == "0007_canvas"
 
 
 def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine) -> None:
     assert tables(raw_engine) == set()
     with raw_engine.connect() as conn:
-        assert pending_revisions(conn) == ["0001", "0002", "0003_outbox"]
+        assert pending_revisions(conn) == ["0001", "0002", "0003_outbox", "0007_canvas"]
         assert current_revision(conn) is None
     store = LedgerStore(ledger_url)
     try:

@@ -174,9 +174,9 @@ def _effect_seen(tag: str, name: str) -> Reconciled:
     (tag, effect) means the effect happened; none means it did not."""
     with effects_engine().connect() as conn:
         seen = conn.execute(
-            select(func.count()).select_from(effects).where(
-                effects.c.tag == tag, effects.c.effect == name
-            )
+            select(func.count())
+            .select_from(effects)
+            .where(effects.c.tag == tag, effects.c.effect == name)
         ).scalar_one()
     if seen:
         return Reconciled.completed(f"{name}:{tag}", note="effect row found")

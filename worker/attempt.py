@@ -547,9 +547,7 @@ class Attempt:
             self.mark_superseded("heartbeat found the fence moved")
         return ok
 
-    def settle(
-        self, status: EntryStatus, *, links: Sequence[Child] = (), **fields: Any
-    ) -> bool:
+    def settle(self, status: EntryStatus, *, links: Sequence[Child] = (), **fields: Any) -> bool:
         """Settle the entry, retrying an unreachable ledger for ``ledger_settle_retry_seconds``.
 
         ``links`` (a ``completed`` settle only): the next chain link and callbacks, recorded

@@ -104,7 +104,9 @@ def _plain(sig: Any) -> bool:
     return type(sig) is Signature and isinstance(sig.task, str)
 
 
-def publish_links(store: LedgerStore, app: Any, key: str, fence: int, links: Sequence[Child]) -> None:
+def publish_links(
+    store: LedgerStore, app: Any, key: str, fence: int, links: Sequence[Child]
+) -> None:
     """Publish links recorded with ``key``'s settle (broker-confirmed, then marked); what
     does not go out now is the sweep's (``recovery.outbox.sweep_outbox``)."""
     if not links:

@@ -39,7 +39,14 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from celery_ledger.codec import arguments_hash
-from celery_ledger.ledger import BODY_STEP, LINKS_STEP, StepRecord, StepStatus, declared_identity, is_declared
+from celery_ledger.ledger import (
+    BODY_STEP,
+    LINKS_STEP,
+    StepRecord,
+    StepStatus,
+    declared_identity,
+    is_declared,
+)
 
 #: A step's replay row identity: (name, stored input hash, occurrence).
 Ident = tuple[str, str, int]

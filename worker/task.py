@@ -345,6 +345,8 @@ class LedgerTask(Task):
             lease_seconds=lease,
             max_interruptions=settings.max_resumes,
             args_may_change=not fresh and self.keyed_by_task_id(header_key),
+            group_id=req.group,
+            parent_id=req.parent_id,
         )
         claim = None
         for _ in range(3):  # a WAIT that sees the other attempt end claims again, at most twice
