@@ -62,9 +62,9 @@ def crash_env(tmp_path: Path, broker: str, ledger: str, crash_at: str, **extra: 
     )
 
 
-@pytest.mark.parametrize("crash_at", CRASH_POINTS)
-def test_chain_of_three_effects_once_next_link_published_once(tmp_path, redis, pg_url, crash_at):
-    env = crash_env(tmp_path, redis, pg_url, crash_at)
+def chain_with_crash(tmp_path, env, effects_url: str, ledger_url: str, crash_at: str) -> None:
+    """A chain of 3 ledgered links, the first killed at ``crash_at``: exactly 3 effects, the
+    right result, each next link published once and through its parent's outbox."""
     app = client_app(env)
     tag = f"chain-{crash_at}"
     with processes(tmp_path, env) as procs:
@@ -79,15 +79,52 @@ def test_chain_of_three_effects_once_next_link_published_once(tmp_path, redis, p
         first, second = result.parent.parent, result.parent
         log = drain(app, worker, first.id)
     assert crashed(tmp_path, crash_at), f"the crash point {crash_at} was never reached"
-    assert effect_counts(pg_url, tag) == {(tag, "link1"): 1, (tag, "link2"): 1, (tag, "link3"): 1}
+    assert effect_counts(effects_url, tag) == {
+        (tag, "link1"): 1,
+        (tag, "link2"): 1,
+        (tag, "link3"): 1,
+    }
     assert received(log, first.id) == 2  # the crashed delivery and its redelivery
     assert received(log, second.id) == 1
     assert received(log, result.id) == 1
     # Each next link went through the outbox with its parent's settle, and was marked.
-    store = LedgerStore(pg_url)
+    store = LedgerStore(ledger_url)
     assert store.recorded_links(key_of("tests_app.link", first.id)) == {second.id: True}
     assert store.recorded_links(key_of("tests_app.link", second.id)) == {result.id: True}
     assert store.recorded_links(key_of("tests_app.link", result.id)) == {}
+
+
+@pytest.mark.parametrize("crash_at", CRASH_POINTS)
+def test_chain_of_three_effects_once_next_link_published_once(tmp_path, redis, pg_url, crash_at):
+    env = crash_env(tmp_path, redis, pg_url, crash_at)
+    chain_with_crash(tmp_path, env, pg_url, pg_url, crash_at)
+
+
+@pytest.mark.parametrize("crash_at", CRASH_POINTS)
+def test_chain_of_three_embedded(tmp_path, sqlite_url, crash_at):
+    """filesystem:// broker, db+sqlite results, SQLite ledger."""
+    env = crash_env(tmp_path, None, sqlite_url, crash_at)
+    chain_with_crash(tmp_path, env, sqlite_url, sqlite_url, crash_at)
+
+
+@pytest.mark.parametrize("crash_at", CRASH_POINTS)
+def test_chord_member_killed_at_crash_point(tmp_path, redis, pg_url, crash_at):
+    """A chord of 3 on the Redis result backend, the first member to get there killed at
+    ``crash_at`` and redelivered: it counts once, the callback runs once with all 3."""
+    env = crash_env(tmp_path, redis, pg_url, crash_at)
+    app = client_app(env)
+    tag = f"chord-{crash_at}"
+    with processes(tmp_path, env) as procs:
+        worker = procs.worker("w1", concurrency=1)
+        result = chord_of(app, tag, 3, 0.0).apply_async()
+        assert result.get(timeout=90) == [0, 1, 4]
+        assert app.send_task("tests_app.plain_add", args=(1, 1)).get(timeout=60) == 2
+        log = worker.log_text()
+    assert crashed(tmp_path, crash_at), f"the crash point {crash_at} was never reached"
+    expected = {(tag, f"member{n}"): 1 for n in range(3)}
+    expected[(tag, "callback")] = 1
+    assert effect_counts(pg_url, tag) == expected
+    assert received(log, result.id) == 1
 
 
 def members_done(effects_url: str, tag: str) -> int:
