@@ -250,3 +250,47 @@ def test_group_members_have_their_own_entries_and_show_lists_them(tmp_path, redi
     assert [(c["child_id"], c["state"]) for c in view["children"]] == [(linked.id, "sent")]
     code, out = ledger_cli("--url", pg_url, "show", "no-such-group")
     assert code != 0 and "Traceback" not in out and "no ledger entry matches" in out
+
+
+@pytest.mark.parametrize("crash_at", [None, "after-publish"])
+def test_replace_under_redelivery(tmp_path, redis, pg_url, crash_at):
+    """``self.replace(sig)``: the replacement runs once under the task's id (its result is the
+    task's), the replaced entry is settled failed with a reason naming it, and a redelivery
+    after the replacement was published (killed there) neither runs the body again nor
+    overwrites the replacement's result."""
+    extra = {} if crash_at is None else {"CELERY_LEDGER_CRASH_AT": crash_at}
+    env = test_env(
+        tmp_path,
+        broker=redis,
+        ledger_url=pg_url,
+        CELERY_LEDGER_CRASH_ONCE=str(tmp_path / "crash-once"),
+        **extra,
+    )
+    app = client_app(env)
+    tag = f"replace-{crash_at}"
+    with processes(tmp_path, env) as procs:
+        worker = procs.worker("w1", concurrency=1)
+        result = app.send_task("tests_app.replacer", args=(tag,))
+        assert result.get(timeout=90) == 49
+        if crash_at:
+            wait_for(
+                lambda: received(worker.log_text(), result.id) >= 4,
+                timeout=60,
+                what="the replaced task's redelivery",
+            )
+        assert app.send_task("tests_app.plain_add", args=(1, 1)).get(timeout=60) == 2
+        log = worker.log_text()
+        assert app.AsyncResult(result.id).get(timeout=10) == 49
+    if crash_at:
+        assert crashed(tmp_path, crash_at)
+    assert effect_counts(pg_url, tag) == {(tag, "replacer"): 1, (tag, "member7"): 1}
+    store = LedgerStore(pg_url)
+    replaced = store.get_entry(key_of("tests_app.replacer", result.id))
+    assert replaced.status.value == "failed"
+    assert replaced.reason == f"replaced by tests_app.member[{result.id}]"
+    replacement = store.get_entry(key_of("tests_app.member", result.id))
+    assert replacement.status.value == "completed" and replacement.executions == 1
+    # Killed after the replacement's publish and before the settle, the redelivery takes
+    # over, replays the step and replaces again: the same task id is published a second
+    # time, and the replacement's claim RETURNs it (docs/design.md, "Canvas").
+    assert received(log, result.id) == (4 if crash_at else 2)

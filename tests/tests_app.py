@@ -271,3 +271,16 @@ def fanout(self: LedgerTask, tag: str, children: int = 2) -> list[str]:
     effects_engine()
     sent.append(self.transaction_step("book", book))
     return sent
+
+
+@app.task(
+    shared=False,
+    base=LedgerTask,
+    bind=True,
+    name="tests_app.replacer",
+    reconciler=lambda step: _effect_seen(step.args[0], "replacer"),
+)
+def replacer(self: LedgerTask, tag: str) -> Any:
+    """One effect, then ``self.replace`` by a member (7 -> 49) under this task's id."""
+    self.step("effect", effect, tag, "replacer")
+    raise self.replace(member.s(7, tag))

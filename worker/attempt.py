@@ -130,6 +130,8 @@ class Attempt:
         #: Set when an exception escaped from a started effect step: it may have crossed.
         self.ambiguous: Ident | None = None
         self.replayed = 0
+        #: ``self.replace(sig)`` was called: the replacement, ``name[task id]``.
+        self.replaced_by: str | None = None
         #: The children the running step sends (``send``), recorded with its completed row.
         self._sends: Sends | None = None
 

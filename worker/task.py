@@ -318,6 +318,22 @@ class LedgerTask(Task):
                 intents.withdraw(self, intent, task_id, exc)
             raise
 
+    def on_replace(self, sig: Any) -> Any:
+        """``self.replace(sig)``: Celery publishes ``sig`` under this task's id and raises
+        ``Ignore``. The attempt remembers what replaced it, so that the entry is settled
+        ``failed`` with that ``Ignore`` and a reason naming the replacement: a redelivery
+        RETURNs it and raises ``Ignore`` again, storing nothing over the replacement's result
+        and publishing nothing (docs/design.md, "Canvas")."""
+        attempt = current_attempt.get()
+        if attempt is None or self.request.is_eager:
+            return super().on_replace(sig)
+        attempt.replaced_by = f"{sig.name or sig.task}[{sig.id}]"
+        try:
+            return super().on_replace(sig)
+        except Ignore:
+            crash_point(attempt.settings, "after-publish")
+            raise
+
     # -- delivery -------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -453,6 +469,13 @@ class LedgerTask(Task):
                         attempt.key,
                         attempt.task_id,
                         attempt.fence,
+                    )
+                    raise
+                if isinstance(exc, Ignore) and attempt.replaced_by is not None:
+                    attempt.settle(
+                        EntryStatus.FAILED,
+                        error=self._dump_exc(exc, settings),
+                        reason=f"replaced by {attempt.replaced_by}",
                     )
                     raise
                 self._settle_failure(attempt, exc, args, kwargs)
