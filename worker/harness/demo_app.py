@@ -45,6 +45,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import DBAPIError
 
 from celery_ledger.codec import decode
+from celery_ledger.harness import canvas_load
 from celery_ledger.ledger import BODY_STEP, EntryStatus, StepStatus, entry_key
 from celery_ledger.ledger.engine import READ_ONLY, make_engine
 from celery_ledger.ledger.schema import entries, events, steps
@@ -366,6 +367,8 @@ def register(app: Celery, db: EffectsDb) -> None:
         result = run_order(self.step, db, run, order_id, amount, gap)
         result["replayed"] = self.ledger_attempt.replayed
         return result
+
+    canvas_load.register(app, db)
 
 
 _app: Celery | None = None

@@ -52,6 +52,8 @@ import click
 from sqlalchemy.engine import make_url
 
 from celery_ledger.harness import demo_app
+from celery_ledger.harness import canvas_load
+from celery_ledger.harness.canvas_load import CanvasReport
 from celery_ledger.harness.demo_app import RunReport
 from celery_ledger.harness.orchestrate import (
     LEASE_SECONDS,
@@ -408,6 +410,8 @@ class VerifyReport:
     seconds: float
     runs: dict[str, RunReport]
     chaos: dict[str, Any]
+    #: The ledgered run's chains and chord (``canvas_load``).
+    canvas: CanvasReport | None = None
     kept: bool = False
     data_dir: str = ""
 
@@ -473,9 +477,15 @@ def run_verify(
                     procs.append(w.start_beat())
             phases.update(f"starting {len(procs)} processes ...")
             wait_ready(procs)
+            chains = canvas_load.chains_for(tasks)
             for w in works:
                 w.enqueue(gaps)
-            phases.done(f"{len(procs)} processes up; {tasks} orders sent to each run")
+                if w.kind.ledgered:
+                    _enqueue_canvas(w, chains)
+            phases.done(
+                f"{len(procs)} processes up; {tasks} orders sent to each run, "
+                f"{chains} chain(s) and a chord of {canvas_load.CHORD_SIZE} to the ledgered one"
+            )
         with phases.phase("chaos"):
             chaos = Chaos(works, rng, outage, chaos_log, broker_restart)
             deadline = time.monotonic() + duration
@@ -503,6 +513,13 @@ def run_verify(
         stage.orch.stop_all()
         with phases.phase("count"):
             reports = stage.tally()
+            ledgered = next(w for w in works if w.kind.ledgered)
+            canvas = canvas_load.tally(
+                demo_app.effect_counts(ledgered.db, ledgered.run),
+                ledgered.run,
+                chains,
+                strict=box.broker_url is not None and not box.broker_url.startswith("filesystem"),
+            )
             phases.done("effects and ledger entries counted")
     led = reports["ledgered"]
     ok = (
@@ -510,6 +527,7 @@ def run_verify(
         and led.duplicate_effects == 0
         and led.charged_twice == 0
         and led.ledger_duplicate_executions == 0
+        and canvas.ok
     )
     return VerifyReport(
         ok=ok,
@@ -521,6 +539,7 @@ def run_verify(
         ledger=safe_url(box.ledger_url),
         seconds=round(time.monotonic() - started, 1),
         runs=reports,
+        canvas=canvas,
         chaos={
             "actions": chaos_log.actions,
             "counts": chaos_log.counts(),
@@ -529,6 +548,14 @@ def run_verify(
         kept=keep,
         data_dir=str(box.data_dir),
     )
+
+
+def _enqueue_canvas(work: Workload, chains: int) -> None:
+    app = demo_app.build_app(work.env)
+    try:
+        canvas_load.enqueue(app, work.run, chains)
+    finally:
+        app.close()
 
 
 def _drained(works: list[Workload], ledger_engine: Any) -> bool:
@@ -591,6 +618,10 @@ def render(report: VerifyReport) -> str:
             "which the sweep re-sends once ledger_publish_intent_seconds pass (after this "
             "run); the others have no entry, which no task-side ledger can see"
         )
+    if report.canvas is not None:
+        lines.append(report.canvas.line())
+        if report.canvas.incomplete:
+            lines.append("  incomplete: " + ", ".join(report.canvas.incomplete[:10]))
     lines.append("")
     verdict = (
         click.style("PASS", fg="green", bold=True)
