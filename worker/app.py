@@ -22,7 +22,7 @@ from typing import Any
 
 from celery import Celery, current_app, signals
 
-from celery_ledger import intents, runtime
+from celery_ledger import canvas, intents, runtime
 from celery_ledger.backoff import retry_while_unavailable
 from celery_ledger.ledger import LedgerError, LedgerUnavailable
 from celery_ledger.recovery import SweepReport, boot_sweep, run_sweep
@@ -222,6 +222,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     if sender is not None and _installed(sender.app):
         runtime.new_boot()
         _freeze_before_fork = runtime.settings_for(sender.app).freeze_gc_before_fork
+        canvas.keep_chord_unlock(sender.app)
         if getattr(sender, "task_events", False):
             # `celery worker -E` sets the worker's attribute, not the app setting that the
             # pool processes read to decide whether to send task-ledger-* events.

@@ -154,3 +154,20 @@ def returned(task: Any, store: LedgerStore, key: str, fence: int, retval: Any) -
     publish_links(
         store, task.app, key, fence, [c for c in links.children if not recorded[c.child_id]]
     )
+
+
+def keep_chord_unlock(app: Any) -> None:
+    """Deliver Celery's ``celery.chord_unlock`` the way ledgered tasks are delivered: acked
+    after it ran, requeued when the pool process running it dies.
+
+    On result backends without a native join (the database backends, the embedded
+    ``db+sqlite``) a chord's callback is published by this one polling task, which Celery
+    acks before it runs: a pool process killed while it runs loses the callback for good.
+    Running it twice is harmless where running it never is not: it only reads the header's
+    results and publishes the callback under the chord body's frozen id, which a ledgered
+    callback's claim deduplicates.
+    """
+    task = app.tasks.get("celery.chord_unlock")
+    if task is not None:
+        task.acks_late = True
+        task.reject_on_worker_lost = True

@@ -382,7 +382,12 @@ class LedgerTask(Task):
             if claim.error is not None:
                 raise self._stored_failure(claim.error)
             retval = decode(claim.result)
-            canvas.returned(self, store, key, claim.fence, retval)
+            try:
+                canvas.returned(self, store, key, claim.fence, retval)
+            except LedgerUnavailable as exc:
+                # Which links the settle recorded cannot be read: neither publish them nor
+                # let the tracer do it blind. Re-send this delivery (with its links) later.
+                ledger_unavailable(self, exc, args, kwargs)
             return retval
         if claim.gate is Gate.WAIT:
             countdown = min(max(claim.lease_remaining or 1.0, 1.0), settings.wait_countdown_max)

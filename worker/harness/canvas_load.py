@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery import chain, chord
+from sqlalchemy import delete
 
-from celery_ledger.ledger import BODY_STEP
+from celery_ledger.ledger import BODY_STEP, entry_key
+from celery_ledger.ledger.schema import entries, events, outbox, steps
 from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciled
 
 #: A chain link, a chord member too (ledgered, one effect).
@@ -89,19 +91,38 @@ def chord_id(run: str) -> str:
     return f"{run}-chord"
 
 
-def enqueue(app: Any, run: str, chains: int) -> None:
-    """Apply ``chains`` chains and the chord through ``app`` (the run's own)."""
+def enqueue(app: Any, run: str, chains: int) -> list[str]:
+    """Apply ``chains`` chains and the chord through ``app`` (the run's own). Returns the
+    ledger keys their tasks will have (for the cleanup)."""
+    keys: list[str] = []
     for i in range(chains):
         cid = chain_id(run, i)
-        chain(
+        res = chain(
             app.signature(LINK, args=([], run, cid, 1)),
             *(app.signature(LINK, args=(run, cid, n)) for n in range(2, CHAIN_LENGTH + 1)),
         ).apply_async()
+        while res is not None:
+            keys.append(entry_key(LINK, res.id))
+            res = res.parent
     hid = chord_id(run)
-    chord(
+    res = chord(
         [app.signature(LINK, args=([], run, hid, n)) for n in range(CHORD_SIZE)],
         app.signature(JOIN, args=(run, hid)),
     ).apply_async()
+    keys.append(entry_key(JOIN, res.id))
+    keys += [entry_key(LINK, r.id) for r in res.parent.results]
+    return keys
+
+
+def drop(ledger_engine: Any, keys: list[str]) -> None:
+    """Remove the canvas's ledger entries, their steps, events and recorded links."""
+    with ledger_engine.begin() as conn:
+        for i in range(0, len(keys), 500):
+            chunk = keys[i : i + 500]
+            conn.execute(delete(outbox).where(outbox.c.parent_key.in_(chunk)))
+            conn.execute(delete(steps).where(steps.c.key.in_(chunk)))
+            conn.execute(delete(events).where(events.c.key.in_(chunk)))
+            conn.execute(delete(entries).where(entries.c.key.in_(chunk)))
 
 
 @dataclass

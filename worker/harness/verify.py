@@ -51,8 +51,7 @@ from typing import Any
 import click
 from sqlalchemy.engine import make_url
 
-from celery_ledger.harness import demo_app
-from celery_ledger.harness import canvas_load
+from celery_ledger.harness import canvas_load, demo_app
 from celery_ledger.harness.canvas_load import CanvasReport
 from celery_ledger.harness.demo_app import RunReport
 from celery_ledger.harness.orchestrate import (
@@ -481,7 +480,11 @@ def run_verify(
             for w in works:
                 w.enqueue(gaps)
                 if w.kind.ledgered:
-                    _enqueue_canvas(w, chains)
+                    canvas_keys = _enqueue_canvas(w, chains)
+                    if not keep and not box.owns_ledger:
+                        stage.cleanups.append(
+                            lambda keys=canvas_keys: canvas_load.drop(stage.ledger_engine, keys)
+                        )
             phases.done(
                 f"{len(procs)} processes up; {tasks} orders sent to each run, "
                 f"{chains} chain(s) and a chord of {canvas_load.CHORD_SIZE} to the ledgered one"
@@ -550,10 +553,10 @@ def run_verify(
     )
 
 
-def _enqueue_canvas(work: Workload, chains: int) -> None:
+def _enqueue_canvas(work: Workload, chains: int) -> list[str]:
     app = demo_app.build_app(work.env)
     try:
-        canvas_load.enqueue(app, work.run, chains)
+        return canvas_load.enqueue(app, work.run, chains)
     finally:
         app.close()
 
