@@ -294,3 +294,31 @@ def test_replace_under_redelivery(tmp_path, redis, pg_url, crash_at):
     # over, replays the step and replaces again: the same task id is published a second
     # time, and the replacement's claim RETURNs it (docs/design.md, "Canvas").
     assert received(log, result.id) == (4 if crash_at else 2)
+
+
+def test_link_error_under_redelivery_runs_a_ledgered_errback_once(tmp_path, redis, pg_url):
+    """A failing task outlives a 2 s visibility timeout: Redis hands it to the other worker,
+    which WAITs and then RETURNs the stored failure, and Celery fires the errback again for
+    that delivery. An errback keyed by the failed task's id runs its body once."""
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url, TEST_VISIBILITY_TIMEOUT="2")
+    app = client_app(env)
+    tag = "link-error"
+    with processes(tmp_path, env) as procs:
+        w1 = procs.worker("w1", concurrency=1)
+        w2 = procs.worker("w2", concurrency=1)
+        result = app.signature("tests_app.fail_slowly", args=(tag, 4.0)).apply_async(
+            link_error=app.signature("tests_app.on_failure", args=(tag,))
+        )
+        with pytest.raises(Exception, match="link-error failed"):
+            result.get(timeout=90)
+        wait_for(
+            lambda: received(w1.log_text() + w2.log_text(), result.id) >= 2,
+            timeout=90,
+            what="the failing task delivered twice",
+        )
+        wait_for(
+            lambda: (w1.log_text() + w2.log_text()).count("tests_app.on_failure[") >= 4,
+            timeout=90,
+            what="the errback delivered twice",
+        )
+    assert effect_counts(pg_url, tag) == {(tag, "failing"): 1, (tag, "errback"): 1}

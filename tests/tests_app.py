@@ -284,3 +284,24 @@ def replacer(self: LedgerTask, tag: str) -> Any:
     """One effect, then ``self.replace`` by a member (7 -> 49) under this task's id."""
     self.step("effect", effect, tag, "replacer")
     raise self.replace(member.s(7, tag))
+
+
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.fail_slowly")
+def fail_slowly(self: LedgerTask, tag: str, seconds: float) -> None:
+    """One effect, a pause (past a short visibility timeout), then a failure."""
+    self.step("effect", effect, tag, "failing")
+    time.sleep(seconds)
+    raise ValueError(f"{tag} failed")
+
+
+@app.task(
+    shared=False,
+    base=LedgerTask,
+    bind=True,
+    name="tests_app.on_failure",
+    key_from=lambda failed_id, tag: failed_id,
+)
+def on_failure(self: LedgerTask, failed_id: str, tag: str) -> str:
+    """A ``link_error`` errback keyed by the failed task's id: once per failed task."""
+    self.step("effect", effect, tag, "errback")
+    return failed_id
