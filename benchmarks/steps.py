@@ -12,6 +12,12 @@ delivery around them, so the figures are the ledger's own cost per step.
   ``non_idempotent`` one (``started`` intent, then ``completed``: two writes). The overhead
   per step is ``(ledgered - plain) / 10``, median over ``--tasks`` tasks. Writes per step are
   counted with SQLAlchemy's ``before_cursor_execute``.
+- Transaction step (issue 16): one INSERT into an application table committed with the step's
+  ``completed`` row (``self.transaction_step``), against the same INSERT committed by the user
+  on the same engine without the ledger (``engine.begin()``), alternated in one run: the ratio
+  of medians (target <= 1.3x) and the commits per step (target 1). Each entry's first
+  transaction step also writes its marker row (two statements, once per entry): measured
+  apart, as the steps after it are the steady state.
 - Resume: a ``non_idempotent`` task ran 100 steps and its process died (the entry is marked
   interrupted); a new delivery claims it (gate TAKEOVER, which loads the replay rows) and
   replays the 100 steps. Reported: that time, and how many queries read ``ledger_steps``.
@@ -25,8 +31,10 @@ import uuid
 from typing import Any
 
 from common import Report, StatementCounter, databases, exit_on_sigterm, format_rows, median
+from sqlalchemy import Column, Integer, MetaData, String, Table
 
 from celery_ledger.attempt import Attempt
+from celery_ledger.codec import arguments_hash
 from celery_ledger.ledger import ClaimRequest, EntryStatus, Gate, LedgerStore, Owner
 from celery_ledger.settings import LedgerSettings
 
@@ -36,11 +44,13 @@ RESUME_STEPS = 100
 
 
 class _Task:
-    """The two attributes ``Attempt`` reads from its task."""
+    """The attributes ``Attempt`` reads from its task (``app`` only to publish children, which
+    these steps never send)."""
 
     def __init__(self, side_effect: str) -> None:
         self.side_effect = side_effect
         self.name = "bench.steps"
+        self.app = None
 
 
 def _trivial(x: int) -> int:
@@ -103,6 +113,53 @@ def step_overhead(
             store.settle(key, claim.fence, EntryStatus.COMPLETED, result="null")
             overheads.append((ledgered - plain) / STEPS * 1000)
     return median(overheads), median(writes), median(statements)
+
+
+_meta = MetaData()
+_app_rows = Table(
+    "bench_app_rows",
+    _meta,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("v", String(64), nullable=False),
+)
+
+
+def _insert(conn: Any, v: str) -> str:
+    conn.execute(_app_rows.insert().values(v=v))
+    return v
+
+
+def transaction_steps(
+    store: LedgerStore, settings: LedgerSettings, tasks: int
+) -> tuple[float, float, float, float]:
+    """Return (median ms of a bare write, median ms of a transaction step, median ms of an
+    entry's first transaction step, commits per step)."""
+    _meta.create_all(store.engine)
+    owner = Owner("bench@txn", "boot", 1)
+    bare, stepped, first, commits = [], [], [], []
+    no_input = arguments_hash([[], {}])
+    with StatementCounter(store.engine, store.fast) as counter:
+        for _ in range(tasks):
+            key = uuid.uuid4().hex
+            claim = _claim(store, key, owner)
+            attempt = _attempt(store, settings, "non_idempotent", claim, key)
+            for i in range(STEPS):
+                # The same write, alternated: the user's own transaction, then the step's.
+                started = time.perf_counter()
+                with store.engine.begin() as conn:
+                    _insert(conn, f"bare-{i}")
+                took = time.perf_counter() - started
+                if i:
+                    bare.append(took * 1000)
+                counter.reset()
+                started = time.perf_counter()
+                attempt.transaction(f"t{i}", no_input).run(_insert, (f"step-{i}",), {})
+                took = time.perf_counter() - started
+                (stepped if i else first).append(took * 1000)
+                if i:
+                    commits.append(counter.commits)
+            store.settle(key, claim.fence, EntryStatus.COMPLETED, result="null")
+    return median(bare), median(stepped), median(first), median(commits)
 
 
 def resume(store: LedgerStore, settings: LedgerSettings, repeat: int) -> tuple[float, int, int]:
@@ -178,6 +235,28 @@ def run(
                 report.add(
                     BENCH, f"{label} statements ({name})", stmts, "stmts/step", target=target
                 )
+            transaction_steps(store, settings, 2)  # warm
+            bare, stepped, first, commits = transaction_steps(store, settings, tasks)
+            note = f"median of {tasks} tasks x {STEPS - 1} steps, alternated in one run"
+            report.add(BENCH, f"bare write, user's own transaction ({name})", bare, "ms", note=note)
+            report.add(BENCH, f"transaction step, same write ({name})", stepped, "ms", note=note)
+            report.add(
+                BENCH,
+                f"transaction step / bare write ({name})",
+                stepped / bare,
+                "x",
+                target="<= 1.3",
+            )
+            report.add(
+                BENCH,
+                f"first transaction step of an entry ({name})",
+                first,
+                "ms",
+                note="+ its marker row (once per entry)",
+            )
+            report.add(
+                BENCH, f"transaction step commits ({name})", commits, "commits/step", target="1"
+            )
             ms, queries, stmts = resume(store, settings, resumes)
             report.add(
                 BENCH,

@@ -22,13 +22,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import cache
+from typing import Any
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Integer, String, Text, literal
 
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.core import StoreCore
+from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.errors import translate_db_errors
 from celery_ledger.ledger.outbox import Child, child_rows, insert_children
+from celery_ledger.ledger.schema import steps
 from celery_ledger.ledger.states import StepStatus
 
 #: The external reference of a transaction step's ``started`` row. Such a row is written only
@@ -38,8 +42,74 @@ from celery_ledger.ledger.states import StepStatus
 TRANSACTION_STEP_REF = "celery-ledger:transaction-step"
 
 
+def _completed_params(
+    key: str, fence: int, ident: tuple[str, str, int], seq: int, output: str | None
+) -> dict[str, Any]:
+    name, ihash, occurrence = ident
+    return {
+        "key": key,
+        "name": name,
+        "input_hash": ihash,
+        "occurrence": occurrence,
+        "seq": seq,
+        "status": StepStatus.COMPLETED.value,
+        "output": output,
+        "error": None,
+        "fence": fence,
+        "authorized": 0,
+    }
+
+
+@cache
+def _marker_insert(dialect: Any) -> Any:
+    """A transaction step's marker: its ``started`` row with ``TRANSACTION_STEP_REF``, fenced
+    on the entry like ``statements.step_upsert`` (one statement)."""
+    B = sql.B  # noqa: N806
+    now = db_now()
+    values: dict[str, Any] = {
+        "key": B("key", String),
+        "name": B("name", String),
+        "input_hash": B("input_hash", String),
+        "occurrence": B("occurrence", Integer),
+        "seq": B("seq", Integer),
+        "status": literal(StepStatus.STARTED.value, String),
+        "external_ref": literal(TRANSACTION_STEP_REF, Text),
+        "fence": B("fence", Integer),
+        "attempts": literal(1, Integer),
+        "authorized": literal(0, Integer),
+        "started_at": now,
+    }
+    source = sql.live_entry(B("key"), B("fence")).with_only_columns(*values.values())
+    ins = dialect.insert(steps).from_select(list(values), source)
+    return ins.on_conflict_do_update(
+        index_elements=[steps.c.key, steps.c.name, steps.c.input_hash, steps.c.occurrence],
+        set_={"external_ref": ins.excluded.external_ref, "fence": ins.excluded.fence},
+        where=steps.c.status == StepStatus.STARTED.value,
+    ).returning(steps.c.fence)
+
+
 class TransactionSteps(StoreCore):
     """A step's completed row written in a transaction: the transaction step, the outbox."""
+
+    def write_transaction_marker(
+        self, key: str, fence: int, ident: tuple[str, str, int], *, seq: int
+    ) -> bool:
+        """Write a transaction step's marker row (``TRANSACTION_STEP_REF``), fenced, in one
+        statement (atomic). Returns False when this attempt was superseded (or the step's row
+        is completed already); nothing is written then."""
+        name, ihash, occurrence = ident
+        stmt = self.fast.compiled("txn-marker", lambda: _marker_insert(self.dialect))
+        params = {
+            "key": key,
+            "name": name,
+            "input_hash": ihash,
+            "occurrence": occurrence,
+            "seq": seq,
+            "fence": fence,
+        }
+        with self.fast.cursor() as cur:
+            cur.execute(stmt.sql, stmt.params(params))
+            return cur.fetchone() is not None
 
     @contextmanager
     def step_transaction(self) -> Iterator[Connection]:
@@ -111,23 +181,33 @@ class TransactionSteps(StoreCore):
         commits) and the row are one statement, one round trip. Returns False when the fence
         moved or the row is completed already: the caller must roll back.
         """
-        name, ihash, occurrence = ident
+        dbapi = conn.connection.dbapi_connection
+        assert dbapi is not None
+        return self.complete_on_dbapi(
+            dbapi, key, fence, ident, seq=seq, output=output, children=children
+        )
+
+    def complete_on_dbapi(
+        self,
+        dbapi: Any,
+        key: str,
+        fence: int,
+        ident: tuple[str, str, int],
+        *,
+        seq: int,
+        output: str | None,
+        children: Sequence[Child] = (),
+    ) -> bool:
+        """``complete_on`` on a raw DBAPI connection of the same driver as the ledger's, in
+        its open transaction (Django's connection inside ``transaction.atomic()``): the same
+        compiled statement on another cursor. Returns False when the fence moved or the row
+        is completed already: the caller must roll back."""
+        name, _, occurrence = ident
         stmt = self.fast.compiled(
             ("step", False, False), lambda: sql.step_upsert(self.dialect, False)
         )
-        params = {
-            "key": key,
-            "name": name,
-            "input_hash": ihash,
-            "occurrence": occurrence,
-            "seq": seq,
-            "status": StepStatus.COMPLETED.value,
-            "output": output,
-            "error": None,
-            "fence": fence,
-            "authorized": 0,
-        }
-        cur = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+        params = _completed_params(key, fence, ident, seq, output)
+        cur = dbapi.cursor()
         try:
             cur.execute(stmt.sql, stmt.params(params))
             if cur.fetchone() is None:
@@ -142,8 +222,25 @@ class TransactionSteps(StoreCore):
             cur.close()
         return True
 
-    def commit_transaction(self, conn: Connection) -> None:
-        """Commit a ``step_transaction`` after its ``complete_on`` returned True.
+    def commit_step(
+        self,
+        conn: Connection,
+        key: str,
+        fence: int,
+        ident: tuple[str, str, int],
+        *,
+        seq: int,
+        output: str | None,
+        children: Sequence[Child] = (),
+    ) -> bool:
+        """Write the ``completed`` row (and the children) on ``conn`` and commit the caller's
+        ``step_transaction``, fenced: the block's writes and the row commit together.
+
+        One statement for the row and its fence check (``complete_on``), then the commit: the
+        block's round trips plus one (children add one more).
+
+        Returns False when the fence moved (nothing committed: the block's writes are rolled
+        back with the row).
 
         Raises:
             LedgerUnavailable: the commit did not reach the database, or its answer was lost.
@@ -151,5 +248,8 @@ class TransactionSteps(StoreCore):
                 the block's writes or neither did, and the next attempt replays or re-runs
                 accordingly.
         """
+        if not self.complete_on(conn, key, fence, ident, seq=seq, output=output, children=children):
+            return False
         with translate_db_errors():
             conn.commit()
+        return True

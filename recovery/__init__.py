@@ -1,6 +1,7 @@
 """Recovery: sweeps, resume and reconcilers. Uses ``celery_ledger.ledger`` and a Celery app it is
 given."""
 
+from celery_ledger.recovery.outbox import PARENT_HEADER, publish, send_child, sweep_outbox
 from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciled, Reconciler, ask
 from celery_ledger.recovery.sweep import (
     ResumeOutcome,
@@ -23,6 +24,11 @@ __all__ = [
     "ResumeOutcome",
     "read_snapshot",
     "UnreadableSnapshot",
+    # The outbox
+    "publish",
+    "send_child",
+    "sweep_outbox",
+    "PARENT_HEADER",
     # Reconcilers
     "AmbiguousStep",
     "Reconciled",

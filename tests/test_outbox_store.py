@@ -111,8 +111,7 @@ def test_transaction_step_commits_its_writes_with_its_row(store) -> None:
     c = claim(store)
     with store.step_transaction() as conn:
         conn.execute(app_rows.insert().values(v="credit"))
-        assert store.complete_on(conn, c.key, c.fence, ("credit", "h", 0), seq=1, output='"ok"')
-        store.commit_transaction(conn)
+        assert store.commit_step(conn, c.key, c.fence, ("credit", "h", 0), seq=1, output='"ok"')
     assert app_count(store) == 1
     assert [(s.name, s.status) for s in store.load_steps(c.key)] == [
         ("credit", StepStatus.COMPLETED)
@@ -123,9 +122,43 @@ def test_a_stale_fence_rolls_the_transaction_back(store) -> None:
     c = claim(store)
     with store.step_transaction() as conn:
         conn.execute(app_rows.insert().values(v="credit"))
-        refused = store.complete_on(conn, c.key, c.fence + 1, ("credit", "h", 0), seq=1, output="1")
+        refused = store.commit_step(
+            conn,
+            c.key,
+            c.fence + 1,
+            ("credit", "h", 0),
+            seq=1,
+            output="1",
+            children=[child(c.key, 0)],
+        )
     assert refused is False
     assert app_count(store) == 0 and store.load_steps(c.key) == ()
+    assert store.children_of(c.key) == []
+
+
+def test_a_transaction_step_commits_its_children_with_its_row(store) -> None:
+    c = claim(store)
+    kids = [child(c.key, 0, "book"), child(c.key, 1, "book")]
+    with store.step_transaction() as conn:
+        conn.execute(app_rows.insert().values(v="book"))
+        assert store.commit_step(
+            conn, c.key, c.fence, ("book", "h", 0), seq=1, output="1", children=kids
+        )
+    assert app_count(store) == 1
+    assert [m.child_id for m in store.unpublished()] == [k.child_id for k in kids]
+
+
+def test_a_completed_row_is_not_written_twice_by_a_transaction(store) -> None:
+    """The same step committed already (under this fence): a second commit writes nothing."""
+    c = claim(store)
+    for expected in (True, False):
+        with store.step_transaction() as conn:
+            conn.execute(app_rows.insert().values(v="credit"))
+            assert (
+                store.commit_step(conn, c.key, c.fence, ("credit", "h", 0), seq=1, output="1")
+                is expected
+            )
+    assert app_count(store) == 1
 
 
 def test_leaving_the_block_without_commit_rolls_back(store) -> None:

@@ -250,3 +250,16 @@ def test_arguments_deeper_than_a_worker_decodes_are_refused_naming_the_depth() -
     check_depth(value, what="arguments of t")  # exactly at the limit
     with pytest.raises(PayloadTooLarge, match=f"nest {MAX_ARGUMENT_DEPTH + 1} levels deep"):
         check_depth({"k": value}, what="arguments of t")
+
+
+def test_a_transaction_steps_marker_does_not_hold_its_position() -> None:
+    """Issue 16: a transaction step that died before its commit left only its marker row
+    (``started``, ``TRANSACTION_STEP_REF``); nothing of it committed, so the step coming back
+    with another input is not drift."""
+    from dataclasses import replace
+
+    from celery_ledger.ledger import TRANSACTION_STEP_REF
+
+    marker = replace(row("credit", H["a"], 0, "started"), external_ref=TRANSACTION_STEP_REF)
+    ident, found = place(ReplayBook([marker]), "credit", H["x"])
+    assert found is None and ident == ("credit", H["x"], 0)

@@ -86,6 +86,10 @@ def check(report: dict[str, Any]) -> dict[str, Any]:
     assert accounted == TASKS, led
     for blocked in led["blocked_orders"]:  # parked with the step that may have executed
         assert blocked["reason"] and blocked["ambiguous_steps"], blocked
+    # Issue 16: every completed order sent its child through the outbox; none was lost, and
+    # a duplicate child would have shown in duplicate_effects.
+    assert led["children_lost"] == 0, led
+    assert 0 < led["children_completed"] <= led["completed"], led  # every 5th order sends one
     plain = report["runs"]["plain"]
     for name in ("completed", "lost", "duplicate_effects", "charged_twice"):
         assert isinstance(plain[name], int) and plain[name] >= 0
@@ -112,6 +116,13 @@ def test_verify_on_the_embedded_default():
 def test_verify_on_postgresql_and_redis(redis, pg_url):
     report = verify("--broker", redis, "--ledger", pg_url)
     led = check(report)
+    # The effects are in the ledger's database: receipts and children are transaction steps,
+    # never ambiguous, so the child of every completed order that sends one completed.
+    parked = {o["order_id"] for o in led["blocked_orders"] + led["failed_orders"]}
+    assert len(parked) == led["blocked"] + led["failed"], led
+    senders = [i for i in range(TASKS) if i % 5 == 0]  # demo_app.sends_child
+    expected = sum(1 for i in senders if not any(p.endswith(f"-{i:04d}") for p in parked))
+    assert led["children_completed"] == expected, led
     assert report["broker"].startswith("redis://")
     assert not report["chaos"]["skipped"], report["chaos"]["skipped"]
     # Redis gives back what a killed worker held, so nothing may go missing before a claim.
@@ -127,6 +138,7 @@ def test_verify_on_postgresql_and_redis(redis, pg_url):
     try:
         with engine.connect() as conn:
             assert conn.execute(text("SELECT COUNT(*) FROM ledger_entries")).scalar_one() == 0
+            assert conn.execute(text("SELECT COUNT(*) FROM ledger_outbox")).scalar_one() == 0
             assert not [
                 t for t in inspect(conn).get_table_names() if t.startswith("celery_ledger_demo_")
             ]

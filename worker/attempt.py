@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from typing import Any, NoReturn, Protocol, TypeVar
 
@@ -41,7 +42,6 @@ from celery_ledger.ledger import (
     Verdict,
     step_provider_key,
 )
-from celery_ledger.ledger.transactions import TRANSACTION_STEP_REF
 from celery_ledger.outbox import Sends
 from celery_ledger.recovery.outbox import publish
 from celery_ledger.replay import Drift, Ident, Identify, ReplayBook, check_step_name, identity_of
@@ -395,17 +395,20 @@ class Attempt:
             # No replay row yet: a crash inside would leave none, and the next attempt would
             # take the body for a stepless one that ran (ambiguous). One marker row, once
             # per entry, says a step was under way (``TRANSACTION_STEP_REF``).
-            self._fenced(self._write(ident, seq, StepStatus.STARTED), f"step {name} start")
             self._fenced(
                 self._retrying(
-                    lambda: self._store.record_external_ref(
-                        self.key, self.fence, ident, TRANSACTION_STEP_REF
+                    lambda: self._store.write_transaction_marker(
+                        self.key, self.fence, ident, seq=seq
                     ),
                     f"step {name} marker",
                 ),
                 f"step {name} marker",
             )
         return TransactionStep(self, ident, seq, replayed=None, session=session)
+
+    def open_transaction(self) -> AbstractContextManager[Any]:
+        """A connection of the ledger's engine in a new transaction (``step_transaction``)."""
+        return self._store.step_transaction()
 
     def enter_transaction(self, ident: Ident) -> Sends:
         """Mark the transaction step ``ident`` as running (for ``send`` and nesting)."""
@@ -417,6 +420,21 @@ class Attempt:
     def leave_transaction(self) -> None:
         self.current = None
         self._sends = None
+
+    def complete_on_connection(
+        self, dbapi: Any, ident: Ident, seq: int, encoded: str, sends: Sends
+    ) -> None:
+        """Write the step's completed row (and its children) on a DBAPI connection in its
+        open transaction, which the caller commits (Django's, in ``django_steps``).
+
+        Raises:
+            Fenced: this attempt was superseded; the caller must roll back.
+        """
+        self._check_fence()
+        ok = self._store.complete_on_dbapi(
+            dbapi, self.key, self.fence, ident, seq=seq, output=encoded, children=sends.children
+        )
+        self._fenced(ok, f"transaction step {ident[0]} complete")
 
     def complete_transaction(
         self, conn: Any, ident: Ident, seq: int, encoded: str, sends: Sends
@@ -430,11 +448,10 @@ class Attempt:
                 it committed; the next attempt replays or re-runs accordingly).
         """
         self._check_fence()
-        ok = self._store.complete_on(
+        ok = self._store.commit_step(
             conn, self.key, self.fence, ident, seq=seq, output=encoded, children=sends.children
         )
         self._fenced(ok, f"transaction step {ident[0]} complete")
-        self._store.commit_transaction(conn)
 
     def _write(
         self,

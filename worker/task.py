@@ -186,6 +186,17 @@ class LedgerTask(Task):
         )
         return tx.run(fn, args, kwargs)
 
+    def django_transaction_step(
+        self, name: str, fn: Callable[..., Any], *args: Any, using: str = "default", **kwargs: Any
+    ) -> Any:
+        """A transaction step on Django's connection: ``fn(*args, **kwargs)`` runs inside
+        ``transaction.atomic(using=using)`` and the step's completed row commits with its
+        model writes (``celery_ledger.django_steps``). The ledger must live in that
+        database. On replay, the stored output, and ``fn`` is not called."""
+        from celery_ledger.django_steps import django_transaction_step
+
+        return django_transaction_step(self._attempt(), name, fn, args, kwargs, using=using)
+
     def send(self, sig: Any) -> str:
         """Send a child task from inside a step, through the transactional outbox.
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.orm import Session
 
@@ -31,9 +31,30 @@ from celery_ledger.codec import decode, encode
 from celery_ledger.crashpoints import crash_point
 
 if TYPE_CHECKING:
-    from celery_ledger.attempt import Attempt
+    from contextlib import AbstractContextManager
+
     from celery_ledger.outbox import Sends
     from celery_ledger.replay import Ident
+    from celery_ledger.settings import LedgerSettings
+
+
+class TransactionOwner(Protocol):
+    """What a transaction step needs from its attempt (``Attempt``; a protocol, so that the
+    attempt, which makes transaction steps, and this module do not import each other)."""
+
+    settings: LedgerSettings
+
+    def open_transaction(self) -> AbstractContextManager[Any]: ...
+
+    def enter_transaction(self, ident: Ident) -> Sends: ...
+
+    def leave_transaction(self) -> None: ...
+
+    def complete_transaction(
+        self, conn: Any, ident: Ident, seq: int, encoded: str, sends: Sends
+    ) -> None: ...
+
+    def publish_children(self, ident: Ident, sends: Sends) -> None: ...
 
 
 class _SkipBlock(Exception):  # noqa: N818 - a control-flow signal, caught by __exit__ below
@@ -48,7 +69,13 @@ class TransactionStep:
     """
 
     def __init__(
-        self, attempt: Attempt, ident: Ident, seq: int, *, replayed: str | None, session: bool
+        self,
+        attempt: TransactionOwner,
+        ident: Ident,
+        seq: int,
+        *,
+        replayed: str | None,
+        session: bool,
     ) -> None:
         self._attempt = attempt
         self.ident = ident
@@ -65,6 +92,11 @@ class TransactionStep:
     @property
     def name(self) -> str:
         return self.ident[0]
+
+    @property
+    def seq(self) -> int:
+        """The step's execution order (its replay row's ``seq``)."""
+        return self._seq
 
     # -- the function form ----------------------------------------------------------------
 
@@ -122,7 +154,7 @@ class TransactionStep:
     def _open(self) -> Any:
         attempt = self._attempt
         stack = self._stack = contextlib.ExitStack()
-        conn = self._conn = stack.enter_context(attempt._store.step_transaction())
+        conn = self._conn = stack.enter_context(attempt.open_transaction())
         self._sends = attempt.enter_transaction(self.ident)
         stack.callback(attempt.leave_transaction)
         if self._session:

@@ -46,9 +46,9 @@ from sqlalchemy.exc import DBAPIError
 
 from celery_ledger.codec import decode
 from celery_ledger.harness import canvas_load
-from celery_ledger.ledger import BODY_STEP, EntryStatus, StepStatus, entry_key
+from celery_ledger.ledger import BODY_STEP, EntryStatus, StepStatus, child_task_id, entry_key
 from celery_ledger.ledger.engine import READ_ONLY, make_engine
-from celery_ledger.ledger.schema import entries, events, steps
+from celery_ledger.ledger.schema import entries, events, outbox, steps
 from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciled
 
 log = logging.getLogger(__name__)
@@ -70,9 +70,22 @@ ENV_PREFETCH = "CELERY_LEDGER_DEMO_PREFETCH"
 PLAIN = "celery_ledger.demo.plain_order"
 PLAIN_ACKS_LATE = "celery_ledger.demo.plain_order_acks_late"
 LEDGERED = "celery_ledger.demo.ledgered_order"
+#: The child a ledgered order sends through the outbox (issue 16): one ``notify`` effect.
+LEDGERED_NOTIFY = "celery_ledger.demo.ledgered_notify"
 
 #: The effect steps of an order, in order.
 EFFECTS = ("reserve", "charge", "receipt")
+#: The effect of the child a ledgered order sends.
+CHILD_EFFECT = "notify"
+#: Every n-th ledgered order sends a child: enough to prove the outbox under the chaos, few
+#: enough that the ledgered run's length (its exposure to the chaos) stays about the same.
+CHILD_EVERY = 5
+
+
+def sends_child(order_id: str) -> bool:
+    """Whether the ledgered order ``order_id`` (``<run>-<n>``) sends a child."""
+    number = order_id.rsplit("-", 1)[-1]
+    return number.isdigit() and int(number) % CHILD_EVERY == 0
 
 
 @contextmanager
@@ -166,6 +179,15 @@ class EffectsDb:
             )
         return f"{effect}:{order_id}"
 
+    def record_on(self, conn: Connection, run: str, order_id: str, effect: str) -> str:
+        """Perform one effect on ``conn``, in its transaction (a transaction step's block)."""
+        conn.execute(
+            insert(self.tables.effects).values(
+                run=run, order_id=order_id, effect=effect, pid=os.getpid(), at=time.time()
+            )
+        )
+        return f"{effect}:{order_id}"
+
     def count(self, order_id: str, effect: str) -> int:
         t = self.tables.effects
         with reading(self.engine) as conn:
@@ -197,19 +219,30 @@ def quote(order_id: str, amount: int) -> dict[str, Any]:
 
 
 def run_order(
-    step: StepRunner, db: EffectsDb, run: str, order_id: str, amount: int, gap: float
+    step: StepRunner,
+    db: EffectsDb,
+    run: str,
+    order_id: str,
+    amount: int,
+    gap: float,
+    transaction: StepRunner | None = None,
 ) -> dict[str, Any]:
     """The order's body, shared by the plain and the ledgered task.
 
     ``gap`` is work between the effects (talking to the warehouse, the bank): it is where a
-    crash usually lands, and why a crash leaves orders half done.
+    crash usually lands, and why a crash leaves orders half done. ``transaction`` (a ledgered
+    order whose effects table is in the ledger's database): the receipt is a transaction
+    step, its row committed with the step's own.
     """
     price = step("quote", quote, order_id, amount, effect=False)
     reserved = step("reserve", db.record, run, order_id, "reserve")
     time.sleep(gap)
     charged = step("charge", db.record, run, order_id, "charge")
     time.sleep(gap)
-    receipt = step("receipt", db.record, run, order_id, "receipt")
+    if transaction is not None:
+        receipt = transaction("receipt", db.record_on, run, order_id, "receipt")
+    else:
+        receipt = step("receipt", db.record, run, order_id, "receipt")
     return {"order_id": order_id, "amount": price["amount"], "steps": [reserved, charged, receipt]}
 
 
@@ -241,7 +274,7 @@ def make_reconciler(db: EffectsDb) -> Callable[[AmbiguousStep], Reconciled]:
             return Reconciled.not_executed(
                 "every effect of an order is a fenced step, and no step row exists"
             )
-        if step.step in EFFECTS and db.count(order_id, step.step) >= 1:
+        if step.step in (*EFFECTS, CHILD_EFFECT) and db.count(order_id, step.step) >= 1:
             db.note_answer(order_id, step.step, "completed")
             return Reconciled.completed(
                 f"{step.step}:{order_id}", note="the effect row is at the provider"
@@ -336,13 +369,21 @@ def build_app(env: Mapping[str, str] | None = None) -> Celery:
             options["unacked_restore_interval"] = 1
             options["unacked_restore_throttle"] = 1
     app.conf.broker_transport_options = options
-    register(app, EffectsDb(cfg.effects_url, cfg.namespace))
+    # Transaction steps need the effects table in the ledger's own database (verify and demo
+    # with --ledger: one database; the embedded default keeps two SQLite files).
+    shared = cfg.ledger_url is not None and cfg.effects_url == cfg.ledger_url
+    register(app, EffectsDb(cfg.effects_url, cfg.namespace), transactions=shared)
     return app
 
 
-def register(app: Celery, db: EffectsDb) -> None:
-    """Register the three order tasks on ``app``, and on ``app`` only (``shared=False``): the
-    demo's commands build one app per run in one process, each with its own effects table."""
+def register(app: Celery, db: EffectsDb, *, transactions: bool = False) -> None:
+    """Register the three order tasks (and the ledgered order's child) on ``app``, and on
+    ``app`` only (``shared=False``): the demo's commands build one app per run in one
+    process, each with its own effects table.
+
+    The ledgered order ends by sending its child (``notify``) through the outbox from a step
+    of its own; with ``transactions`` its receipt, and the child's effect, are transaction
+    steps."""
     from celery_ledger.task import LedgerTask
 
     @app.task(name=PLAIN, shared=False)
@@ -364,9 +405,30 @@ def register(app: Celery, db: EffectsDb) -> None:
     def ledgered_order(
         self: Any, run: str, order_id: str, amount: int, gap: float
     ) -> dict[str, Any]:
-        result = run_order(self.step, db, run, order_id, amount, gap)
+        txn = self.transaction_step if transactions else None
+        result = run_order(self.step, db, run, order_id, amount, gap, transaction=txn)
+        # Its own step, not the receipt's: a reconciler's "completed" verdict on an ambiguous
+        # effect step records no children, and this step is never ambiguous (effect=False).
+        if sends_child(order_id):
+            result["child"] = self.step(
+                "send-notify", lambda: self.send(ledgered_notify.s(run, order_id)), effect=False
+            )
         result["replayed"] = self.ledger_attempt.replayed
         return result
+
+    @app.task(
+        base=LedgerTask,
+        bind=True,
+        name=LEDGERED_NOTIFY,
+        shared=False,
+        reconciler=make_reconciler(db),
+    )
+    def ledgered_notify(self: Any, run: str, order_id: str) -> str:
+        if transactions:
+            return str(
+                self.transaction_step(CHILD_EFFECT, db.record_on, run, order_id, CHILD_EFFECT)
+            )
+        return str(self.step(CHILD_EFFECT, db.record, run, order_id, CHILD_EFFECT))
 
     canvas_load.register(app, db)
 
@@ -453,6 +515,27 @@ def reconciler_answers(db: EffectsDb) -> dict[str, int]:
 def ledger_key(order_id: str) -> str:
     """The entry key ``ledgered_order`` claims for ``order_id`` (``key_from=("order_id",)``)."""
     return entry_key(LEDGERED, {"order_id": order_id})
+
+
+def child_key(order_id: str) -> str:
+    """The entry key of the ``notify`` child the ledgered order of ``order_id`` sends: keyed
+    by its task id, which the outbox derives from the parent's key and the sending step."""
+    return entry_key(LEDGERED_NOTIFY, child_task_id(ledger_key(order_id), "send-notify", 0, 0))
+
+
+def child_statuses(ledger_engine: Engine, order_ids: Iterable[str]) -> dict[str, EntryStatus]:
+    """order id -> the status of its child's entry, for the orders that send a child
+    (``sends_child``) and whose child has an entry."""
+    by_key = {child_key(o): o for o in order_ids if sends_child(o)}
+    keys = list(by_key)
+    found: dict[str, EntryStatus] = {}
+    with reading(ledger_engine) as conn:
+        for i in range(0, len(keys), 500):
+            for key, status in conn.execute(
+                select(entries.c.key, entries.c.status).where(entries.c.key.in_(keys[i : i + 500]))
+            ):
+                found[by_key[key]] = EntryStatus(status)
+    return found
 
 
 @dataclass(frozen=True)
@@ -562,6 +645,10 @@ class RunReport:
     duplicate_rate: float = 0.0
     #: The ledger's own count of unauthorized step re-runs (ledgered runs only).
     ledger_duplicate_executions: int = 0
+    #: Ledgered runs: completed orders whose child (sent through the outbox) completed, and
+    #: those whose child never ran to an end (neither completed nor parked): lost children.
+    children_completed: int = 0
+    children_lost: int = 0
     steps_replayed: int = 0
     resumed: int = 0
     #: A few keys of resumed entries (for ``celery-ledger show``).
@@ -622,6 +709,10 @@ def tally(
         r.ledger_duplicate_executions = sum(o.unauthorized_reruns for o in outcomes.values())
         r.reconciler = reconciler_answers(db)
         settled = (EntryStatus.COMPLETED, EntryStatus.BLOCKED, EntryStatus.FAILED)
+        done = [o for o, s in status.items() if s is EntryStatus.COMPLETED and sends_child(o)]
+        children = child_statuses(ledger_engine, done)
+        r.children_completed = sum(1 for s in children.values() if s is EntryStatus.COMPLETED)
+        r.children_lost = sum(1 for o in done if children.get(o) not in settled)
         # An entry no attempt ever executed is a publish intent whose message the broker
         # dropped: never claimed, like an order with no entry at all.
         intent_only = {o for o, out in outcomes.items() if out.executions == 0}
@@ -640,15 +731,18 @@ def tally(
 
 
 def drop_namespace(ledger_engine: Engine | None, order_ids: Iterable[str], db: EffectsDb) -> None:
-    """Remove what a run left: its ledger entries (with steps and events) and its tables."""
+    """Remove what a run left: its ledger entries (with steps and events), its children's
+    entries and outbox rows, and its tables."""
     if ledger_engine is not None:
-        keys = [ledger_key(o) for o in order_ids]
+        ids = list(order_ids)
+        keys = [ledger_key(o) for o in ids] + [child_key(o) for o in ids if sends_child(o)]
         with ledger_engine.begin() as conn:
             for i in range(0, len(keys), 500):
                 chunk = keys[i : i + 500]
                 conn.execute(delete(steps).where(steps.c.key.in_(chunk)))
                 conn.execute(delete(events).where(events.c.key.in_(chunk)))
                 conn.execute(delete(entries).where(entries.c.key.in_(chunk)))
+                conn.execute(delete(outbox).where(outbox.c.parent_key.in_(chunk)))
     db.drop()
 
 

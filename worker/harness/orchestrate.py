@@ -384,6 +384,16 @@ class Workload:
             done = len(outcomes) == len(self.order_ids) and all(
                 o.status in final for o in outcomes.values()
             )
+            if done:
+                # The children the completed orders sent (through the outbox) are work the
+                # ledger owns too: the run is over once each of them settled or parked.
+                sent = [
+                    o
+                    for o, out in outcomes.items()
+                    if out.status is EntryStatus.COMPLETED and demo_app.sends_child(o)
+                ]
+                children = demo_app.child_statuses(ledger_engine, sent)
+                done = all(children.get(o) in final for o in sent)
             if any(o.status not in final for o in outcomes.values()):
                 self.mark_progress()
             idle = self.ledger_idle

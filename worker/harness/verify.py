@@ -32,8 +32,11 @@ claimed** (sent, but no ledger entry: the broker dropped the message before any 
 it, which no task-side ledger can see; ``filesystem://`` does this to what a SIGKILLed worker
 had fetched), failed, blocked (with the ambiguous step), duplicated effects and the duplicate
 rate (effect rows beyond one per order and effect), the ledger's own count of unauthorized
-step re-runs, resumed entries and replayed steps. The exit status is 1 if the ledgered run
-lost or duplicated anything.
+step re-runs, resumed entries and replayed steps. Every fifth ledgered order ends by sending a
+child task through the transactional outbox (issue 16), and with a ledger of its own database
+(``--ledger``) its receipt is a transaction step (the effects tables live in the ledger's
+database then): children that never ran to an end are counted as lost children. The exit
+status is 1 if the ledgered run lost or duplicated anything, its children included.
 """
 
 from __future__ import annotations
@@ -530,6 +533,7 @@ def run_verify(
         and led.duplicate_effects == 0
         and led.charged_twice == 0
         and led.ledger_duplicate_executions == 0
+        and led.children_lost == 0
         and canvas.ok
     )
     return VerifyReport(
@@ -589,6 +593,10 @@ ROWS = [
     ("charged twice", lambda r, n: str(r.charged_twice)),
     ("duplicate rate", lambda r, n: _rate(r)),
     ("ledger re-runs", lambda r, n: str(r.ledger_duplicate_executions) if r.ledgered else "-"),
+    (
+        "children run / lost",
+        lambda r, n: f"{r.children_completed} / {r.children_lost}" if r.ledgered else "-",
+    ),
     ("resumed", lambda r, n: str(r.resumed) if r.ledgered else "-"),
     ("steps replayed", lambda r, n: str(r.steps_replayed) if r.ledgered else "-"),
     ("time taken", lambda r, n: f"{r.seconds:.1f}s"),

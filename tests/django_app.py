@@ -1,0 +1,39 @@
+"""The Celery app of the Django tests: ``celery -A django_app worker``, Django set up first.
+
+Each task writes ``Credit`` rows through Django's ORM inside a Django transaction step; the
+ledger lives in Django's database (``TEST_DJANGO_DB`` = ``CELERY_LEDGER_URL``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import django
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "djangoproj.settings")
+django.setup()
+
+from django.db import transaction  # noqa: E402 - after django.setup()
+from djangoproj.models import Credit  # noqa: E402
+
+from celery_ledger import LedgerTask, create_app  # noqa: E402
+
+app = create_app("django_app")
+app.conf.task_default_queue = os.environ.get("TEST_QUEUE", "celery")
+
+
+def _credit(order_id: str, kind: str) -> str:
+    Credit.objects.create(order_id=order_id, kind=kind)
+    return f"{kind}:{order_id}"
+
+
+@app.task(
+    shared=False, base=LedgerTask, bind=True, name="django_app.credit", key_from=("order_id",)
+)
+def credit(self: LedgerTask, order_id: str) -> list[str]:
+    """A Django transaction step on its own, then one inside the caller's atomic block."""
+    first = self.django_transaction_step("credit", _credit, order_id, "credit")
+    with transaction.atomic():
+        Credit.objects.create(order_id=order_id, kind="outer")
+        second = self.django_transaction_step("bonus", _credit, order_id, "bonus")
+    return [first, second]
