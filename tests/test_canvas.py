@@ -322,3 +322,20 @@ def test_link_error_under_redelivery_runs_a_ledgered_errback_once(tmp_path, redi
             what="the errback delivered twice",
         )
     assert effect_counts(pg_url, tag) == {(tag, "failing"): 1, (tag, "errback"): 1}
+
+
+def test_chord_unlock_killed_still_calls_back_embedded(tmp_path, sqlite_url):
+    """db+sqlite results: the callback is published by Celery's ``celery.chord_unlock``, which
+    Celery acks before it runs. Its pool process is killed as it starts: a ledger worker
+    delivers it acks_late + reject_on_worker_lost, so it comes back and calls back once."""
+    env = crash_env(tmp_path, None, sqlite_url, "chord-unlock")
+    app = client_app(env)
+    tag = "chord-unlock"
+    with processes(tmp_path, env) as procs:
+        procs.worker("w1", concurrency=1)
+        result = chord_of(app, tag, 3, 0.0).apply_async()
+        assert result.get(timeout=90) == [0, 1, 4]
+    assert crashed(tmp_path, "chord-unlock"), "chord_unlock never started"
+    expected = {(tag, f"member{n}"): 1 for n in range(3)}
+    expected[(tag, "callback")] = 1
+    assert effect_counts(sqlite_url, tag) == expected

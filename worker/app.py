@@ -146,6 +146,7 @@ def _connect_signals() -> None:
     signals.worker_before_create_process.connect(_on_before_fork, weak=False)
     signals.after_task_publish.connect(on_task_published, weak=False)
     signals.worker_ready.connect(_on_worker_ready, weak=False)
+    signals.task_prerun.connect(canvas.on_task_prerun, weak=False)
     signals.beat_init.connect(_on_beat_init, weak=False)
 
 

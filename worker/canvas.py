@@ -24,6 +24,7 @@ from celery.canvas import Signature, maybe_signature
 
 from celery_ledger import runtime
 from celery_ledger.codec import encode
+from celery_ledger.crashpoints import crash_point
 from celery_ledger.ledger import LINKS_STEP, Child, LedgerStore, OutboxMessage, child_task_id
 from celery_ledger.recovery.outbox import publish
 
@@ -171,3 +172,13 @@ def keep_chord_unlock(app: Any) -> None:
     if task is not None:
         task.acks_late = True
         task.reject_on_worker_lost = True
+
+
+def on_task_prerun(sender: Any = None, **_: Any) -> None:
+    """``task_prerun``: the crash point ``chord-unlock`` fires as Celery's
+    ``celery.chord_unlock`` starts in a pool process of a ledger app."""
+    if sender is None or getattr(sender, "name", None) != "celery.chord_unlock":
+        return
+    if not getattr(sender.app, "_ledger_installed", False):
+        return
+    crash_point(runtime.settings_for(sender.app), "chord-unlock")
