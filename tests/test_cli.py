@@ -499,6 +499,7 @@ def test_doctor_passes_on_the_embedded_default(
         "visibility",
         "rabbitmq",
         "acks",
+        "chords",
         "beat",
         "reconcilers",
     }
@@ -521,6 +522,21 @@ def test_doctor_warns_about_redis_visibility_and_sqlite_with_a_network_broker(
     assert "WAIT gate" in checks["visibility"]["reason"]
     expected = "WARN" if ledger_url.startswith("sqlite") else "PASS"
     assert checks["backend"]["status"] == expected
+
+
+def test_doctor_warns_about_chord_counting_before_celery_5_7(
+    cli: Any, store: LedgerStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import celery
+
+    monkeypatch.setenv("CELERY_RESULT_BACKEND", "redis://127.0.0.1:6379/15")  # never connected
+    checks = {c["name"]: c for c in json.loads(cli("doctor", "--json").stdout)["checks"]}
+    assert checks["chords"]["status"] == "PASS"
+    assert checks["chords"]["reason"].startswith(f"Celery {celery.__version__}")
+    monkeypatch.setattr(celery, "VERSION", (5, 5, 3, "", ""))
+    checks = {c["name"]: c for c in json.loads(cli("doctor", "--json").stdout)["checks"]}
+    assert checks["chords"]["status"] == "WARN"
+    assert "counts a chord member once per delivery" in checks["chords"]["reason"]
 
 
 def test_schema_newer_than_the_code_is_refused_everywhere(
