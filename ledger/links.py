@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from sqlalchemy import or_, select
 
 from celery_ledger.ledger import statements as sql
-from celery_ledger.ledger.core import Note, StoreCore
+from celery_ledger.ledger.core import Note, StoreCore, _OnCursor
 from celery_ledger.ledger.outbox import Child, child_rows, insert_children
 from celery_ledger.ledger.schema import entries, outbox
 from celery_ledger.ledger.states import EntryStatus
@@ -76,16 +76,25 @@ class LinkQueries(StoreCore):
             "due_abs": None,
             "new_snapshot": None,
         }
-        with self._txn() as conn:
+        fast = self.fast
+        settle = fast.compiled(("settle", True), lambda: sql.settle_update(self.dialect, True))
+        record = fast.compiled("outbox-insert", lambda: insert_children(self.dialect))
+        rows_params = [record.params(r) for r in child_rows(key, fence, LINKS_STEP, 0, links)]
+        # The hot path's cursor, as the settle without links: one unit of work. It is a
+        # transaction on SQLite already (BEGIN IMMEDIATE); on PostgreSQL its connection is in
+        # autocommit, so this unit opens one itself (an error closes the connection, which
+        # rolls it back).
+        with fast.cursor() as cur:
+            if self.dialect.autocommit:
+                cur.execute("BEGIN")
             rows = self._write_with_event(
-                conn, sql.settle_update(self.dialect, True), params, Note("settled", actor)
+                _OnCursor(fast, cur), settle, params, Note("settled", actor)
             )
-            if not rows:
-                return False
-            conn.execute(
-                insert_children(self.dialect), child_rows(key, fence, LINKS_STEP, 0, links)
-            )
-        return True
+            if rows:
+                cur.executemany(record.sql, rows_params)
+            if self.dialect.autocommit:
+                cur.execute("COMMIT")
+        return bool(rows)
 
     def members(self, of: str, *, limit: int = 1000) -> list[Member]:
         """The entries published in group ``of`` or by the task ``of`` (its parent), oldest

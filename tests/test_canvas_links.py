@@ -97,3 +97,63 @@ def test_a_return_that_cannot_read_its_links_touches_nothing(app: Celery) -> Non
             SimpleNamespace(app=app, name="proj.first", request=req), DownStore(), "k" * 64, 1, [1]
         )  # type: ignore[arg-type]
     assert req.chain == [dict(second)]
+
+
+# -- the store: a settle that records links, and a group's members (SQLite and PostgreSQL) ----
+
+
+def claim(
+    store: Any, key: str, *, group_id: str | None = None, parent_id: str | None = None
+) -> int:
+    from celery_ledger.ledger import ClaimRequest, Owner
+
+    c = store.claim(
+        ClaimRequest(
+            key=key,
+            task_name="proj.link",
+            task_id=f"tid-{key}",
+            args_hash="h",
+            snapshot=None,
+            side_effect="non_idempotent",
+            owner=Owner("node@test", "boot", 1),
+            lease_seconds=60.0,
+            group_id=group_id,
+            parent_id=parent_id,
+        )
+    )
+    return int(c.fence)
+
+
+def test_settle_with_links_is_one_fenced_write(store: Any) -> None:
+    from celery_ledger.ledger import Child, EntryStatus
+
+    fence = claim(store, "k1")
+    link = Child("next-1", "proj.link", '{"args": [], "kwargs": {}, "options": {}}', 0)
+    # A superseded attempt writes nothing: no settle, no link.
+    assert store.settle_with_links("k1", fence + 1, result="1", links=[link]) is False
+    assert store.get_entry("k1").status is EntryStatus.RUNNING
+    assert store.recorded_links("k1") == {}
+    assert store.settle_with_links("k1", fence, result="1", links=[link]) is True
+    entry = store.get_entry("k1")
+    assert entry.status is EntryStatus.COMPLETED and entry.result == "1"
+    assert store.recorded_links("k1") == {"next-1": False}
+    assert [m.child_id for m in store.unpublished()] == ["next-1"]
+    assert [e.event for e in store.entry_events("k1")][-1] == "settled"
+    # Settled once: a second settle is refused and records nothing more.
+    other = Child("next-2", "proj.link", link.payload, 1)
+    assert store.settle_with_links("k1", fence, result="2", links=[other]) is False
+    assert store.recorded_links("k1") == {"next-1": False}
+    store.mark_published(["next-1"])
+    assert store.recorded_links("k1") == {"next-1": True}
+    with pytest.raises(ValueError, match="use settle"):
+        store.settle_with_links("k1", fence, result="1", links=[])
+
+
+def test_members_of_a_group_and_of_a_parent(store: Any) -> None:
+    for n in range(3):
+        claim(store, f"m{n}", group_id="g-1", parent_id="tid-p")
+    claim(store, "other", group_id="g-2")
+    assert [m.key for m in store.members("g-1")] == ["m0", "m1", "m2"]
+    assert {m.key for m in store.members("tid-p")} == {"m0", "m1", "m2"}
+    assert [m.status.value for m in store.members("g-2")] == ["running"]
+    assert store.members("nobody") == []
