@@ -53,24 +53,30 @@ class LinkQueries(StoreCore):
         result: str | None,
         links: Sequence[Child],
         actor: str | None = None,
+        status: EntryStatus = EntryStatus.COMPLETED,
+        error: str | None = None,
     ) -> bool:
-        """Settle a running entry ``completed`` with ``result`` and record ``links`` as its
-        outbox children, in one transaction (atomic), fenced like ``settle``.
+        """Settle a running entry ``completed`` with ``result`` (or ``failed`` with ``error``:
+        the links are then its ``link_error`` callbacks) and record ``links`` as its outbox
+        children, in one transaction (atomic), fenced like ``settle``.
 
         Returns False when this attempt was superseded: nothing is written, no link recorded.
         A link id recorded already is left as it is.
 
         Raises:
-            ValueError: no links (that settle is ``settle``, one statement).
+            ValueError: no links (that settle is ``settle``, one statement), or a status
+                other than completed or failed.
         """
         if not links:
             raise ValueError("settle_with_links without links: use settle")
+        if status not in (EntryStatus.COMPLETED, EntryStatus.FAILED):
+            raise ValueError(f"a settle records links when completed or failed, not {status}")
         params = {
             "k": key,
             "f": fence,
-            "to_status": EntryStatus.COMPLETED.value,
+            "to_status": status.value,
             "new_result": result,
-            "new_error": None,
+            "new_error": error,
             "new_reason": None,
             "due_in": None,
             "due_abs": None,

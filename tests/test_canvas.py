@@ -296,10 +296,11 @@ def test_replace_under_redelivery(tmp_path, redis, pg_url, crash_at):
     assert received(log, result.id) == (4 if crash_at else 2)
 
 
-def test_link_error_under_redelivery_runs_a_ledgered_errback_once(tmp_path, redis, pg_url):
+def test_link_error_under_redelivery_is_published_once(tmp_path, redis, pg_url):
     """A failing task outlives a 2 s visibility timeout: Redis hands it to the other worker,
-    which WAITs and then RETURNs the stored failure, and Celery fires the errback again for
-    that delivery. An errback keyed by the failed task's id runs its body once."""
+    which WAITs and then RETURNs the stored failure. Its errback was recorded with the
+    failure and published once; the RETURN publishes it again neither itself nor through
+    Celery (which fires errbacks for every delivery that stores a failure)."""
     env = test_env(tmp_path, broker=redis, ledger_url=pg_url, TEST_VISIBILITY_TIMEOUT="2")
     app = client_app(env)
     tag = "link-error"
@@ -317,11 +318,19 @@ def test_link_error_under_redelivery_runs_a_ledgered_errback_once(tmp_path, redi
             what="the failing task delivered twice",
         )
         wait_for(
-            lambda: (w1.log_text() + w2.log_text()).count("tests_app.on_failure[") >= 4,
+            lambda: (w1.log_text() + w2.log_text()).count("ValueError('link-error failed')") >= 2,
             timeout=90,
-            what="the errback delivered twice",
+            what="the RETURN of the stored failure",
         )
+        # Anything that delivery published is ahead of these in the queue.
+        barriers = [app.send_task("tests_app.plain_add", args=(1, n)) for n in range(2)]
+        assert [b.get(timeout=60) for b in barriers] == [1, 2]
+        logs = w1.log_text() + w2.log_text()
     assert effect_counts(pg_url, tag) == {(tag, "failing"): 1, (tag, "errback"): 1}
+    errbacks = re.findall(r"Task tests_app\.on_failure\[[\w-]+\] received", logs)
+    assert len(errbacks) == 1, errbacks
+    store = LedgerStore(pg_url)
+    assert list(store.recorded_links(key_of("tests_app.fail_slowly", result.id)).values()) == [True]
 
 
 def test_chord_unlock_killed_still_calls_back_embedded(tmp_path, sqlite_url):

@@ -93,9 +93,8 @@ def test_a_return_that_cannot_read_its_links_touches_nothing(app: Celery) -> Non
     second.freeze("id-2")
     req = request(chain=[dict(second)])
     with pytest.raises(LedgerUnavailable):
-        canvas.returned(
-            SimpleNamespace(app=app, name="proj.first", request=req), DownStore(), "k" * 64, 1, [1]
-        )  # type: ignore[arg-type]
+        task_ = SimpleNamespace(app=app, name="proj.first", request=req)
+        canvas.returned(task_, DownStore(), "k" * 64, 1, canvas.links_of(task_, req, "k" * 64, [1]))  # type: ignore[arg-type]
     assert req.chain == [dict(second)]
 
 

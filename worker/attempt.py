@@ -580,7 +580,13 @@ class Attempt:
         def write() -> bool:
             if links:
                 return self._store.settle_with_links(
-                    self.key, self.fence, result=fields.get("result"), links=links, actor=self.actor
+                    self.key,
+                    self.fence,
+                    result=fields.get("result"),
+                    error=fields.get("error"),
+                    status=status,
+                    links=links,
+                    actor=self.actor,
                 )
             return self._store.settle(self.key, self.fence, status, actor=self.actor, **fields)
 

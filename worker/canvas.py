@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from celery.canvas import Signature, maybe_signature
+from celery.exceptions import NotRegistered
+from celery.utils.functional import arity_greater
 
 from celery_ledger import runtime
 from celery_ledger.codec import encode
@@ -43,9 +46,16 @@ class Links:
     chain: bool
     #: The callbacks left to Celery's tracer (not task signatures).
     callbacks_left: list[Any]
+    #: A failure's links: the ``link_error`` callbacks left to Celery (called in the worker
+    #: with the request and the exception, or not task signatures). None: success links.
+    errbacks_left: list[Any] | None = None
 
     def hand_over(self, request: Any) -> None:
         """Tell the tracer the links recorded here are not its to publish."""
+        if self.errbacks_left is not None:
+            if request.errbacks:
+                request.errbacks = self.errbacks_left or None
+            return
         if self.chain:
             request.chain = None
         if request.callbacks:
@@ -100,6 +110,56 @@ def links_of(task: Any, request: Any, key: str, retval: Any) -> Links:
     return Links(children, took_chain, left)
 
 
+def errback_links_of(task: Any, request: Any, key: str) -> Links:
+    """The ``link_error`` callbacks of a failed ``request`` that Celery would publish as
+    messages (errbacks taking only the failed task's id), as outbox children of ``key``.
+
+    Errbacks Celery calls in the worker itself (taking the request, the exception and the
+    traceback) are not messages and stay Celery's.
+
+    Raises:
+        PayloadError: an errback's arguments cannot be stored.
+    """
+    app = task.app
+    limit = runtime.settings_for(app).max_snapshot_bytes
+    children: list[Child] = []
+    left: list[Any] = []
+    parent = {"parent_id": request.id, "root_id": request.root_id or request.id}
+    for eb in request.errbacks or ():
+        sig = maybe_signature(eb, app=app)
+        if not _plain(sig) or _called_inline(task, sig):
+            left.append(eb)
+            continue
+        n = len(children)
+        args = list(sig.args or ()) if sig.immutable else [request.id, *(sig.args or ())]
+        options = {k: v for k, v in (sig.options or {}).items() if k not in _NOT_OPTIONS}
+        options.update(parent)
+        payload = encode(
+            {"args": args, "kwargs": dict(sig.kwargs or {}), "options": options},
+            limit=limit,
+            what=f"errback {sig.task} of {task.name}",
+            setting="ledger_max_snapshot_bytes",
+        )
+        child_id = (sig.options or {}).get("task_id") or child_task_id(key, LINKS_STEP, 0, n)
+        children.append(Child(child_id, sig.task, payload, n))
+    return Links(children, False, [], errbacks_left=left)
+
+
+def _called_inline(task: Any, sig: Signature) -> bool:
+    """Whether Celery calls this errback in the worker (``Backend._call_task_errbacks``): a
+    registered task whose run takes more than the failed task's id."""
+    try:
+        header = getattr(sig.type, "__header__", None)
+    except NotRegistered:
+        return False
+    if header is None or isinstance(header, partial):
+        return False
+    greater = getattr(task.backend, "_errback_arity_greater", None)
+    if greater is None:
+        return arity_greater(header, 1)
+    return bool(greater(sig, 1))
+
+
 def _plain(sig: Any) -> bool:
     """A task signature (not a group, chain or chord, which Celery publishes itself)."""
     return type(sig) is Signature and isinstance(sig.task, str)
@@ -133,7 +193,7 @@ def publish_links(
     )
 
 
-def returned(task: Any, store: LedgerStore, key: str, fence: int, retval: Any) -> None:
+def returned(task: Any, store: LedgerStore, key: str, fence: int, links: Links) -> None:
     """A RETURN gate: the links of this delivery that the settle recorded are the outbox's.
 
     Hand them over (the tracer must not publish them again) and publish those not confirmed
@@ -143,9 +203,6 @@ def returned(task: Any, store: LedgerStore, key: str, fence: int, retval: Any) -
     stored result.
     """
     request = task.request
-    if not (request.chain or request.callbacks):
-        return
-    links = links_of(task, request, key, retval)
     if not links.children:
         return
     recorded = store.recorded_links(key)

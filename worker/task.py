@@ -390,15 +390,21 @@ class LedgerTask(Task):
         )
 
         if claim.gate is Gate.RETURN:
-            if claim.error is not None:
-                raise self._stored_failure(claim.error)
-            retval = decode(claim.result)
+            retval = None if claim.error is not None else decode(claim.result)
             try:
-                canvas.returned(self, store, key, claim.fence, retval)
+                canvas.returned(
+                    self,
+                    store,
+                    key,
+                    claim.fence,
+                    self._links(key, retval, failed=claim.error is not None),
+                )
             except LedgerUnavailable as exc:
                 # Which links the settle recorded cannot be read: neither publish them nor
                 # let the tracer do it blind. Re-send this delivery (with its links) later.
                 ledger_unavailable(self, exc, args, kwargs)
+            if claim.error is not None:
+                raise self._stored_failure(claim.error)
             return retval
         if claim.gate is Gate.WAIT:
             countdown = min(max(claim.lease_remaining or 1.0, 1.0), settings.wait_countdown_max)
@@ -503,7 +509,7 @@ class LedgerTask(Task):
             except PayloadError as exc:
                 attempt.settle(EntryStatus.FAILED, error=self._dump_exc(exc, settings))
                 raise
-            links = self._links(attempt.key, encoded)
+            links = self._links(attempt.key, decode(encoded))
             crash_point(settings, "before-settle")
             if attempt.replayed:
                 self._emit("replayed", attempt.key, attempt.fence, steps=attempt.replayed)
@@ -520,14 +526,22 @@ class LedgerTask(Task):
             heartbeat.unregister(attempt)
             current_attempt.reset(token)
 
-    def _links(self, key: str, encoded: str) -> canvas.Links:
-        """The links this delivery publishes when it completes (``canvas.links_of``); none
-        taken over if one cannot be stored (the tracer then publishes them, as Celery does)."""
+    def _links(self, key: str, retval: Any, *, failed: bool = False) -> canvas.Links:
+        """The links this delivery publishes when it completes (``canvas.links_of``) or, if
+        ``failed``, its ``link_error`` callbacks (``canvas.errback_links_of``); none taken
+        over if one cannot be stored (the tracer then publishes them, as Celery does)."""
         req = self.request
-        if not (req.chain or req.callbacks):
-            return canvas.Links([], False, list(req.callbacks or ()))
+        nothing = canvas.Links([], False, list(req.callbacks or ()))
+        if failed:
+            nothing.errbacks_left = list(req.errbacks or ())
+            if not req.errbacks:
+                return nothing
+        elif not (req.chain or req.callbacks):
+            return nothing
         try:
-            return canvas.links_of(self, req, key, decode(encoded))
+            if failed:
+                return canvas.errback_links_of(self, req, key)
+            return canvas.links_of(self, req, key, retval)
         except PayloadError as exc:
             log.warning(
                 "links of key=%s task_id=%s not recorded (%s); Celery publishes them",
@@ -535,7 +549,7 @@ class LedgerTask(Task):
                 req.id,
                 exc,
             )
-            return canvas.Links([], False, list(req.callbacks or ()))
+            return nothing
 
     def _ambiguity(
         self, attempt: Attempt, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -549,7 +563,15 @@ class LedgerTask(Task):
     ) -> None:
         if attempt.ambiguous is not None and self._ambiguity(attempt, args, kwargs).after_escape():
             return  # blocked, or fenced out: nothing left to settle
-        attempt.settle(EntryStatus.FAILED, error=self._dump_exc(exc, attempt.settings))
+        # Its link_error callbacks are recorded with the failure, as a success's links are.
+        links = self._links(attempt.key, None, failed=True)
+        if attempt.settle(
+            EntryStatus.FAILED, error=self._dump_exc(exc, attempt.settings), links=links.children
+        ):
+            links.hand_over(self.request)
+            canvas.publish_links(
+                runtime.store_for(self.app), self.app, attempt.key, attempt.fence, links.children
+            )
 
     def _dump_exc(self, exc: BaseException, settings: LedgerSettings) -> str:
         limit = settings.max_exception_bytes
