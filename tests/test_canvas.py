@@ -348,3 +348,39 @@ def test_chord_unlock_killed_still_calls_back_embedded(tmp_path, sqlite_url):
     expected = {(tag, f"member{n}"): 1 for n in range(3)}
     expected[(tag, "callback")] = 1
     assert effect_counts(sqlite_url, tag) == expected
+
+
+def test_chain_resumed_by_the_sweep_keeps_its_links(tmp_path, redis, pg_url):
+    """The whole worker running the first link dies before the settle (parent too: Redis keeps
+    the message unacked for its visibility timeout, an hour). Beat's sweep interrupts the
+    entry when its lease ends and re-sends it from the argument snapshot: the snapshot keeps
+    its place in the chain, so the chain completes, each effect once."""
+    env = crash_env(
+        tmp_path,
+        redis,
+        pg_url,
+        "before-settle@worker",
+        CELERY_LEDGER_LEASE_SECONDS="3",
+        CELERY_LEDGER_SWEEP_INTERVAL="1",
+    )
+    app = client_app(env)
+    tag = "chain-sweep"
+    with processes(tmp_path, env) as procs:
+        procs.worker("w1", concurrency=1)
+        procs.worker("w2", concurrency=1)
+        procs.beat()
+        result = chain(
+            app.signature("tests_app.link", args=([], 1, tag)),
+            app.signature("tests_app.link", args=(2, tag)),
+            app.signature("tests_app.link", args=(3, tag)),
+        ).apply_async()
+        assert result.get(timeout=120) == [1, 2, 3]
+    assert crashed(tmp_path, "before-settle")
+    assert effect_counts(pg_url, tag) == {
+        (tag, "link1"): 1,
+        (tag, "link2"): 1,
+        (tag, "link3"): 1,
+    }
+    store = LedgerStore(pg_url)
+    first = store.get_entry(key_of("tests_app.link", result.parent.parent.id))
+    assert first.executions == 2 and first.status.value == "completed"

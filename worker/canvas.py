@@ -239,3 +239,32 @@ def on_task_prerun(sender: Any = None, **_: Any) -> None:
     if not getattr(sender.app, "_ledger_installed", False):
         return
     crash_point(runtime.settings_for(sender.app), "chord-unlock")
+
+
+#: A request's canvas fields, and the publish option each is re-sent with.
+_PLACEMENT = (
+    ("chain", "chain"),
+    ("callbacks", "link"),
+    ("errbacks", "link_error"),
+    ("chord", "chord"),
+    ("group", "group_id"),
+    ("group_index", "group_index"),
+    ("parent_id", "parent_id"),
+    ("root_id", "root_id"),
+)
+
+
+def placement(request: Any) -> dict[str, Any]:
+    """Where ``request`` sits in a canvas, as the publish options that put it back there: kept
+    in the entry's argument snapshot, so that recovery's re-send continues its chain, keeps its
+    callbacks and counts in its chord (``recovery.sweep._send``)."""
+    out: dict[str, Any] = {}
+    for field_, option in _PLACEMENT:
+        value = getattr(request, field_, None)
+        if value not in (None, [], ()):
+            out[option] = value
+    # Parent and root alone are no canvas (every task sent from a task has them): the
+    # snapshot of a plain task stays as it was.
+    if not set(out) - {"parent_id", "root_id"}:
+        return {}
+    return out

@@ -59,6 +59,7 @@ def encode_snapshot(
     ledger_key: Any,
     limit: int,
     retries: int = 0,
+    canvas: dict[str, Any] | None = None,
 ) -> str:
     """The stored argument snapshot of a task (``ArgumentSnapshot``), for recovery's resume.
 
@@ -67,7 +68,12 @@ def encode_snapshot(
         PayloadTooLarge: the snapshot exceeds ``limit`` (``ledger_max_snapshot_bytes``).
     """
     snapshot = ArgumentSnapshot(
-        args=args, kwargs=kwargs, queue=queue, ledger_key=ledger_key, retries=retries
+        args=args,
+        kwargs=kwargs,
+        queue=queue,
+        ledger_key=ledger_key,
+        retries=retries,
+        canvas=canvas or {},
     )
     return encode(
         snapshot.as_data(),
