@@ -142,9 +142,13 @@ def chord_with_kills(tmp_path, env, effects_url: str, tag: str, *, size: int = 1
     """A chord of ``size`` members on two pool processes; every pool process is SIGKILLed
     each time the members' effects pass 2, 5 and 8 (bounded: three rounds). Then: each member's
     effect once, the callback's once, with every result."""
+    # Recovery as deployed: beat's sweep re-sends what a kill stranded (a message handed to a
+    # pool process that died before it took it), after a short lease.
+    env = {**env, "CELERY_LEDGER_LEASE_SECONDS": "5", "CELERY_LEDGER_SWEEP_INTERVAL": "1"}
     app = client_app(env)
     with processes(tmp_path, env) as procs:
         worker = procs.worker("w1", concurrency=2)
+        procs.beat()
         result = chord_of(app, tag, size, 0.5).apply_async()
         kills = 0
         for passed in (2, 5, 8):
