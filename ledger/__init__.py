@@ -4,7 +4,9 @@ Knows nothing of Celery; a reader can test it with SQLAlchemy alone.
 """
 
 from celery_ledger.ledger.crashloop import CrashLoop, crash_loop_reason
+from celery_ledger.ledger.death import DeathSignal
 from celery_ledger.ledger.errors import (
+    DeathSignalRequired,
     EntryNotFound,
     Fenced,
     IdentityError,
@@ -12,6 +14,7 @@ from celery_ledger.ledger.errors import (
     LedgerBlocked,
     LedgerError,
     LedgerUnavailable,
+    MarkDeadRefused,
     OperatorTextError,
     PayloadError,
     PayloadNotSerializable,
@@ -19,6 +22,7 @@ from celery_ledger.ledger.errors import (
     ReleaseRefused,
     SchemaError,
     SchemaTooNew,
+    SnapshotSealError,
 )
 from celery_ledger.ledger.identity import (
     canonical_json,
@@ -45,6 +49,7 @@ from celery_ledger.ledger.outbox import (
     OutboxQueries,
     child_task_id,
 )
+from celery_ledger.ledger.sealing import SnapshotCipher, cipher_from, is_sealed, open_snapshot
 from celery_ledger.ledger.states import EntryStatus, Gate, SideEffect, StepStatus, Verdict
 from celery_ledger.ledger.store import LedgerStore
 from celery_ledger.ledger.transactions import TRANSACTION_STEP_REF, TransactionSteps
@@ -70,6 +75,7 @@ __all__ = [
     "OutboxQueries",
     "LedgerStats",
     "Release",
+    "DeathSignal",
     "check_release_text",
     "MAX_RELEASE_BY_CHARS",
     "MAX_RELEASE_REASON_CHARS",
@@ -96,6 +102,11 @@ __all__ = [
     "RESUME_OWNER",
     "NO_ARGS_HASH",
     "BODY_STEP",
+    # Encryption at rest
+    "SnapshotCipher",
+    "cipher_from",
+    "is_sealed",
+    "open_snapshot",
     # States
     "EntryStatus",
     "Gate",
@@ -126,6 +137,9 @@ __all__ = [
     "LedgerBlocked",
     "ReleaseRefused",
     "OperatorTextError",
+    "DeathSignalRequired",
+    "MarkDeadRefused",
+    "SnapshotSealError",
     "EntryNotFound",
     "Fenced",
 ]

@@ -13,7 +13,10 @@ The tree::
     ├── KeyConflict              a business key reused with different arguments
     ├── LedgerBlocked            the entry is parked for an operator
     ├── ReleaseRefused           an operator release that is not allowed
-    │   └── OperatorTextError    its who or why is empty, too long or unprintable
+    │   ├── OperatorTextError    its who or why is empty, too long or unprintable
+    │   └── DeathSignalRequired  a not-executed release of an ambiguous step, no mark-dead
+    ├── MarkDeadRefused          the old owner showed signs of life within the grace window
+    ├── SnapshotSealError        a sealed snapshot cannot be opened, or a key is not usable
     └── EntryNotFound
 
     Fenced (BaseException)       this attempt was superseded and must stop
@@ -85,6 +88,21 @@ class ReleaseRefused(LedgerError):
 
 class OperatorTextError(ReleaseRefused, ValueError):
     """Raised when the who or why of a release is empty, too long, or not printable text."""
+
+
+class DeathSignalRequired(ReleaseRefused):
+    """Raised when a ``not-executed`` release of an ambiguous step waits for ``mark-dead``
+    (``ledger_release_requires_death_signal``)."""
+
+
+class MarkDeadRefused(LedgerError):
+    """Raised when ``mark-dead`` is refused: the old owner renewed its lease, or tried to
+    write, within the grace window (or the entry is completed)."""
+
+
+class SnapshotSealError(LedgerError, ValueError):
+    """Raised when a sealed (encrypted) argument snapshot cannot be opened here, or a
+    ``ledger_snapshot_keys`` key is not a usable Fernet key."""
 
 
 class EntryNotFound(LedgerError, KeyError):

@@ -6,6 +6,7 @@ Reads run in a read-only transaction (deferred on SQLite, so they never block a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from sqlalchemy import case, func, or_, select, update
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.core import Note, StoreCore
 from celery_ledger.ledger.dbclock import db_now, db_now_stable
+from celery_ledger.ledger.death import death_gate
 from celery_ledger.ledger.errors import EntryNotFound, OperatorTextError, ReleaseRefused
 from celery_ledger.ledger.schema import entries, events, steps
 from celery_ledger.ledger.states import EntryStatus, SideEffect, StepStatus, Verdict
@@ -42,14 +44,20 @@ MAX_RELEASE_REASON_CHARS = 4096
 
 
 def check_release_text(
-    by: str, reason: str, *, by_name: str = "by", reason_name: str = "reason"
+    by: str,
+    reason: str,
+    *,
+    by_name: str = "by",
+    reason_name: str = "reason",
+    action: str = "release",
 ) -> None:
     """Refuse a release's who or why before anything is read or written.
 
     ``by`` must be 1 to ``MAX_RELEASE_BY_CHARS`` printable characters; ``reason`` 1 to
     ``MAX_RELEASE_REASON_CHARS`` characters, printable but for line breaks and tabs (terminal
     escapes and other control characters would rewrite an operator's screen on ``show``).
-    ``by_name``/``reason_name`` are how the caller calls the fields (``--by`` in the CLI).
+    ``by_name``/``reason_name`` are how the caller calls the fields (``--by`` in the CLI);
+    ``action`` names what is stamped (``release``, ``mark-dead``).
 
     Raises:
         OperatorTextError: naming the field and what is wrong with it.
@@ -59,16 +67,16 @@ def check_release_text(
         (reason_name, reason, MAX_RELEASE_REASON_CHARS, "\n\t"),
     ):
         if not isinstance(value, str) or not value.strip():
-            raise OperatorTextError(f"release {name} is required and must not be blank")
+            raise OperatorTextError(f"{action} {name} is required and must not be blank")
         if len(value) > limit:
             raise OperatorTextError(
-                f"release {name} is {len(value)} characters, over the limit of {limit}"
+                f"{action} {name} is {len(value)} characters, over the limit of {limit}"
                 + ("; put the details in a ticket and give its link" if allowed else "")
             )
         bad = next((c for c in value if not (c.isprintable() or c in allowed)), None)
         if bad is not None:
             raise OperatorTextError(
-                f"release {name} contains the control character {bad!r}; use printable text"
+                f"{action} {name} contains the control character {bad!r}; use printable text"
             )
 
 
@@ -189,7 +197,14 @@ class OperatorQueries(StoreCore):
             return float(conn.execute(select(db_now())).scalar_one())
 
     def release(
-        self, key: str, verified: Verdict, *, by: str, reason: str, result: str | None = None
+        self,
+        key: str,
+        verified: Verdict,
+        *,
+        by: str,
+        reason: str,
+        result: str | None = None,
+        require_death_signal: bool = False,
     ) -> Release:
         """Apply an operator's verdict to a stuck entry, once, in one transaction.
 
@@ -197,7 +212,9 @@ class OperatorQueries(StoreCore):
         it. ``not_executed``: its ambiguous steps (or its body, when it recorded no steps)
         become ``not_executed``, authorizing exactly one more run, and the entry becomes
         ``interrupted`` so that recovery (or ``resume``) runs it. The fence is bumped either
-        way, so an attempt still alive somewhere can write nothing more.
+        way, so an attempt still alive somewhere can write nothing more. With
+        ``require_death_signal`` (``ledger_release_requires_death_signal``), a
+        ``not_executed`` release of an ambiguous step waits for ``mark_dead`` (``death_gate``).
 
         Atomic (one transaction) and fenced by the entry's row lock: two releases racing
         serialize on it, and the second is refused as one-shot.
@@ -206,6 +223,8 @@ class OperatorQueries(StoreCore):
             EntryNotFound: no such key.
             ReleaseRefused: completed entry, live lease, released already and not run since,
                 or the verdict is not completed/not_executed.
+            DeathSignalRequired: ``require_death_signal`` and no ``mark_dead`` covers the
+                attempt that started the ambiguous step.
             OperatorTextError: ``by`` or ``reason`` is blank, too long or not printable
                 (``check_release_text``); nothing is read or written.
         """
@@ -239,6 +258,8 @@ class OperatorQueries(StoreCore):
                     f"{key} was released already by {row.released_by} "
                     f"({row.released_reason!r}) and has not run since; release is one-shot"
                 )
+            if require_death_signal and verified is Verdict.NOT_EXECUTED:
+                death_gate(conn, row)
             fence = row.fence + 1
             now = db_now()
             released: tuple[str, ...] = ()
@@ -339,6 +360,39 @@ class OperatorQueries(StoreCore):
             )
         )
         return (BODY_STEP,)
+
+    def rewrite_snapshots(
+        self,
+        transform: Callable[[str], str | None],
+        *,
+        after: str = "",
+        limit: int = 500,
+    ) -> tuple[int, str | None]:
+        """One batch of ``reseal``: the snapshots of up to ``limit`` entries with a key above
+        ``after`` (key order), each replaced by ``transform(old)`` (None: left as it is).
+
+        One transaction; each row is a compare-and-set on its old snapshot, so a snapshot a
+        claim rewrote meanwhile is left alone (the claim wrote it with the current key).
+        Returns (rows rewritten, the last key read; None when there are no more).
+        """
+        with self._txn() as conn:
+            rows = conn.execute(
+                select(entries.c.key, entries.c.snapshot)
+                .where(entries.c.key > after, entries.c.snapshot.is_not(None))
+                .order_by(entries.c.key)
+                .limit(limit)
+            ).all()
+            done = 0
+            for key, old in rows:
+                new = transform(old)
+                if new is None or new == old:
+                    continue
+                done += conn.execute(
+                    update(entries)
+                    .where(entries.c.key == key, entries.c.snapshot == old)
+                    .values(snapshot=new)
+                ).rowcount
+        return done, (rows[-1][0] if len(rows) == limit else None)
 
     def stats(self) -> LedgerStats:
         """Aggregates over the ledger, each from an indexed query."""

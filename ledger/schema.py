@@ -60,6 +60,15 @@ entries = Table(
     # When recovery acts on an entry that waits for a time, on the database clock: a retry
     # whose message has not arrived by then is re-sent. Set only while the entry waits (0002).
     Column("due_at", Float),
+    # mark-dead: every attempt up to this fence is asserted dead, by whom, why, when (0005).
+    Column("dead_fence", BigInteger),
+    Column("dead_by", String(255)),
+    Column("dead_reason", Text),
+    Column("dead_at", Float),
+    # The last refused write of a superseded attempt: when, its fence, its worker (0005).
+    Column("seen_alive_at", Float),
+    Column("seen_alive_fence", BigInteger),
+    Column("seen_alive_owner", String(255)),
     # The Celery group (or chord header) this task was published in, and the task that
     # published it (a chain's previous link, a task that sent a group): ``show`` lists a
     # parent's members (0007_canvas). NULL outside any canvas.

@@ -14,6 +14,7 @@ returns.
 
 from __future__ import annotations
 
+from celery_ledger.ledger.death import DeathSignals
 from celery_ledger.ledger.hotpath import HotPath
 from celery_ledger.ledger.links import LinkQueries
 from celery_ledger.ledger.operator import OperatorQueries
@@ -23,7 +24,13 @@ from celery_ledger.ledger.transactions import TransactionSteps
 
 
 class LedgerStore(
-    HotPath, SweepQueries, OperatorQueries, TransactionSteps, OutboxQueries, LinkQueries
+    HotPath,
+    SweepQueries,
+    OperatorQueries,
+    DeathSignals,
+    TransactionSteps,
+    OutboxQueries,
+    LinkQueries,
 ):
     """The ledger store: hot path, sweeps and operator queries over one engine per process.
 
@@ -35,6 +42,7 @@ class LedgerStore(
         ├── SweepQueries (sweeps.py) interrupt_*, begin_resume, block, prune_settled, ...
         ├── OperatorQueries          get_entry, list_entries, release, stats, ...
         │   (operator.py)
+        ├── DeathSignals (death.py)  mark_dead, record_seen_alive (the release gate)
         ├── TransactionSteps         a step's completed row in a transaction: transaction
         │   (transactions.py)        steps, and a step's children (complete_step)
         ├── OutboxQueries            the children steps recorded: unpublished,

@@ -182,6 +182,15 @@ class Entry:
     #: When recovery acts on an entry that waits for a time (database clock): a ``retrying``
     #: entry whose retry has not been claimed by then is re-sent. None when it waits for none.
     due_at: float | None = None
+    #: ``mark-dead``: every attempt up to this fence is asserted dead (None: no assertion).
+    dead_fence: int | None = None
+    dead_by: str | None = None
+    dead_reason: str | None = None
+    dead_at: float | None = None
+    #: The last refused write of a superseded attempt ("seen alive at"), its fence and worker.
+    seen_alive_at: float | None = None
+    seen_alive_fence: int | None = None
+    seen_alive_owner: str | None = None
     #: The Celery group this task was published in, and the task that published it.
     group_id: str | None = None
     parent_id: str | None = None

@@ -1,7 +1,8 @@
 """Recovery: sweeps, resume and reconcilers. Uses ``celery_ledger.ledger`` and a Celery app it is
 given."""
 
-from celery_ledger.recovery.outbox import PARENT_HEADER, publish, send_child, sweep_outbox
+# Not ``publish``: that name is the submodule ``celery_ledger.recovery.publish``.
+from celery_ledger.recovery.outbox import PARENT_HEADER, send_child, sweep_outbox
 from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciled, Reconciler, ask
 from celery_ledger.recovery.sweep import (
     ResumeOutcome,
@@ -25,7 +26,6 @@ __all__ = [
     "read_snapshot",
     "UnreadableSnapshot",
     # The outbox
-    "publish",
     "send_child",
     "sweep_outbox",
     "PARENT_HEADER",

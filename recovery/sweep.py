@@ -48,6 +48,9 @@ from celery_ledger.ledger import (
     LedgerStore,
     LedgerUnavailable,
     Overdue,
+    SnapshotCipher,
+    SnapshotSealError,
+    open_snapshot,
 )
 from celery_ledger.recovery.outbox import sweep_outbox
 from celery_ledger.recovery.publish import confirmed
@@ -109,12 +112,14 @@ class UnreadableSnapshot(ValueError):
     """Raised when a stored argument snapshot cannot be decoded (the reason says why)."""
 
 
-def read_snapshot(text: str) -> ArgumentSnapshot:
-    """The ``ArgumentSnapshot`` that a stored snapshot (kombu's JSON) holds.
+def read_snapshot(text: str, cipher: SnapshotCipher | None = None) -> ArgumentSnapshot:
+    """The ``ArgumentSnapshot`` that a stored snapshot (kombu's JSON, sealed or not) holds.
 
     Raises:
         UnreadableSnapshot: it does not decode (too deeply nested, not JSON, not an object).
+        SnapshotSealError: it is sealed and ``cipher`` cannot open it.
     """
+    text = open_snapshot(text, cipher)
     try:
         # The worker encoded it with kombu's JSON (celery_ledger.codec.encode_snapshot).
         data = loads(text)
@@ -128,7 +133,11 @@ def read_snapshot(text: str) -> ArgumentSnapshot:
 
 
 def _snapshot_at(
-    store: LedgerStore, key: str, fence: int, status: EntryStatus
+    store: LedgerStore,
+    key: str,
+    fence: int,
+    status: EntryStatus,
+    cipher: SnapshotCipher | None = None,
 ) -> ArgumentSnapshot | str | None:
     """The entry's decoded snapshot while it is still ``status`` at ``fence``; the reason
     it cannot be read (a str); or None when the entry moved on (a lost race)."""
@@ -139,7 +148,18 @@ def _snapshot_at(
     if entry.fence != fence or entry.status is not status or entry.snapshot is None:
         return None
     try:
-        return read_snapshot(entry.snapshot)
+        return read_snapshot(entry.snapshot, cipher)
+    except SnapshotSealError as exc:
+        # Not the snapshot's fault but this process's (no key, or not the key that sealed
+        # it): parking the entry would need an operator for what a configuration fixes. It
+        # stays interrupted for a process that holds the key.
+        log.error(
+            "cannot resume key=%s fence=%s here: %s; a process with the key resumes it",
+            key,
+            fence,
+            exc,
+        )
+        return None
     except UnreadableSnapshot as exc:
         return f"argument snapshot cannot be read: {exc}; release it once you know what it was"
 
@@ -194,6 +214,7 @@ def resume_entry(
     lease_seconds: float,
     max_resumes: int,
     actor: str = "sweep",
+    cipher: SnapshotCipher | None = None,
 ) -> ResumeOutcome:
     """Re-enqueue one interrupted entry, or block it as a crash loop (the ledger decides) or
     for a snapshot no process can read.
@@ -224,7 +245,7 @@ def resume_entry(
         return ResumeOutcome.NO_SNAPSHOT
     # Decode before the resume begins: an entry whose snapshot no process can read is parked
     # where an operator sees it, not hidden under a resume lease that lapses again and again.
-    snapshot = _snapshot_at(store, entry.key, entry.fence, EntryStatus.INTERRUPTED)
+    snapshot = _snapshot_at(store, entry.key, entry.fence, EntryStatus.INTERRUPTED, cipher)
     if snapshot is None:
         return ResumeOutcome.LOST_RACE
     if isinstance(snapshot, str):
@@ -269,7 +290,13 @@ def resume_entry(
 
 
 def resend_retry(
-    store: LedgerStore, app: Any, entry: Overdue, *, resend_after: float, actor: str = "sweep"
+    store: LedgerStore,
+    app: Any,
+    entry: Overdue,
+    *,
+    resend_after: float,
+    actor: str = "sweep",
+    cipher: SnapshotCipher | None = None,
 ) -> ResumeOutcome:
     """Re-send an overdue retry (its message never arrived) with its task id and the retry's
     arguments; the entry stays ``retrying``, due again after ``resend_after`` seconds.
@@ -278,7 +305,7 @@ def resend_retry(
     delivery claims first RUNs it; the other finds it running (WAIT) or settled (RETURN).
     Returns RESUMED (re-sent), BLOCKED (its snapshot cannot be read) or LOST_RACE.
     """
-    snapshot = _snapshot_at(store, entry.key, entry.fence, EntryStatus.RETRYING)
+    snapshot = _snapshot_at(store, entry.key, entry.fence, EntryStatus.RETRYING, cipher)
     if snapshot is None:
         return ResumeOutcome.LOST_RACE
     if isinstance(snapshot, str):
@@ -339,6 +366,7 @@ def run_sweep(
     retention_days: float,
     batch: int = 500,
     actor: str = "sweep",
+    cipher: SnapshotCipher | None = None,
 ) -> SweepReport:
     """One full sweep: interrupt expired leases, resume or block interrupted work, re-send
     overdue retries, prune.
@@ -364,6 +392,7 @@ def run_sweep(
                 lease_seconds=lease_seconds,
                 max_resumes=max_resumes,
                 actor=actor,
+                cipher=cipher,
             ),
         )
         outcomes.setdefault(outcome, []).append(entry.key)
@@ -384,7 +413,15 @@ def run_sweep(
             "re-send the overdue retry of",
             # Due again after a lease, as a resumed entry's marker is: long enough for a
             # worker to claim it, short enough that a lost re-send is soon sent again.
-            partial(resend_retry, store, app, late, resend_after=lease_seconds, actor=actor),
+            partial(
+                resend_retry,
+                store,
+                app,
+                late,
+                resend_after=lease_seconds,
+                actor=actor,
+                cipher=cipher,
+            ),
         )
         resent.setdefault(outcome, []).append(late.key)
     outbox_pending, outbox_published = sweep_outbox(store, app, batch=batch)
@@ -418,7 +455,14 @@ def run_sweep(
 
 
 def boot_sweep(
-    store: LedgerStore, app: Any, *, node: str, boot: str, lease_seconds: float, max_resumes: int
+    store: LedgerStore,
+    app: Any,
+    *,
+    node: str,
+    boot: str,
+    lease_seconds: float,
+    max_resumes: int,
+    cipher: SnapshotCipher | None = None,
 ) -> SweepReport:
     """A worker's boot sweep: its own previous boot is gone, so its entries resume now."""
     mine = store.interrupt_previous_boot(node, boot, actor=node)
@@ -434,6 +478,7 @@ def boot_sweep(
                 lease_seconds=lease_seconds,
                 max_resumes=max_resumes,
                 actor=node,
+                cipher=cipher,
             ),
         )
         for e in mine

@@ -234,3 +234,175 @@ def test_worker_dash_e_alone_sends_ledger_events(tmp_path: Path, redis: str, pg_
         wait_for(order_seen_by_flower, timeout=60, interval=0, what="an order in Flower")
         page = flower.metrics()
         assert events_total(page, "task-ledger-claimed", "tests_app.order") == 1
+
+
+def test_flower_task_list_tells_what_the_ledger_did(
+    tmp_path: Path, redis: str, pg_url: str
+) -> None:
+    """Issue 19's "what an operator sees today", with real beat, worker and Flower processes.
+
+    Beat sends a sweep every second before any worker runs, so a backlog of sweeps expires
+    (revoked before any event names them); the worker's pool process is SIGKILLed when
+    ``charge`` has started, the redelivery finds ``charge`` ambiguous and blocks the order;
+    a CLI release (not executed) re-runs it to success.
+    """
+    from celery_ledger.app import SWEEP_TASK
+    from celery_ledger.ledger import EntryStatus, LedgerStore, entry_key
+
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url, CELERY_LEDGER_SWEEP_INTERVAL=1)
+    client = Celery("client", broker=redis, backend=redis)
+    port = free_port()
+    flower = FlowerClient(port)
+    store = LedgerStore(pg_url)
+    key = entry_key("tests_app.order", {"order_id": "o-blk"})
+    try:
+        with processes(tmp_path, env) as procs:
+            start_flower(procs, port)
+            beat = procs.beat()
+            # the backlog the worker will find: sweeps sent while no worker consumes them
+            beat.wait_log("Sending due task", count=4, timeout=60)
+            procs.worker(
+                extra=["-E"],
+                concurrency=1,
+                env={
+                    "CELERY_LEDGER_CRASH_AT": "step-started:charge",
+                    "CELERY_LEDGER_CRASH_ONCE": str(tmp_path / "crash-once"),
+                },
+            )
+
+            def sweeps_seen() -> bool:
+                page = flower.metrics()
+                return events_total(page, "task-succeeded", SWEEP_TASK) >= 1 and (
+                    events_total(page, "task-revoked", SWEEP_TASK) >= 1
+                )
+
+            wait_for(sweeps_seen, timeout=90, interval=0.5, what="sweeps (run and expired)")
+
+            sent = client.send_task(
+                "tests_app.order",
+                kwargs={"order_id": "o-blk", "amount": 5},
+                queue=env["TEST_QUEUE"],
+            )
+            wait_for(
+                lambda: flower.state(sent.id) == "LEDGER-BLOCKED",
+                timeout=90,
+                interval=0.3,
+                what="the order as LEDGER-BLOCKED in Flower's task list",
+            )
+            assert store.get_entry(key).status is EntryStatus.BLOCKED
+            task = flower.tasks()[sent.id]
+            assert "interrupted" in task["ledger"], task["ledger"]
+            assert task["ledger"][-1] == "blocked", task["ledger"]
+            assert "LedgerBlocked" in (task.get("exception") or "")
+            # Flower's own search finds it by its state
+            status, body = flower.get("/api/tasks?state=LEDGER-BLOCKED")
+            assert status == 200 and sent.id in json.loads(body)
+
+            release = procs.celery(
+                "release",
+                [
+                    "ledger",
+                    "release",
+                    key,
+                    "--verified",
+                    "not-executed",
+                    "--by",
+                    "ops",
+                    "--reason",
+                    "provider shows no charge",
+                ],
+            )
+            wait_for(lambda: release.proc.poll() is not None, timeout=60, what="the release")
+            assert release.proc.returncode == 0, release.log_tail()
+            assert sent.get(timeout=90)["order_id"] == "o-blk"
+            wait_for(
+                lambda: flower.state(sent.id) == "SUCCESS",
+                timeout=30,
+                interval=0.3,
+                what="the released order as SUCCESS",
+            )
+            task = flower.tasks()[sent.id]
+            assert task["exception"] is None and task["traceback"] is None, task
+            assert task["failed"] is None
+            # The CLI's process announced the release (task-ledger-released), then it re-ran.
+            after_block = task["ledger"][task["ledger"].index("blocked") + 1 :]
+            assert after_block[0] == "released", task["ledger"]
+            assert after_block[1] in ("claimed", "resumed"), task["ledger"]
+            assert after_block[-1] == "settled", task["ledger"]
+
+            # The sweeps never became tasks, named or nameless.
+            listed = flower.tasks()
+            assert not [t for t in listed.values() if t.get("name") in (SWEEP_TASK, None, "")]
+            assert not [t for t in listed if t.startswith("celery-ledger-sweep-")]
+            page = flower.metrics()
+            nameless = [
+                labels
+                for (name, labels), _ in samples(page, "flower_events_total").items()
+                if dict(labels).get("task") == ""
+            ]
+            assert not nameless, nameless
+    finally:
+        store.dispose()
+
+
+def test_flower_shows_interrupted_when_the_whole_worker_dies(
+    tmp_path: Path, redis: str, pg_url: str
+) -> None:
+    """A worker SIGKILLed whole (parent and pool) sends no event: Flower's task list used to
+    keep ``LEDGER-CLAIMED`` until the sweep resumed the task. Its heartbeats stop, so the task
+    shows ``LEDGER-INTERRUPTED``; the sweep resumes it on another worker and it ends SUCCESS,
+    with ``interrupted`` and ``resumed`` kept in its ``ledger`` field."""
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url)
+    client = Celery("client", broker=redis, backend=redis)
+    port = free_port()
+    flower = FlowerClient(port)
+    with processes(tmp_path, env) as procs:
+        start_flower(procs, port)
+        w1 = procs.worker(
+            "w1",
+            extra=["-E"],
+            concurrency=1,
+            env={
+                "CELERY_LEDGER_CRASH_AT": "step-completed:reserve@worker",
+                "CELERY_LEDGER_CRASH_ONCE": str(tmp_path / "crash-once"),
+                "CELERY_LEDGER_LEASE_SECONDS": "3",
+            },
+        )
+        # Flower subscribes to events asynchronously: a plain task first, until Flower sees it.
+        probes: list[str] = []
+
+        def event_stream_live() -> bool:
+            probes.append(
+                client.send_task(
+                    "tests_app.plain_add", kwargs={"x": 1, "y": 2}, queue=env["TEST_QUEUE"]
+                ).id
+            )
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline:
+                if any(flower.state(p) == "SUCCESS" for p in probes):
+                    return True
+                time.sleep(0.2)
+            return False
+
+        wait_for(event_stream_live, timeout=60, interval=0, what="task events in Flower")
+        victim = client.send_task(
+            "tests_app.order", kwargs={"order_id": "w-1", "amount": 1}, queue=env["TEST_QUEUE"]
+        ).id
+        wait_for(lambda: not w1.alive, timeout=60, what="w1 killed whole after reserve")
+        wait_for(
+            lambda: flower.state(victim) == "LEDGER-INTERRUPTED",
+            timeout=60,
+            interval=0.5,
+            what="the dead worker's task as LEDGER-INTERRUPTED",
+        )
+        procs.worker("w2", extra=["-E"], concurrency=1)
+        sweep = procs.celery("sweep", ["ledger", "sweep"])
+        wait_for(lambda: sweep.proc.poll() is not None, timeout=60, what="ledger sweep")
+        wait_for(
+            lambda: flower.state(victim) == "SUCCESS",
+            timeout=90,
+            interval=0.5,
+            what="the resumed task SUCCESS",
+        )
+        marks = flower.tasks()[victim]["ledger"]
+        assert marks.index("interrupted") < marks.index("resumed"), marks

@@ -711,3 +711,155 @@ class TestUrlPrefix(ActionCase):
             xsrf_from=f"/ledger/entry/{key}",
         )
         assert resp.headers["Location"].startswith(f"/ops/flower/ledger/entry/{key}?done=")
+
+
+# -- the death-signal gate on the page (issue 19) ------------------------------------------------
+
+
+class TestDeathSignal(PageCase):
+    conf = {"ledger_flower_actions": True, "ledger_release_requires_death_signal": True}
+
+    def test_mark_dead_opens_the_gate_and_is_stamped_with_the_flower_user(self) -> None:
+        key = self.blocked()
+        html = self.page(f"/ledger/entry/{key}")
+        assert 'id="mark-dead-form"' in html and 'id="release-needs-death"' in html
+        form = {"verified": "not-executed", "reason": "provider shows no charge"}
+        refused = self.post(f"/ledger/entry/{key}/release", form, xsrf_from="/ledger")
+        assert refused.code == 409 and b"needs a death signal" in refused.body
+        assert (
+            self.post(f"/ledger/entry/{key}/mark-dead", {"reason": "  "}, xsrf_from="/ledger").code
+            == 400
+        )
+        done = self.post(
+            f"/ledger/entry/{key}/mark-dead", {"reason": "VM destroyed"}, xsrf_from="/ledger"
+        )
+        assert done.code == 302 and done.headers["Location"].endswith("done=marked-dead")
+        entry = self.store.get_entry(key)
+        assert entry.dead_by == USER and entry.dead_reason == "VM destroyed"
+        html = self.page(done.headers["Location"])
+        assert 'id="entry-marked-dead"' in html and "VM destroyed" in html
+        assert [(e.event, e.actor) for e in self.store.entry_events(key)[-1:]] == [
+            ("marked-dead", USER)
+        ]
+        ok = self.post(f"/ledger/entry/{key}/release", form, xsrf_from="/ledger")
+        assert ok.code == 302, ok.body[-2000:]
+
+    def test_seen_alive_is_shown_and_refuses_mark_dead_unless_overridden(self) -> None:
+        key = self.blocked()
+        old_fence = self.store.get_entry(key).fence
+        # A takeover moved the fence; then the superseded attempt wakes and tries to write.
+        with self.store.engine.begin() as conn:
+            conn.execute(
+                text("UPDATE ledger_entries SET fence = fence + 1 WHERE key = :k"), {"k": key}
+            )
+        assert self.store.record_seen_alive(key, old_fence, owner="celery@zombie", what="renew")
+        html = self.page(f"/ledger/entry/{key}")
+        assert 'id="seen-alive-alert"' in html and "celery@zombie" in html
+        assert 'id="entry-seen-alive"' in html
+        stuck = self.page("/ledger/stuck?kind=blocked")
+        assert "Its old worker (celery@zombie) was seen alive" in stuck
+        before = self.rows()
+        refused = self.post(
+            f"/ledger/entry/{key}/mark-dead", {"reason": "looks dead"}, xsrf_from="/ledger"
+        )
+        assert refused.code == 409 and b"tried to write" in refused.body
+        assert self.rows() == before and self.store.get_entry(key).dead_at is None
+        forced = self.post(
+            f"/ledger/entry/{key}/mark-dead",
+            {"reason": "killed it myself", "override_heartbeat": "on"},
+            xsrf_from="/ledger",
+        )
+        assert forced.code == 302
+        assert "overriding" in (self.store.entry_events(key)[-1].detail or "")
+
+
+class TestDeathSignalReadOnly(PageCase):
+    def test_read_only_page_offers_no_mark_dead_and_refuses_the_post(self) -> None:
+        key = self.blocked()
+        assert 'id="mark-dead-form"' not in self.page(f"/ledger/entry/{key}")
+        resp = self.post(f"/ledger/entry/{key}/mark-dead", {"reason": "r"}, xsrf_from="/ledger")
+        assert resp.code == 403 and self.store.get_entry(key).dead_at is None
+
+
+class TestNavbarCount(PageCase):
+    def test_every_flower_page_shows_how_many_entries_are_blocked(self) -> None:
+        self.blocked()
+        self.blocked()
+        self.interrupted()  # the sweep resumes it: not counted
+
+        def shown() -> str | None:
+            html = self.page("/tasks")  # Flower's own page, not the Ledger's
+            found = re.search(r'id="ledger-nav-blocked"[^>]*>(\d+)<', html)
+            return found.group(1) if found else None
+
+        deadline = time.monotonic() + 10
+        while shown() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the count is refreshed off the request, in Flower's executor
+        assert shown() == "2"
+        assert 'id="ledger-nav-blocked"' in self.page("/workers")
+
+
+# -- sealed snapshots (issue 19) ------------------------------------------------------------------
+
+try:
+    from cryptography.fernet import Fernet
+
+    SNAPSHOT_KEY = Fernet.generate_key().decode()
+except ImportError:  # pragma: no cover - the dev extra installs it
+    SNAPSHOT_KEY = ""
+
+
+def seal_snapshot(store: LedgerStore, key: str) -> None:
+    """Seal the entry's stored snapshot, as a worker with ``ledger_snapshot_keys`` writes it."""
+    from celery_ledger.ledger import SnapshotCipher
+
+    plain = store.get_entry(key).snapshot
+    with store.engine.begin() as conn:
+        conn.execute(
+            text("UPDATE ledger_entries SET snapshot = :s WHERE key = :k"),
+            {"s": SnapshotCipher([SNAPSHOT_KEY]).seal(plain), "k": key},
+        )
+
+
+class TestSealedSnapshot(PageCase):
+    conf = {"ledger_snapshot_keys": [SNAPSHOT_KEY]}
+
+    def test_the_page_opens_a_sealed_snapshot_with_the_key_and_still_redacts(self) -> None:
+        key = self.blocked()
+        seal_snapshot(self.store, key)
+        html = self.page(f"/ledger/entry/{key}")
+        assert "A-1" in html and "[redacted]" in html and CARD not in html
+
+
+class TestSealedSnapshotWithoutKey(PageCase):
+    def test_without_the_key_the_page_says_it_is_sealed(self) -> None:
+        key = self.blocked()
+        seal_snapshot(self.store, key)
+        html = self.page(f"/ledger/entry/{key}")
+        assert "sealed" in html and "ledger_snapshot_keys" in html and CARD not in html
+
+
+def deny_mark_dead(operator: Operator, action: Action, entry: Entry) -> Decision:
+    """A ``ledger_authorizer`` that keeps mark-dead to the on-call."""
+    ASKED.append((operator, action, entry))
+    if action is Action.MARK_DEAD:
+        return Decision.deny(f"{operator.name} is not on call")
+    return Decision.allow()
+
+
+class TestMarkDeadAuthorizer(ActionCase):
+    conf = {
+        "ledger_flower_actions": True,
+        "ledger_authorizer": "test_ledger_page:deny_mark_dead",
+    }
+
+    def test_mark_dead_goes_through_the_shared_authorizer(self) -> None:
+        ASKED.clear()
+        key = self.blocked()
+        before = self.rows()
+        resp = self.post(f"/ledger/entry/{key}/mark-dead", {"reason": "r"}, xsrf_from="/ledger")
+        assert resp.code == 403 and f"{USER} is not on call".encode() in resp.body
+        assert self.rows() == before and self.store.get_entry(key).dead_at is None
+        [(operator, action, entry)] = ASKED
+        assert (operator.name, operator.via, operator.authenticated) == (USER, "flower", True)
+        assert action is Action.MARK_DEAD and entry.key == key

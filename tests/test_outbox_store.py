@@ -179,3 +179,19 @@ def test_prune_outbox_keeps_what_is_owed(store) -> None:
         conn.execute(entries.delete().where(entries.c.key == c.key))
     assert store.prune_outbox() == 1  # published and orphaned; the unpublished one stays
     assert [m.child_id for m in store.unpublished()] == [kids[1].child_id]
+
+
+def test_the_ledger_page_never_calls_a_transaction_steps_marker_ambiguous() -> None:
+    """The Flower page's step label: a transaction step's marker row is not ambiguous."""
+    from dataclasses import replace
+
+    from celery_ledger.flower.views import _step
+    from celery_ledger.ledger import TRANSACTION_STEP_REF, StepRecord
+    from celery_ledger.redact import Redaction
+
+    started = StepRecord("credit", "h", 0, 1, StepStatus.STARTED, 1, started_at=1.0)
+    plain = _step(started, None, False, Redaction(frozenset()))  # type: ignore[arg-type]
+    assert plain.state == "ambiguous"
+    marker = replace(started, external_ref=TRANSACTION_STEP_REF)
+    assert _step(marker, None, False, Redaction(frozenset())).state == "not-executed"  # type: ignore[arg-type]
+    assert _step(marker, None, True, Redaction(frozenset())).state == "running"  # type: ignore[arg-type]

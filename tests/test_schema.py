@@ -90,7 +90,13 @@ def test_head_revision_matches_schema_module() -> None:
 def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine) -> None:
     assert tables(raw_engine) == set()
     with raw_engine.connect() as conn:
-        assert pending_revisions(conn) == ["0001", "0002", "0003_outbox", "0007_canvas"]
+        assert pending_revisions(conn) == [
+            "0001",
+            "0002",
+            "0005_operators",
+            "0003_outbox",
+            "0007_canvas",
+        ]
         assert current_revision(conn) is None
     store = LedgerStore(ledger_url)
     try:

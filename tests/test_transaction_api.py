@@ -141,3 +141,27 @@ def test_misuse_fails_the_task_in_the_ledgers_words(
     result = misuse.apply(args=(body,))
     assert isinstance(result.result, error) and words in str(result.result)
     assert count(app) == 0
+
+
+def test_a_child_that_is_not_ledgered_is_warned_about_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = local_app(tmp_path)
+
+    @app.task(name="txapi.plain_child", shared=False)
+    def plain_child(n: int) -> int:
+        return n
+
+    @app.task(base=LedgerTask, bind=True, name="txapi.ledgered_child", shared=False)
+    def ledgered_child(self: LedgerTask, n: int) -> int:
+        return n
+
+    @app.task(base=LedgerTask, bind=True, name="txapi.sender", shared=False)
+    def sender(self: LedgerTask) -> None:
+        self.step("a", lambda: [self.send(plain_child.s(1)), self.send(plain_child.s(2))])
+        self.step("b", lambda: self.send(ledgered_child.s(3)))
+
+    with caplog.at_level("WARNING", logger="celery_ledger.attempt"):
+        sender.apply(task_id="s-1").get()
+    warned = [r.getMessage() for r in caplog.records if "not a LedgerTask" in r.getMessage()]
+    assert len(warned) == 1 and "txapi.plain_child" in warned[0]

@@ -136,9 +136,21 @@ def children_done(store: LedgerStore, ids: list[str]) -> bool:
     ],
 )
 def test_each_child_runs_exactly_once(tmp_path, redis, pg_url, crash_at):
+    run_fanout(tmp_path, redis, pg_url, crash_at)
+
+
+@pytest.mark.rabbitmq
+@pytest.mark.parametrize("crash_at", ["step-completed:notify", "children-published:book"])
+def test_each_child_runs_exactly_once_on_rabbitmq(tmp_path, rabbitmq, pg_url, crash_at):
+    """The same on RabbitMQ, where the publish of the children waits for the broker's
+    confirms (``recovery.publish.confirmed``)."""
+    run_fanout(tmp_path, rabbitmq, pg_url, crash_at)
+
+
+def run_fanout(tmp_path, broker, pg_url, crash_at):
     env = test_env(
         tmp_path,
-        broker=redis,
+        broker=broker,
         ledger_url=pg_url,
         CELERY_LEDGER_SWEEP_INTERVAL="1",
         CELERY_LEDGER_CRASH_AT=crash_at,
@@ -150,7 +162,10 @@ def test_each_child_runs_exactly_once(tmp_path, redis, pg_url, crash_at):
     with processes(tmp_path, env) as procs:
         procs.worker("w1", concurrency=2)
         procs.beat()
-        value = app.send_task("tests_app.fanout", args=("f1",)).get(timeout=90)
+        try:
+            value = app.send_task("tests_app.fanout", args=("f1",)).get(timeout=90)
+        finally:
+            app.close()  # its broker connection (RabbitMQ's socket) is closed here
         store = LedgerStore(pg_url)
         wait_for(lambda: children_done(store, ids), timeout=90, what="every child ran")
         if crash_at.startswith("children-published"):

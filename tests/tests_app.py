@@ -166,6 +166,20 @@ def gc_frozen() -> int:
     return gc.get_freeze_count()
 
 
+@app.task(
+    shared=False, base=LedgerTask, bind=True, name="tests_app.slow_charge", key_from=("order_id",)
+)
+def slow_charge(self: LedgerTask, order_id: str, seconds: float) -> str:
+    """One effect step whose provider call takes ``seconds``: a pause in it leaves the call in
+    flight (the death-signal gate's zombie, ``test_death_signal``)."""
+
+    def charge() -> str:
+        time.sleep(seconds)
+        return effect(order_id, "charge")
+
+    return self.step("charge", charge)
+
+
 # -- canvas (issue 17): chains, groups, chords of ledgered members ---------------------------
 
 

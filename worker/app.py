@@ -16,11 +16,12 @@ import gc
 import logging
 import os
 import threading
+import uuid
 import weakref
 from pathlib import Path
 from typing import Any
 
-from celery import Celery, current_app, signals
+from celery import Celery, Task, current_app, signals
 
 from celery_ledger import canvas, intents, runtime
 from celery_ledger.backoff import retry_while_unavailable
@@ -32,6 +33,10 @@ from celery_ledger.task import LedgerTask
 log = logging.getLogger(__name__)
 
 SWEEP_TASK = "celery_ledger.sweep"
+#: Every sweep's task id starts with this, so that a monitor (Flower's task list,
+#: ``celery_ledger.flower.states``) knows a sweep even from an event that carries only its id:
+#: a sweep that expired in a backlog is revoked before any event names it.
+SWEEP_ID_PREFIX = "celery-ledger-sweep-"
 BEAT_ENTRY = "celery-ledger-sweep"
 
 #: Ledger apps of this process (``install``), for the publish signal to find a task's class.
@@ -94,6 +99,17 @@ def create_app(
     return app
 
 
+class _SweepTask(Task):
+    """The sweep: every send (beat's, or ``delay()``) gets a ``celery-ledger-sweep-`` task id."""
+
+    def apply_async(
+        self, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any
+    ) -> Any:
+        return super().apply_async(
+            args, kwargs, task_id=task_id or f"{SWEEP_ID_PREFIX}{uuid.uuid4()}", **options
+        )
+
+
 def install(app: Celery) -> Celery:
     """Make ``app`` ledger-aware: sweep task, beat entry, boot id, boot sweeps. Idempotent."""
     if getattr(app, "_ledger_installed", False):
@@ -102,7 +118,7 @@ def install(app: Celery) -> Celery:
     ledger_apps.add(app)
     _connect_signals()
 
-    @app.task(name=SWEEP_TASK, ignore_result=True, shared=False)
+    @app.task(name=SWEEP_TASK, ignore_result=True, shared=False, base=_SweepTask)
     def celery_ledger_sweep() -> dict[str, Any]:
         return sweep_now(app).as_dict()
 
@@ -131,6 +147,7 @@ def sweep_now(app: Celery, *, actor: str = "sweep") -> SweepReport:
         retention_days=settings.retention_days,
         batch=settings.sweep_batch,
         actor=actor,
+        cipher=runtime.snapshot_cipher(app),
     )
 
 
@@ -287,6 +304,7 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
             boot=runtime.boot_id(),
             lease_seconds=settings.lease_seconds,
             max_resumes=settings.max_resumes,
+            cipher=runtime.snapshot_cipher(app),
         )
     except LedgerError as exc:
         log.error(

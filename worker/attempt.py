@@ -60,6 +60,28 @@ BODY_IDENT: Ident = (BODY_STEP, "", 0)
 current_attempt: ContextVar[Attempt | None] = ContextVar("ledger_attempt", default=None)
 
 
+#: Child task names already warned about (``_warn_if_not_ledgered``): once per process.
+_warned_children: set[str] = set()
+
+
+def _warn_if_not_ledgered(app: Any, name: str) -> None:
+    """Warn once when a child sent through the outbox is a task this app knows and that is not
+    ledgered: a re-publish (a crash between the publish and its mark) would run it twice,
+    since only a ledgered child's claim deduplicates by task id."""
+    if name in _warned_children:
+        return
+    task = (getattr(app, "tasks", None) or {}).get(name)
+    # Duck-typed (``LedgerTask`` imports this module): a ledgered task has ``ledger_key``.
+    if task is None or callable(getattr(task, "ledger_key", None)):
+        return
+    _warned_children.add(name)
+    log.warning(
+        "child task %s sent through the outbox is not a LedgerTask: a crash between its "
+        "publish and its mark publishes it twice, and nothing deduplicates it",
+        name,
+    )
+
+
 class StepUsageError(RuntimeError):
     """Raised when a body misuses the step API: a programming error, the same on every run.
 
@@ -147,7 +169,23 @@ class Attempt:
                 self.fence,
                 why,
             )
+            self._seen_alive(why)
         self.superseded = why
+
+    def _seen_alive(self, why: str) -> None:
+        """Leave "seen alive at" on the entry: this superseded attempt is awake and tried to
+        write (``mark-dead`` refuses on it). Once per attempt; best effort, since the attempt
+        stops either way."""
+        try:
+            self._store.record_seen_alive(self.key, self.fence, owner=self.actor, what=why)
+        except Exception as exc:  # noqa: BLE001 - a sign of life must not break the stop
+            log.warning(
+                "could not record the sign of life of key=%s task_id=%s fence=%s: %r",
+                self.key,
+                self.task_id,
+                self.fence,
+                exc,
+            )
 
     def emit(self, kind: str, **fields: Any) -> None:
         """Send a ``task-ledger-<kind>`` event for this attempt's entry and fence."""
@@ -329,7 +367,9 @@ class Attempt:
                 "send() records a child with the step that sends it: call it inside a step "
                 "(self.step, self.transaction), not in the body itself"
             )
-        return self._sends.add(sig, limit=self.settings.max_snapshot_bytes)
+        child_id = self._sends.add(sig, limit=self.settings.max_snapshot_bytes)
+        _warn_if_not_ledgered(self.task.app, sig.task)
+        return child_id
 
     def publish_children(self, ident: Ident, sends: Sends) -> None:
         """Publish the children a step recorded, after its row committed (never raises for the
@@ -423,35 +463,47 @@ class Attempt:
 
     def complete_on_connection(
         self, dbapi: Any, ident: Ident, seq: int, encoded: str, sends: Sends
-    ) -> None:
+    ) -> bool:
         """Write the step's completed row (and its children) on a DBAPI connection in its
-        open transaction, which the caller commits (Django's, in ``django_steps``).
+        open transaction, which the caller commits (Django's, in ``django_steps``). Returns
+        False when the fence moved: the caller rolls back, then ``refuse_transaction``.
 
         Raises:
-            Fenced: this attempt was superseded; the caller must roll back.
+            Fenced: this attempt was superseded before (nothing written).
         """
         self._check_fence()
-        ok = self._store.complete_on_dbapi(
+        return self._store.complete_on_dbapi(
             dbapi, self.key, self.fence, ident, seq=seq, output=encoded, children=sends.children
         )
-        self._fenced(ok, f"transaction step {ident[0]} complete")
 
     def complete_transaction(
         self, conn: Any, ident: Ident, seq: int, encoded: str, sends: Sends
-    ) -> None:
+    ) -> bool:
         """Write the step's completed row (and its children) on ``conn`` and commit it.
+        Returns False when the fence moved: nothing was committed (the caller's connection
+        rolls back when it closes), and the caller then calls ``refuse_transaction``.
 
         Raises:
-            Fenced: this attempt was superseded; nothing was committed (the caller's
-                connection rolls back when it closes).
+            Fenced: this attempt was superseded before (nothing written).
             LedgerUnavailable: the commit did not reach the database (it is not known whether
                 it committed; the next attempt replays or re-runs accordingly).
         """
         self._check_fence()
-        ok = self._store.commit_step(
+        return self._store.commit_step(
             conn, self.key, self.fence, ident, seq=seq, output=encoded, children=sends.children
         )
-        self._fenced(ok, f"transaction step {ident[0]} complete")
+
+    def refuse_transaction(self, ident: Ident) -> NoReturn:
+        """A transaction step's row was refused (the fence moved): mark this attempt
+        superseded and stop it. Called once the step's transaction rolled back, so that the
+        sign of life ``mark_superseded`` leaves on the entry never waits for the step's own
+        locks (SQLite's write lock).
+
+        Raises:
+            Fenced: always.
+        """
+        self._fenced(False, f"transaction step {ident[0]} complete")
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _write(
         self,

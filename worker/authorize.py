@@ -1,6 +1,6 @@
 """Who may act on a ledger entry: one authorizer hook shared by the CLI and the Flower page.
 
-An operator action (release, resume; later cancel and mark-dead) is allowed only when the
+An operator action (release, resume, mark-dead; later cancel) is allowed only when the
 authorizer answers allow. The hook is one callable, named by the ``ledger_authorizer`` setting
 (``"package.module:function"``, or the callable itself in the Celery config)::
 
@@ -20,7 +20,8 @@ is whatever the operator typed, and anyone who can run the CLI holds the ledger 
 credentials, which carry release authority on their own (a release is one SQL transaction).
 
 The default (no ``ledger_authorizer``) keeps today's rule: when ``ledger_operator_tokens`` is
-set, a self-declared operator (the CLI's ``--by``) must name one of the tokens to release;
+set, a self-declared operator (the CLI's ``--by``) must name one of the tokens to release
+or to mark dead;
 an authenticated operator (a Flower user) may act; resume is always allowed, since it is what
 the sweep does on its own.
 """
@@ -49,10 +50,18 @@ class Action(str, Enum):
     RELEASE_NOT_EXECUTED = "release-not-executed"
     #: Re-enqueue an interrupted entry now (what the sweep would do).
     RESUME = "resume"
+    #: Assert the entry's old attempts dead (``mark-dead``): it unlocks a ``not-executed``
+    #: release under ``ledger_release_requires_death_signal``, so it is gated like one.
+    MARK_DEAD = "mark-dead"
 
     @property
     def is_release(self) -> bool:
         return self in (Action.RELEASE_COMPLETED, Action.RELEASE_NOT_EXECUTED)
+
+    @property
+    def needs_operator(self) -> bool:
+        """Gated by operator tokens in the default rule (a release, or what unlocks one)."""
+        return self.is_release or self is Action.MARK_DEAD
 
     @classmethod
     def release(cls, verdict: Verdict) -> Action:
@@ -123,7 +132,7 @@ def load_authorizer(spec: Any) -> Authorizer | None:
 
 def default_decision(tokens: frozenset[str], operator: Operator, action: Action) -> Decision:
     """Today's rule: operator tokens gate the CLI's self-declared ``--by`` on release."""
-    if not action.is_release or operator.authenticated or not tokens:
+    if not action.needs_operator or operator.authenticated or not tokens:
         return Decision.allow()
     # compare_digest on every token: the time taken does not say how close a guess came.
     if any(hmac.compare_digest(operator.name.encode(), t.encode()) for t in tokens):

@@ -16,6 +16,7 @@ from celery_ledger.ledger import (
     ArgumentSnapshot,
     PayloadNotSerializable,
     PayloadTooLarge,
+    SnapshotCipher,
     canonical_json,
 )
 from celery_ledger.ledger.errors import IdentityError
@@ -59,9 +60,12 @@ def encode_snapshot(
     ledger_key: Any,
     limit: int,
     retries: int = 0,
+    cipher: SnapshotCipher | None = None,
     canvas: dict[str, Any] | None = None,
 ) -> str:
-    """The stored argument snapshot of a task (``ArgumentSnapshot``), for recovery's resume.
+    """The stored argument snapshot of a task (``ArgumentSnapshot``), for recovery's resume,
+    sealed with ``cipher`` when given (``ledger_snapshot_keys``: encryption at rest). The size
+    limit applies to the plain JSON.
 
     Raises:
         PayloadNotSerializable: the arguments are not JSON.
@@ -75,13 +79,14 @@ def encode_snapshot(
         retries=retries,
         canvas=canvas or {},
     )
-    return encode(
+    text = encode(
         snapshot.as_data(),
         limit=limit,
         what="argument snapshot",
         setting="ledger_max_snapshot_bytes",
         advice="pass a reference to large data instead of the data",
     )
+    return cipher.seal(text) if cipher is not None else text
 
 
 #: Deepest nesting of lists, tuples and dicts a task's arguments may have. A worker decodes a

@@ -32,6 +32,10 @@ from celery_ledger.codec import arguments_hash, decode, encode
 from celery_ledger.crashpoints import crash_point
 
 
+class _Refused(Exception):  # noqa: N818 - a control-flow signal inside this module
+    """The step's row was refused (the fence moved): leave the atomic block rolled back."""
+
+
 def django_transaction_step(
     attempt: Attempt,
     name: str,
@@ -65,11 +69,18 @@ def django_transaction_step(
             )
             crash_point(attempt.settings, f"txn-written:{name}")
             conn.ensure_connection()
-            attempt.complete_on_connection(conn.connection, tx.ident, tx.seq, encoded, sends)
+            if not attempt.complete_on_connection(
+                conn.connection, tx.ident, tx.seq, encoded, sends
+            ):
+                raise _Refused  # rolls the atomic block back before the attempt stops
             if sends.children:
                 transaction.on_commit(
                     lambda: attempt.publish_children(tx.ident, sends), using=using
                 )
+    except _Refused:
+        # Inside the caller's own atomic block the outer transaction is still open; the
+        # savepoint is rolled back and Fenced propagates through the caller's block.
+        attempt.refuse_transaction(tx.ident)
     finally:
         attempt.leave_transaction()
     crash_point(attempt.settings, f"step-completed:{name}")

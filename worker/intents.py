@@ -103,6 +103,7 @@ def record(
             queue=queue or getattr(task, "queue", None),
             ledger_key=ledger_key,
             limit=settings.max_snapshot_bytes,
+            cipher=runtime.snapshot_cipher(task.app),
         )
         store = runtime.store_for(task.app)
         if store.record_intent(

@@ -17,8 +17,8 @@ Rules, all failing closed:
   characters; shorter values are hidden where they are named but cannot be searched for in
   free text without hiding innocent digits.
 
-The Flower page uses it now; the CLI's ``show``/``list --json``, the task events and the log
-lines are meant to go through the same function (not yet: see docs/design.md).
+Its users: the Flower page, the CLI's ``show`` (``cli.ops._redact_view``), and the argument
+reprs of the worker's ``task-received`` event and log lines (``request.LedgerRequest``).
 """
 
 from __future__ import annotations

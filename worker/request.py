@@ -19,11 +19,13 @@ from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import WorkerLostError
+from celery.utils.saferepr import saferepr
 from celery.worker.request import Request
 
 from celery_ledger import runtime
 from celery_ledger.ledger import LedgerError
 from celery_ledger.receipts import receipts
+from celery_ledger.redact import redact_arguments, secret_names
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,28 @@ class LedgerRequest(Request):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._held_key: str | None = None
+        self._redact_reprs()
         self._hold()
+
+    def _redact_reprs(self) -> None:
+        """Hide secret argument values (``secret_args``, ``ledger_redact``) in the argument
+        reprs the worker puts in its ``task-received`` event and log lines (Flower shows
+        them). The sender wrote them (``argsrepr``/``kwargsrepr`` headers); this worker
+        knows the task, so it rewrites them from the arguments, whoever sent the message."""
+        task = self.task
+        try:
+            names = secret_names(runtime.settings_for(task.app).redact, task)
+            if not names:
+                return
+            args, kwargs, _ = redact_arguments(
+                list(self.args or ()), dict(self.kwargs or {}), names=names, task=task
+            )
+        except Exception as err:  # noqa: BLE001 - fail closed: show no argument at all
+            log.debug("argument reprs of task_id=%s hidden whole: %r", self.id, err)
+            self._argsrepr, self._kwargsrepr = "(...)", "{...}"
+            return
+        self._argsrepr = saferepr(tuple(args))
+        self._kwargsrepr = saferepr(kwargs)
 
     def _hold(self) -> None:
         task = self.task

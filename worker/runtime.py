@@ -14,7 +14,7 @@ import threading
 import uuid
 from typing import Any
 
-from celery_ledger.ledger import LedgerStore, Owner
+from celery_ledger.ledger import LedgerStore, Owner, SnapshotCipher, cipher_from
 from celery_ledger.settings import LedgerSettings
 
 _boot_id: str | None = None
@@ -67,6 +67,15 @@ def store_for(app: Any) -> LedgerStore:
         store = LedgerStore(settings_for(app).url)
         app._ledger_store = store
     return store
+
+
+def snapshot_cipher(app: Any) -> SnapshotCipher | None:
+    """The app's snapshot cipher (``ledger_snapshot_keys``), or None when no key is set."""
+    cipher = getattr(app, "_ledger_snapshot_cipher", False)
+    if cipher is False:
+        cipher = cipher_from(settings_for(app).snapshot_keys)
+        app._ledger_snapshot_cipher = cipher
+    return cipher
 
 
 def publish_intent_enabled(app: Any) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +104,18 @@ class LedgerSettings:
     #: Argument names whose values are never shown (``celery_ledger.redact``), for every task,
     #: on top of each task's own ``secret_args``.
     redact: frozenset[str] = frozenset()
+    #: Refuse a ``not-executed`` release of an ambiguous step until ``mark-dead`` asserted the
+    #: attempt that started it dead (``celery_ledger.ledger.death``). Off by default: it adds a
+    #: step to every such release, and only the operator can know the old worker is gone.
+    release_requires_death_signal: bool = False
+    #: ``mark-dead`` refuses while the old owner renewed its lease, or tried to write, this
+    #: recently (two default leases: a paused attempt that wakes tries to renew within a
+    #: third of its lease, so a sign of life this old means it is awake or was).
+    death_grace_seconds: float = 120.0
+    #: Fernet keys that seal argument snapshots at rest (``celery_ledger.ledger.sealing``):
+    #: the first seals, every one opens (rotation: new key first, old ones after). Empty: the
+    #: snapshots are stored as plain JSON. Kept out of ``repr``: a key must not reach a log.
+    snapshot_keys: tuple[str, ...] = field(default=(), repr=False)
 
     @classmethod
     def from_mapping(
@@ -151,6 +163,12 @@ class LedgerSettings:
             raise ValueError("ledger_max_resumes must be >= 0")
         if self.retry_grace_seconds < 0:
             raise ValueError("ledger_retry_grace_seconds must be >= 0")
+        if self.death_grace_seconds < 0:
+            raise ValueError("ledger_death_grace_seconds must be >= 0")
+        if self.snapshot_keys:
+            from celery_ledger.ledger import SnapshotCipher
+
+            SnapshotCipher(self.snapshot_keys)  # raises SnapshotSealError (a ValueError)
         for name in ("max_result_bytes", "max_snapshot_bytes", "max_exception_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ledger_{name} must be > 0")
@@ -169,6 +187,7 @@ class LedgerSettings:
 
 
 _FLOATS = {
+    "death_grace_seconds",
     "publish_intent_seconds",
     "retry_grace_seconds",
     "lease_seconds",
@@ -191,6 +210,15 @@ _INTS = {
     "sweep_batch",
 }
 _SETS = {"crash_points", "operator_tokens", "redact"}
+#: Order matters (the first snapshot key seals).
+_LISTS = {"snapshot_keys"}
+_BOOLS = {
+    "send_events",
+    "publish_intent",
+    "freeze_gc_before_fork",
+    "flower_actions",
+    "release_requires_death_signal",
+}
 
 
 def _parse(name: str, raw: Any) -> Any:
@@ -199,10 +227,13 @@ def _parse(name: str, raw: Any) -> Any:
             return float(raw)
         if name in _INTS:
             return int(raw)
+        if name in _LISTS:
+            items = raw.split(",") if isinstance(raw, str) else raw
+            return tuple(str(i).strip() for i in items if str(i).strip())
         if name in _SETS:
             items = raw.split(",") if isinstance(raw, str) else raw
             return frozenset(i.strip() for i in items if str(i).strip())
-        if name in ("send_events", "publish_intent", "freeze_gc_before_fork", "flower_actions"):
+        if name in _BOOLS:
             if isinstance(raw, bool) or raw is None:
                 return raw
             return str(raw).strip().lower() in ("1", "true", "yes", "on")

@@ -619,6 +619,7 @@ class LedgerTask(Task):
                 queue=delivery.get("routing_key") or None,
                 ledger_key=header(req, "ledger_key"),
                 limit=settings.max_snapshot_bytes,
+                cipher=runtime.snapshot_cipher(self.app),
                 canvas=canvas.placement(req),
             )
         except PayloadError as exc:
@@ -660,6 +661,7 @@ class LedgerTask(Task):
                 ledger_key=header(req, "ledger_key"),
                 limit=settings.max_snapshot_bytes,
                 retries=int(options.get("retries") or (req.retries or 0) + 1),
+                cipher=runtime.snapshot_cipher(self.app),
                 canvas=canvas.placement(req),
             )
         except Exception as exc_:  # noqa: BLE001 - nothing here may stop the retry itself

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from sqlalchemy.orm import Session
 
@@ -52,7 +52,9 @@ class TransactionOwner(Protocol):
 
     def complete_transaction(
         self, conn: Any, ident: Ident, seq: int, encoded: str, sends: Sends
-    ) -> None: ...
+    ) -> bool: ...
+
+    def refuse_transaction(self, ident: Ident) -> NoReturn: ...
 
     def publish_children(self, ident: Ident, sends: Sends) -> None: ...
 
@@ -184,9 +186,11 @@ class TransactionStep:
                 what=f"output of transaction step {self.name!r}",
             )
             crash_point(attempt.settings, f"txn-written:{self.name}")
-            attempt.complete_transaction(self._conn, self.ident, self._seq, encoded, sends)
+            ok = attempt.complete_transaction(self._conn, self.ident, self._seq, encoded, sends)
         finally:
             self._close()
+        if not ok:
+            attempt.refuse_transaction(self.ident)
         crash_point(attempt.settings, f"step-completed:{self.name}")
         attempt.publish_children(self.ident, sends)
         self.output = decode(encoded)

@@ -37,6 +37,9 @@ from celery_ledger.ledger import (
     LedgerStore,
     SchemaError,
     SchemaTooNew,
+    SnapshotSealError,
+    is_sealed,
+    open_snapshot,
 )
 from celery_ledger.ledger.engine import is_sqlite, make_engine, normalize_url
 from celery_ledger.ledger.errors import as_unavailable
@@ -166,12 +169,18 @@ def printable(text: Any, *, limit: int | None = None) -> str:
     return safe + cut
 
 
-def decode_stored(text: str | None) -> tuple[Any, str | None]:
+def decode_stored(text: str | None, cipher: Any = None) -> tuple[Any, str | None]:
     """A stored JSON value (snapshot, result, error) decoded, and None; or None and why it
-    cannot be decoded. Never raises: an entry whose values no process can read must still be
-    shown, and released."""
+    cannot be decoded. A sealed snapshot is opened with ``cipher`` (``ledger_snapshot_keys``).
+    Never raises: an entry whose values no process can read must still be shown, and
+    released."""
     if text is None:
         return None, None
+    if is_sealed(text):
+        try:
+            text = open_snapshot(text, cipher)
+        except SnapshotSealError as exc:
+            return None, one_line(exc)
     try:
         value = loads(text)
         # Printed (indented JSON) needs more stack per level than decoding: a value that
@@ -398,6 +407,26 @@ def entry_view(entry: Entry, now: float, prefix: str) -> dict[str, Any]:
         "reason": entry.reason,
         "has_snapshot": entry.snapshot is not None,
         "released": released,
+        "marked_dead": (
+            None
+            if entry.dead_at is None
+            else {
+                "fence": entry.dead_fence,
+                "by": entry.dead_by,
+                "reason": entry.dead_reason,
+                "at": entry.dead_at,
+            }
+        ),
+        "seen_alive": (
+            None
+            if entry.seen_alive_at is None
+            else {
+                "at": entry.seen_alive_at,
+                "ago_seconds": round(now - entry.seen_alive_at, 3),
+                "fence": entry.seen_alive_fence,
+                "owner": entry.seen_alive_owner,
+            }
+        ),
         "next_action": nxt.action,
         "hint": nxt.hint,
         "next_command": nxt.command,

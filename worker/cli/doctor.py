@@ -369,6 +369,29 @@ def _check_reconcilers(tasks: list[Any]) -> Check:
     return Check("reconcilers", "PASS", "every non-idempotent ledger task has a reconciler")
 
 
+def _check_secrets(settings: Any, tasks: list[Any]) -> Check:
+    """Declared secrets are stored in the argument snapshots (resume needs them): without
+    ``ledger_snapshot_keys`` they sit in the ledger database as plain JSON."""
+    from celery_ledger.redact import secret_names
+
+    declared = sorted({name for t in tasks for name in secret_names((), t)} | set(settings.redact))
+    if not declared:
+        return Check("secrets", "PASS", "no secret_args or ledger_redact declared")
+    if settings.snapshot_keys:
+        return Check(
+            "secrets",
+            "PASS",
+            f"argument snapshots sealed at rest (Fernet, {len(settings.snapshot_keys)} "
+            f"key(s)); secret arguments: {', '.join(declared)}",
+        )
+    return Check(
+        "secrets",
+        "WARN",
+        f"secret arguments ({', '.join(declared)}) are stored in plain JSON in the argument "
+        "snapshots (resume needs them): set ledger_snapshot_keys to encrypt snapshots at rest",
+    )
+
+
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (see docs/operations.md).")
 @click.option("--strict", is_flag=True, help="Exit 1 on any WARN too (for CI and deploy gates).")
@@ -399,6 +422,7 @@ def doctor_cmd(ctx: click.Context, as_json: bool, strict: bool) -> None:
         _check_chords(app),
         _check_beat(app, settings, store),
         _check_reconcilers(tasks),
+        _check_secrets(settings, tasks),
     ]
     failed = any(c.status == "FAIL" or (strict and c.status == "WARN") for c in checks)
     if as_json:

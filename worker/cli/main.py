@@ -23,6 +23,8 @@ import click
 #: skipped so that a partial install still offers the rest.
 COMMANDS = [
     ("celery_ledger.cli.ops", "COMMANDS"),
+    ("celery_ledger.cli.death", "COMMANDS"),
+    ("celery_ledger.cli.sealing", "COMMANDS"),
     ("celery_ledger.cli.doctor", "COMMANDS"),
     ("celery_ledger.cli.metrics", "COMMANDS"),
     ("celery_ledger.harness.demo", "COMMANDS"),

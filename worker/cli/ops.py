@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from celery_ledger.announce import announce
 from celery_ledger.authorize import Action, AuthorizerError, Operator, authorize
 from celery_ledger.cli.common import (
     command_prefix,
@@ -44,6 +45,8 @@ from celery_ledger.ledger import (
     StepStatus,
     Verdict,
     check_release_text,
+    cipher_from,
+    is_sealed,
 )
 from celery_ledger.recovery import ResumeOutcome, resume_entry, run_sweep
 
@@ -136,8 +139,9 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
     # Decoded defensively: an entry whose snapshot, result or error no process can read (a
     # hostile sender's argument nested 5,000 deep) is shown with why, and can be released.
     unreadable: dict[str, str] = {}
+    cipher = cipher_from(load_settings(ctx).snapshot_keys) if is_sealed(entry.snapshot) else None
     for name in ("snapshot", "result", "error"):
-        view[name], problem = decode_stored(getattr(entry, name))
+        view[name], problem = decode_stored(getattr(entry, name), cipher)
         if problem is not None:
             unreadable[name] = problem
     view["unreadable"] = unreadable
@@ -200,6 +204,7 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
         }
         for e in events
     ]
+    view["redacted"] = _redact_view(ctx, entry.task_name, view)
     if as_json:
         view["now"] = now
         emit_json(view)
@@ -248,6 +253,25 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
             (
                 "released",
                 f"by {r['by']} at {timestamp(r['at'])} from {r['from_status']}: {r['reason']}",
+            )
+        )
+    if view["seen_alive"]:
+        a = view["seen_alive"]
+        fields.append(
+            (
+                "seen alive",
+                f"at {timestamp(a['at'])} ({duration(a['ago_seconds'])} ago): the superseded "
+                f"attempt of fence {a['fence']} on {a['owner'] or 'an unknown worker'} tried to "
+                "write; its worker is still running",
+            )
+        )
+    if view["marked_dead"]:
+        d = view["marked_dead"]
+        fields.append(
+            (
+                "marked dead",
+                f"attempts up to fence {d['fence']}, by {d['by']} at {timestamp(d['at'])}: "
+                f"{d['reason']}",
             )
         )
     formatter = click.HelpFormatter(width=120)
@@ -376,8 +400,47 @@ def _authorize(settings: Any, operator: Operator, action: Action, entry: Any) ->
     except AuthorizerError as exc:
         raise click.ClickException(one_line(exc)) from None
     if not decision.allowed:
-        verb = "released" if action.is_release else "re-enqueued"
+        verb = {Action.RESUME: "re-enqueued", Action.MARK_DEAD: "marked"}.get(action, "released")
         raise click.ClickException(f"{decision.reason or 'not allowed'}; nothing was {verb}")
+
+
+def _redact_view(ctx: click.Context, task_name: str, view: dict[str, Any]) -> list[str]:
+    """Hide secret argument values in ``view`` (``celery_ledger.redact``); the names hidden.
+
+    The secret names are ``ledger_redact`` plus the task's ``secret_args`` when the CLI's app
+    (``-A``) registers the task. Unlike the Flower page, an unknown task does not hide every
+    value: whoever runs the CLI holds the ledger database's credentials and could read the
+    row directly, and needs the arguments to choose a verdict. A positional argument of an
+    unknown task is hidden whenever any secret name is set (its name is unknown).
+    """
+    from celery_ledger.redact import Redaction, redact_arguments, secret_names
+
+    settings = load_settings(ctx)
+    try:
+        task = load_app(ctx).tasks.get(task_name)
+    except Exception:  # noqa: BLE001 - an app that cannot say knows no secret_args
+        task = None
+    names = secret_names(settings.redact, task)
+    if not names:
+        return []
+    redaction = Redaction(names)
+    snapshot = view.get("snapshot")
+    if isinstance(snapshot, dict):
+        args, kwargs, redaction = redact_arguments(
+            snapshot.get("args") or [],
+            snapshot.get("kwargs") or {},
+            names=names,
+            task=task if task is not None else object(),  # no signature: names unknown
+        )
+        view["snapshot"] = {**snapshot, "args": args, "kwargs": kwargs}
+    for name in ("result", "error"):
+        view[name] = redaction.value(view.get(name))
+    view["reason"] = redaction.text(view.get("reason"))
+    for step in view["steps"]:
+        step["external_ref"] = redaction.text(step["external_ref"])
+    for event in view["events"]:
+        event["detail"] = redaction.text(event["detail"])
+    return sorted(names)
 
 
 @click.command("release")
@@ -418,7 +481,23 @@ def release_cmd(
     action = Action.release(verdict)
     _authorize(settings, Operator(by, "cli", authenticated=False), action, store.get_entry(key))
     # One-shot, live-lease and completed refusals are decided in the release transaction.
-    rel = store.release(key, verdict, by=by, reason=reason, result=result)
+    rel = store.release(
+        key,
+        verdict,
+        by=by,
+        reason=reason,
+        result=result,
+        require_death_signal=settings.release_requires_death_signal,
+    )
+    announce(
+        load_app(ctx),
+        "released",
+        task_id=rel.task_id,
+        key=key,
+        fence=rel.fence,
+        verified=verdict.value,
+        by=by,
+    )
     outcome = None
     if rel.to_status is EntryStatus.INTERRUPTED:
         outcome = ResumeOutcome.NO_SNAPSHOT
@@ -430,6 +509,7 @@ def release_cmd(
                 lease_seconds=settings.lease_seconds,
                 max_resumes=settings.max_resumes,
                 actor=by,
+                cipher=cipher_from(settings.snapshot_keys),
             )
     data = {
         "key": key,
@@ -495,6 +575,7 @@ def resume_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
         lease_seconds=settings.lease_seconds,
         max_resumes=settings.max_resumes,
         actor=actor,
+        cipher=cipher_from(settings.snapshot_keys),
     )
     if as_json:
         emit_json(
@@ -532,6 +613,7 @@ def sweep_cmd(ctx: click.Context, as_json: bool) -> None:
         retention_days=settings.retention_days,
         batch=settings.sweep_batch,
         actor=operator_actor(),
+        cipher=cipher_from(settings.snapshot_keys),
     )
     if as_json:
         emit_json(report.as_dict())

@@ -1,4 +1,4 @@
-"""The page's two actions, release and resume, through the store and recovery. Blocking.
+"""The page's actions, release, resume and mark-dead, through the store and recovery. Blocking.
 
 They take the same path as ``celery-ledger release`` and ``celery-ledger resume``
 (``celery_ledger.cli.ops``): every check runs before the one write, the one-shot and
@@ -16,16 +16,20 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from celery_ledger.announce import announce
 from celery_ledger.authorize import Action, Operator, authorize
 from celery_ledger.codec import encode
 from celery_ledger.flower.context import LedgerPage
 from celery_ledger.ledger import (
     EntryStatus,
     Interrupted,
+    MarkDeadRefused,
+    OperatorTextError,
     PayloadError,
     Release,
     ReleaseRefused,
     Verdict,
+    cipher_from,
 )
 from celery_ledger.recovery import resume_entry
 
@@ -122,9 +126,25 @@ def release(
     action = Action.release(verdict)
     _authorized(page, operator, action, key)
     try:
-        rel = page.store.release(key, verdict, by=operator.name, reason=reason, result=result)
+        rel = page.store.release(
+            key,
+            verdict,
+            by=operator.name,
+            reason=reason,
+            result=result,
+            require_death_signal=page.settings.release_requires_death_signal,
+        )
     except ReleaseRefused as exc:
         raise ActionRefused(str(exc), 409) from None
+    announce(
+        page.capp,
+        "released",
+        task_id=rel.task_id,
+        key=key,
+        fence=rel.fence,
+        verified=verdict.value,
+        by=operator.name,
+    )
     outcome = None
     if rel.to_status is EntryStatus.INTERRUPTED:
         outcome = "no-snapshot"
@@ -137,6 +157,7 @@ def release(
                 lease_seconds=s.lease_seconds,
                 max_resumes=s.max_resumes,
                 actor=operator.name,
+                cipher=cipher_from(page.settings.snapshot_keys),
             ).value
     log.info(
         "released key=%s task_id=%s fence=%s from %s as %s by %s via Flower (resume: %s)",
@@ -174,6 +195,7 @@ def resume(page: LedgerPage, key: str, *, operator: Operator, reason_raw: str | 
         lease_seconds=s.lease_seconds,
         max_resumes=s.max_resumes,
         actor=operator.name,
+        cipher=cipher_from(page.settings.snapshot_keys),
     ).value
     # The store's resume event has no detail column to carry it: the reason is in this log
     # line (with key, task id, fence) until resume takes one (docs/design.md).
@@ -191,3 +213,45 @@ def resume(page: LedgerPage, key: str, *, operator: Operator, reason_raw: str | 
             "not re-enqueued: another resumer moved it first, or the broker refused the message"
         )
     return outcome
+
+
+def mark_dead(
+    page: LedgerPage, key: str, *, operator: Operator, reason_raw: str | None, override: bool
+) -> None:
+    """Assert the entry's old attempts dead (``celery-ledger mark-dead``), stamped with the
+    Flower user; refused on a recent sign of life unless ``override``.
+
+    Raises:
+        ActionRefused: bad input, denied, or refused by the store (a sign of life, completed).
+        EntryNotFound: no such key.
+    """
+    reason = parse_reason(reason_raw)
+    _authorized(page, operator, Action.MARK_DEAD, key)
+    s = page.settings
+    try:
+        signal = page.store.mark_dead(
+            key,
+            by=operator.name,
+            reason=reason,
+            grace_seconds=s.death_grace_seconds,
+            lease_seconds=s.lease_seconds,
+            override_heartbeat=override,
+        )
+    except (MarkDeadRefused, OperatorTextError) as exc:
+        raise ActionRefused(str(exc), 409) from None
+    entry = page.store.get_entry(key)
+    announce(
+        page.capp,
+        "marked-dead",
+        task_id=entry.task_id,
+        key=key,
+        fence=signal.fence,
+        by=operator.name,
+    )
+    log.info(
+        "marked dead key=%s fence<=%s by %s via Flower%s",
+        key,
+        signal.fence,
+        operator.name,
+        f" (overriding: {'; '.join(signal.overridden)})" if signal.overridden else "",
+    )

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from celery_ledger.ledger import LedgerStats, LedgerStore
+from celery_ledger.ledger import LedgerStats, LedgerStore, cipher_from
 from celery_ledger.settings import LedgerSettings
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,83 @@ class AggregateCache:
             self._refreshing = False
 
 
+#: How long the navbar's blocked count is served before a page view refreshes it (in the
+#: background): one count on the partial ``attention`` index, so cheap, but made on Flower
+#: pages that otherwise never touch the ledger.
+NAV_TTL_SECONDS = 10.0
+
+
+class BlockedCount:
+    """The navbar's "needs an operator" count: entries ``blocked`` now, from the last count.
+
+    ``value()`` never queries on the caller's thread (Flower renders its navbar on its event
+    loop): it serves the last count and, when that is older than ``ttl``, starts one refresh
+    in ``executor``. None until a first count exists, or while the ledger cannot be read.
+    """
+
+    def __init__(
+        self,
+        store: LedgerStore,
+        ttl: float = NAV_TTL_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.ttl = ttl
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._value: int | None = None
+        self._at: float | None = None
+        self._refreshing = False
+
+    def value(self, executor: Any) -> int | None:
+        with self._lock:
+            stale = self._at is None or self._clock() - self._at >= self.ttl
+            start = stale and not self._refreshing
+            if start:
+                self._refreshing = True
+        if start:
+            try:
+                executor.submit(self.refresh)
+            except RuntimeError:  # executor shut down: Flower is stopping
+                with self._lock:
+                    self._refreshing = False
+        return self._value
+
+    def refresh(self) -> None:
+        from sqlalchemy import func, select
+
+        from celery_ledger.flower.queries import reading
+        from celery_ledger.ledger import EntryStatus
+        from celery_ledger.ledger.schema import entries
+
+        value: int | None
+        try:
+            with reading(self.store) as conn:
+                value = int(
+                    conn.execute(
+                        select(func.count())
+                        .select_from(entries)
+                        .where(entries.c.status == EntryStatus.BLOCKED.value)
+                    ).scalar_one()
+                )
+        except Exception as exc:  # noqa: BLE001 - a navbar never breaks a page
+            log.debug("celery-ledger navbar count failed: %r", exc)
+            value = None
+        with self._lock:
+            self._value, self._at, self._refreshing = value, self._clock(), False
+
+
+def blocked_for_nav(handler: Any) -> int | None:
+    """The navbar's blocked count for any Flower page (None: not known yet, or no ledger)."""
+    try:
+        application = handler.application
+        page = page_for(application)
+        return page.blocked.value(application.executor)
+    except Exception as exc:  # noqa: BLE001 - a navbar never breaks a page
+        log.debug("celery-ledger navbar count unavailable: %r", exc)
+        return None
+
+
 class LedgerPage:
     """Per Flower app: its Celery app, the ledger settings and store, the aggregate cache."""
 
@@ -105,7 +182,10 @@ class LedgerPage:
         # A monitor never migrates: an old schema is reported, not upgraded from Flower.
         self.store = LedgerStore(self.settings.url, migrate=False)
         self.aggregates = AggregateCache(self.store)
+        self.blocked = BlockedCount(self.store)
         self.cli_prefix = cli_prefix
+        #: Opens sealed argument snapshots (``ledger_snapshot_keys``); None without a key.
+        self.cipher = cipher_from(self.settings.snapshot_keys)
 
     def task(self, name: str) -> Any | None:
         """The registered task object, or None when this Flower's app does not know it."""

@@ -57,6 +57,8 @@ DONE = {
     "resumed": "Re-enqueued with its task id and argument snapshot.",
     "resume-blocked": "Not re-enqueued: interrupted more than ledger_max_resumes times, so it "
     "was blocked as a crash loop.",
+    "marked-dead": "Marked dead: every attempt so far is asserted dead, stamped with your "
+    "user and the reason.",
 }
 
 _STATUS_BADGES = {
@@ -152,12 +154,15 @@ class OverviewHandler(LedgerHandler):
         self.render_ledger("overview.html", sweep=self._next_sweep(model["now"]), **model)
 
     def _next_sweep(self, now: float) -> dict[str, Any]:
-        """When the next sweep runs, from the sweep tasks Flower has seen (its events)."""
+        """When the next sweep runs, from the last sweep Flower saw (its events)."""
         from celery_ledger.app import SWEEP_TASK
 
         interval = self.page.settings.sweep_interval
         seen: float | None = None
         state = getattr(self.application.events, "state", None)
+        last = getattr(state, "last_sweep", None)  # celery_ledger.flower.states
+        if last is not None and last.get("timestamp"):
+            seen = float(last["timestamp"])
         tasks = state.tasks_by_type.get(SWEEP_TASK) if state is not None else None
         for task in list(tasks or ()):
             at = task.received or task.started or task.timestamp
@@ -249,6 +254,7 @@ class EntryHandler(LedgerHandler):
             "entry.html",
             view=view,
             e=view.entry,
+            death=self.page.settings,
             error=error,
             done=done,
             form=form or {},
@@ -328,6 +334,22 @@ class ResumeHandler(ActionHandler):
                 self.page, key, operator=operator, reason_raw=self.get_body_argument("reason", None)
             )
             return "resumed" if outcome == "resumed" else f"resume-{outcome}"
+
+        await self.act(key, run)
+
+
+class MarkDeadHandler(ActionHandler):
+    @web.authenticated
+    async def post(self, key: str) -> None:
+        def run(operator: Operator) -> str:
+            actions.mark_dead(
+                self.page,
+                key,
+                operator=operator,
+                reason_raw=self.get_body_argument("reason", None),
+                override=self.get_body_argument("override_heartbeat", "") == "on",
+            )
+            return "marked-dead"
 
         await self.act(key, run)
 

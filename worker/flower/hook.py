@@ -19,7 +19,12 @@ At that moment Flower's route table (``flower.urls.handlers``) and application s
 
 An insertion whose anchor is not found in Flower's template (a Flower release that changed
 its markup) is skipped with a warning: Flower's page renders untouched and the Ledger page is
-still at ``/ledger``. Nothing of Flower is subclassed or monkeypatched.
+still at ``/ledger``.
+
+3. it makes Flower read the ledger's events as the ledger means them (``states.install()``:
+   Flower's ``EventsState`` is replaced by a subclass, the one Flower class the page replaces,
+   because Flower has no hook between an event and its task list). Nothing else of Flower is
+   subclassed or monkeypatched.
 """
 
 from __future__ import annotations
@@ -40,11 +45,19 @@ TEMPLATES = Path(__file__).parent / "templates"
 OWN_PREFIX = "ledger/"
 
 _NAV_ANCHOR = "</ul>"
+# The count beside "Ledger" is the entries blocked now (an operator decides them), on every
+# Flower page, the dashboard included; cached and refreshed off the request
+# (``context.BlockedCount``).
 _NAV_ITEM = """
+        {% import celery_ledger.flower.context %}
+        {% set ledger_blocked = celery_ledger.flower.context.blocked_for_nav(handler) %}
         <li class="nav-item">
           <a class="nav-link{% if active_tab == 'ledger' %} active{% end %}"
             href="{{ reverse_url('ledger') }}"
-            {% if active_tab == 'ledger' %}aria-current="page"{% end %}>Ledger</a>
+            {% if active_tab == 'ledger' %}aria-current="page"{% end %}
+            >Ledger{% if ledger_blocked %} <span class="badge text-bg-warning"
+              id="ledger-nav-blocked" title="blocked entries: an operator decides"
+              >{{ ledger_blocked }}</span>{% end %}</a>
         </li>
       """
 _TASK_ANCHOR = '<div class="detail-actions">'
@@ -74,10 +87,75 @@ def _insert_after(anchor: str, snippet: str) -> Callable[[str, str], str]:
     return patch
 
 
+_TASKS_FILTER_ANCHOR = '<button class="task-state-filter" type="button" data-task-state="RETRY"'
+_TASKS_FILTER = """<button class="task-state-filter" type="button" data-task-state="LEDGER-BLOCKED"
+      aria-pressed="false" title="blocked by the ledger: an operator decides">Blocked</button>
+    <button class="task-state-filter" type="button" data-task-state="LEDGER-INTERRUPTED"
+      aria-pressed="false"
+      title="its worker was lost mid-body: the redelivery or the sweep resumes it"
+      >Interrupted</button>
+    """
+_TASKS_TABLE_ANCHOR = "</table>"
+# After each draw of Flower's task list, a badge beside the state says what the ledger did to
+# the task (its ``ledger`` field, ``celery_ledger.flower.states``): resumed, replayed, fenced...
+# Text only (textContent), so nothing from an event becomes markup.
+_TASKS_BADGES = """</table>
+    <script>
+    document.addEventListener("DOMContentLoaded", function () {
+      var SHOWN = ["resumed", "replayed", "fenced", "returned", "waited", "interrupted",
+                   "conflict", "reconciled", "released", "marked-dead"];
+      // Not failures, but stuck until someone (an operator, the sweep) acts.
+      var NEEDS_EYES = ["LEDGER-BLOCKED", "LEDGER-INTERRUPTED"];
+      jQuery(document).on("draw.dt", "#tasks-table", function () {
+        jQuery("#tasks-table").DataTable().rows({page: "current"}).every(function () {
+          var marks = (this.data().ledger || []).filter(function (m) {
+            return SHOWN.indexOf(m) >= 0;
+          });
+          var badge = this.node() && this.node().querySelector(".badge");
+          if (!badge) return;
+          if (NEEDS_EYES.indexOf(this.data().state) >= 0) {
+            badge.classList.remove("text-bg-secondary");
+            badge.classList.add("text-bg-warning");
+          }
+          if (!marks.length || badge.parentNode.querySelector(".ledger-marks")) return;
+          var extra = document.createElement("span");
+          extra.className = "badge text-bg-info ms-1 ledger-marks";
+          extra.title = "what the ledger did to this task";
+          extra.textContent = marks.join(", ");
+          badge.parentNode.appendChild(extra);
+        });
+      });
+    });
+    </script>"""
+
+
+def _replace_first(anchor: str, replacement: str) -> Callable[[str, str], str]:
+    def patch(name: str, source: str) -> str:
+        if anchor not in source:
+            log.warning("celery-ledger: %s has no %r; its ledger badges are left out", name, anchor)
+            return source
+        return source.replace(anchor, replacement, 1)
+
+    return patch
+
+
+def _both(*patches: Callable[[str, str], str]) -> Callable[[str, str], str]:
+    def patch(name: str, source: str) -> str:
+        for one in patches:
+            source = one(name, source)
+        return source
+
+    return patch
+
+
 #: Flower template -> what the page adds to it.
 PATCHES: dict[str, Callable[[str, str], str]] = {
     "navbar.html": _insert_before(_NAV_ANCHOR, _NAV_ITEM),
     "task.html": _insert_after(_TASK_ANCHOR, _TASK_LINK),
+    "tasks.html": _both(
+        _insert_before(_TASKS_FILTER_ANCHOR, _TASKS_FILTER),
+        _replace_first(_TASKS_TABLE_ANCHOR, _TASKS_BADGES),
+    ),
 }
 
 
@@ -111,6 +189,7 @@ def routes() -> list[Any]:
         url(rf"/ledger/entry/{key}", h.EntryHandler, name="ledger-entry"),
         url(rf"/ledger/entry/{key}/release", h.ReleaseHandler, name="ledger-release"),
         url(rf"/ledger/entry/{key}/resume", h.ResumeHandler, name="ledger-resume"),
+        url(rf"/ledger/entry/{key}/mark-dead", h.MarkDeadHandler, name="ledger-mark-dead"),
     ]
 
 
@@ -141,6 +220,16 @@ def install_in_flower(
     )
     from celery_ledger.flower import context
 
+    try:
+        from celery_ledger.flower import states
+
+        states.install()
+    except Exception as exc:  # noqa: BLE001 - a Flower that changed: its task list as it is
+        log.warning(
+            "celery-ledger: Flower's task list keeps Celery's literal reading of the ledger's "
+            "events (%r); the Ledger page is unaffected",
+            exc,
+        )
     context.cli_prefix = _cli_prefix()
     log.info("celery-ledger: Ledger page installed in Flower at /ledger")
 

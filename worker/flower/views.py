@@ -18,6 +18,7 @@ from celery_ledger.flower import queries as q
 from celery_ledger.flower.context import Aggregates, LedgerPage
 from celery_ledger.ledger import (
     RESUME_OWNER,
+    TRANSACTION_STEP_REF,
     Entry,
     EntryStatus,
     EventRecord,
@@ -39,7 +40,14 @@ def stuck_reason(kind: q.StuckKind, entry: Entry, now: float, page: LedgerPage) 
     s = page.settings
     if kind.status is EntryStatus.BLOCKED:
         why = entry.reason or "blocked (no reason recorded)"
-        return f"Needs an operator: {why}"
+        alive = ""
+        if entry.seen_alive_at is not None and now - entry.seen_alive_at < s.death_grace_seconds:
+            # The death-signal gate's warning, where the operator looks first.
+            alive = (
+                f" Its old worker ({entry.seen_alive_owner or 'unknown'}) was seen alive "
+                f"{duration(now - entry.seen_alive_at)} ago: check whether its call landed."
+            )
+        return f"Needs an operator: {why}{alive}"
     if kind.status is EntryStatus.INTERRUPTED:
         why = entry.reason or "interrupted"
         if entry.snapshot is None:
@@ -249,7 +257,7 @@ def entry(page: LedgerPage, key: str) -> EntryView:
     events = store.entry_events(key, limit=500)
     now = store.now()
     # Decoded defensively: an entry whose snapshot no process can read is shown (and released).
-    snapshot, unreadable = decode_stored(e.snapshot)
+    snapshot, unreadable = decode_stored(e.snapshot, page.cipher)
     if not isinstance(snapshot, dict):
         snapshot = None
     task = page.task(e.task_name)
@@ -314,6 +322,13 @@ def _step(s: StepRecord, e: Entry, live_lease: bool, redaction: Redaction) -> St
         state, label = "completed", "completed"
     elif s.status is StepStatus.NOT_EXECUTED:
         state, label = "not-executed", "proven not executed: one re-run authorized"
+    elif s.external_ref == TRANSACTION_STEP_REF:
+        # A transaction step's marker: its writes commit with its completion or not at all.
+        state, label = (
+            ("running", "transaction step, running now")
+            if live_lease
+            else ("not-executed", "transaction step, nothing committed: it runs again")
+        )
     elif live_lease:
         state, label = "running", "started, running now"
     else:

@@ -6,14 +6,14 @@ broker confirmed it. The sweep publishes the rows still unpublished (index on
 ``created_at`` while ``published_at IS NULL``).
 
 Revision ID: 0003_outbox
-Revises: 0002
+Revises: 0005_operators (re-chained after main's 0005 when main was merged)
 """
 
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0003_outbox"
-down_revision = "0002"
+down_revision = "0005_operators"
 branch_labels = None
 depends_on = None
 
