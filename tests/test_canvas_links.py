@@ -156,3 +156,25 @@ def test_members_of_a_group_and_of_a_parent(store: Any) -> None:
     assert {m.key for m in store.members("tid-p")} == {"m0", "m1", "m2"}
     assert [m.status.value for m in store.members("g-2")] == ["running"]
     assert store.members("nobody") == []
+
+
+def test_a_failed_settle_records_its_errbacks(store: Any) -> None:
+    from celery_ledger.ledger import Child, EntryStatus
+
+    fence = claim(store, "f1")
+    errback = Child("eb-1", "proj.on_failure", '{"args": ["tid-f1"], "kwargs": {}}', 0)
+    assert store.settle_with_links(
+        "f1",
+        fence,
+        result=None,
+        error='{"exc_type": "ValueError"}',
+        links=[errback],
+        status=EntryStatus.FAILED,
+    )
+    entry = store.get_entry("f1")
+    assert entry.status is EntryStatus.FAILED and entry.error == '{"exc_type": "ValueError"}'
+    assert store.recorded_links("f1") == {"eb-1": False}
+    with pytest.raises(ValueError, match="completed or failed"):
+        store.settle_with_links(
+            "f1", fence, result=None, links=[errback], status=EntryStatus.BLOCKED
+        )
