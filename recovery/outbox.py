@@ -23,7 +23,13 @@ from typing import Any
 
 from kombu.utils.json import loads
 
-from celery_ledger.ledger import LedgerStore, LedgerUnavailable, OutboxMessage
+from celery_ledger.ledger import (
+    LedgerStore,
+    LedgerUnavailable,
+    OutboxMessage,
+    SnapshotCipher,
+    open_snapshot,
+)
 from celery_ledger.recovery.publish import confirmed
 
 log = logging.getLogger(__name__)
@@ -32,10 +38,20 @@ log = logging.getLogger(__name__)
 PARENT_HEADER = "ledger_parent"
 
 
-def send_child(app: Any, message: OutboxMessage, *, connection: Any = None) -> None:
+def send_child(
+    app: Any,
+    message: OutboxMessage,
+    *,
+    connection: Any = None,
+    cipher: SnapshotCipher | None = None,
+) -> None:
     """Publish one recorded child with its deterministic task id (not confirmed by itself:
-    pass a ``confirmed`` connection)."""
-    payload = loads(message.payload)
+    pass a ``confirmed`` connection).
+
+    Raises:
+        SnapshotSealError: its payload is sealed and ``cipher`` cannot open it.
+    """
+    payload = loads(open_snapshot(message.payload, cipher))
     options = dict(payload.get("options") or {})
     headers = dict(options.pop("headers", None) or {})
     headers[PARENT_HEADER] = message.parent_key
@@ -56,6 +72,7 @@ def publish(
     messages: Sequence[OutboxMessage],
     *,
     after_send: Callable[[], None] | None = None,
+    cipher: SnapshotCipher | None = None,
 ) -> list[str]:
     """Publish ``messages`` (each confirmed by the broker), then mark the ones that went out.
 
@@ -69,7 +86,7 @@ def publish(
     try:
         with confirmed(app) as connection:
             for message in messages:
-                send_child(app, message, connection=connection)
+                send_child(app, message, connection=connection, cipher=cipher)
                 sent.append(message.child_id)
         if after_send is not None:
             after_send()
@@ -94,7 +111,12 @@ def publish(
 
 
 def sweep_outbox(
-    store: LedgerStore, app: Any, *, batch: int = 500, grace_seconds: float = 5.0
+    store: LedgerStore,
+    app: Any,
+    *,
+    batch: int = 500,
+    grace_seconds: float = 5.0,
+    cipher: SnapshotCipher | None = None,
 ) -> tuple[int, int]:
     """Publish up to ``batch`` children unpublished for ``grace_seconds``; returns (found,
     published).
@@ -105,7 +127,7 @@ def sweep_outbox(
     pending = store.unpublished(limit=batch, older_than=grace_seconds)
     if not pending:
         return 0, 0
-    published = publish(store, app, pending)
+    published = publish(store, app, pending, cipher=cipher)
     log.info(
         "ledger sweep: outbox published %d of %d pending children", len(published), len(pending)
     )

@@ -424,7 +424,7 @@ def run_sweep(
             ),
         )
         resent.setdefault(outcome, []).append(late.key)
-    outbox_pending, outbox_published = sweep_outbox(store, app, batch=batch)
+    outbox_pending, outbox_published = sweep_outbox(store, app, batch=batch, cipher=cipher)
     pruned = store.prune_settled(retention_days * 86400.0, limit=batch)
     store.prune_outbox(limit=batch)
     report = SweepReport(

@@ -21,9 +21,9 @@ meta = MetaData()
 rows = Table("api_rows", meta, Column("id", Integer, primary_key=True), Column("v", String(40)))
 
 
-def local_app(tmp_path: Path) -> Celery:
+def local_app(tmp_path: Path, **conf: Any) -> Celery:
     app = Celery("txapi", broker="memory://", backend="cache+memory://", set_as_current=False)
-    app.conf.update(ledger_url=f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    app.conf.update(ledger_url=f"sqlite:///{tmp_path / 'ledger.sqlite3'}", **conf)
     store = runtime.store_for(app)
     store.ensure_ready()
     meta.create_all(store.engine)
@@ -165,3 +165,24 @@ def test_a_child_that_is_not_ledgered_is_warned_about_once(
         sender.apply(task_id="s-1").get()
     warned = [r.getMessage() for r in caplog.records if "not a LedgerTask" in r.getMessage()]
     assert len(warned) == 1 and "txapi.plain_child" in warned[0]
+
+
+def test_a_childs_arguments_are_sealed_like_a_snapshot(tmp_path: Path) -> None:
+    """With ``ledger_snapshot_keys``, a child's recorded payload is sealed (issue 19's
+    encryption at rest); it is opened to publish it."""
+    from cryptography.fernet import Fernet
+
+    app = local_app(tmp_path, ledger_snapshot_keys=Fernet.generate_key().decode())
+
+    @app.task(base=LedgerTask, bind=True, name="txapi.secret_child", shared=False)
+    def secret_child(self: LedgerTask, card: str) -> str:
+        return card
+
+    @app.task(base=LedgerTask, bind=True, name="txapi.secret_parent", shared=False)
+    def secret_parent(self: LedgerTask) -> str:
+        return str(self.step("pay", lambda: self.send(secret_child.s("4111-1111"))))
+
+    child_id = secret_parent.apply(task_id="sp-1").get()
+    (kid,) = runtime.store_for(app).children_of(entry_key("txapi.secret_parent", "sp-1"))
+    assert kid.child_id == child_id and kid.published
+    assert kid.payload.startswith("fernet:") and "4111" not in kid.payload

@@ -37,9 +37,11 @@ from celery_ledger.ledger import (
     OutboxMessage,
     PayloadError,
     SideEffect,
+    SnapshotCipher,
     StepRecord,
     StepStatus,
     Verdict,
+    cipher_from,
     step_provider_key,
 )
 from celery_ledger.outbox import Sends
@@ -156,6 +158,7 @@ class Attempt:
         self.replaced_by: str | None = None
         #: The children the running step sends (``send``), recorded with its completed row.
         self._sends: Sends | None = None
+        self._snapshot_cipher: SnapshotCipher | None | bool = False
 
     def __repr__(self) -> str:
         return f"<Attempt key={self.key} task_id={self.task_id} fence={self.fence}>"
@@ -367,7 +370,9 @@ class Attempt:
                 "send() records a child with the step that sends it: call it inside a step "
                 "(self.step, self.transaction), not in the body itself"
             )
-        child_id = self._sends.add(sig, limit=self.settings.max_snapshot_bytes)
+        child_id = self._sends.add(
+            sig, limit=self.settings.max_snapshot_bytes, cipher=self._cipher()
+        )
         _warn_if_not_ledgered(self.task.app, sig.task)
         return child_id
 
@@ -397,7 +402,14 @@ class Attempt:
             self.task.app,
             messages,
             after_send=lambda: crash_point(self.settings, f"children-published:{name}"),
+            cipher=self._cipher(),
         )
+
+    def _cipher(self) -> SnapshotCipher | None:
+        """The snapshot cipher (``ledger_snapshot_keys``) that seals the children's payloads."""
+        if self._snapshot_cipher is False:
+            self._snapshot_cipher = cipher_from(self.settings.snapshot_keys)
+        return self._snapshot_cipher
 
     # -- transaction steps ----------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery_ledger.codec import encode
-from celery_ledger.ledger import Child, child_task_id
+from celery_ledger.ledger import Child, SnapshotCipher, child_task_id
 
 #: Signature options a recorded child keeps (anything else is refused, not dropped silently).
 KEPT_OPTIONS = frozenset(
@@ -47,8 +47,11 @@ class Sends:
         self.occurrence = occurrence
         self.children: list[Child] = []
 
-    def add(self, sig: Any, *, limit: int) -> str:
+    def add(self, sig: Any, *, limit: int, cipher: SnapshotCipher | None = None) -> str:
         """Record ``sig`` as the next child; returns its task id.
+
+        With ``cipher`` (``ledger_snapshot_keys``) the payload is sealed like an argument
+        snapshot: a child's arguments are arguments too.
 
         Raises:
             TypeError: ``sig`` is not a task signature, or has an option the outbox cannot
@@ -76,5 +79,7 @@ class Sends:
             setting="ledger_max_snapshot_bytes",
             advice="send a reference to the data instead",
         )
+        if cipher is not None:
+            payload = cipher.seal(payload)
         self.children.append(Child(child_id, name, payload, n))
         return child_id
