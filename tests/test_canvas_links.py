@@ -10,7 +10,7 @@ import pytest
 from celery import Celery, group, signature
 from kombu.utils.json import loads
 
-from celery_ledger import canvas
+from celery_ledger import canvas, runtime
 from celery_ledger.ledger import LINKS_STEP, LedgerUnavailable, child_task_id
 
 
@@ -178,3 +178,20 @@ def test_a_failed_settle_records_its_errbacks(store: Any) -> None:
         store.settle_with_links(
             "f1", fence, result=None, links=[errback], status=EntryStatus.BLOCKED
         )
+
+
+def test_links_are_sealed_with_the_snapshot_keys(app: Celery) -> None:
+    """With ``ledger_snapshot_keys`` a recorded link's arguments (the result it carries) are
+    sealed like an argument snapshot, and opened to publish."""
+    from cryptography.fernet import Fernet
+
+    from celery_ledger.ledger.sealing import open_snapshot
+
+    app.conf.ledger_snapshot_keys = Fernet.generate_key().decode()
+    second = signature("proj.second", app=app)
+    second.freeze("id-2")
+    links = canvas.links_of(task(app), request(chain=[dict(second)]), "k" * 64, "4111-1111")
+    (child,) = links.children
+    assert child.payload.startswith("fernet:") and "4111" not in child.payload
+    opened = loads(open_snapshot(child.payload, runtime.snapshot_cipher(app)))
+    assert opened["args"] == ["4111-1111"]

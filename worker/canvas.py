@@ -76,6 +76,7 @@ def links_of(task: Any, request: Any, key: str, retval: Any) -> Links:
     """
     app = task.app
     limit = runtime.settings_for(app).max_snapshot_bytes
+    cipher = runtime.snapshot_cipher(app)
     children: list[Child] = []
     parent = {"parent_id": request.id, "root_id": request.root_id or request.id}
 
@@ -90,6 +91,8 @@ def links_of(task: Any, request: Any, key: str, retval: Any) -> Links:
             what=f"link {sig.task} of {task.name}",
             setting="ledger_max_snapshot_bytes",
         )
+        if cipher is not None:  # encryption at rest, as for argument snapshots
+            payload = cipher.seal(payload)
         child_id = (sig.options or {}).get("task_id") or child_task_id(key, LINKS_STEP, 0, n)
         children.append(Child(child_id, sig.task, payload, n))
 
@@ -122,6 +125,7 @@ def errback_links_of(task: Any, request: Any, key: str) -> Links:
     """
     app = task.app
     limit = runtime.settings_for(app).max_snapshot_bytes
+    cipher = runtime.snapshot_cipher(app)
     children: list[Child] = []
     left: list[Any] = []
     parent = {"parent_id": request.id, "root_id": request.root_id or request.id}
@@ -140,6 +144,8 @@ def errback_links_of(task: Any, request: Any, key: str) -> Links:
             what=f"errback {sig.task} of {task.name}",
             setting="ledger_max_snapshot_bytes",
         )
+        if cipher is not None:  # encryption at rest, as for argument snapshots
+            payload = cipher.seal(payload)
         child_id = (sig.options or {}).get("task_id") or child_task_id(key, LINKS_STEP, 0, n)
         children.append(Child(child_id, sig.task, payload, n))
     return Links(children, False, [], errbacks_left=left)
@@ -190,6 +196,7 @@ def publish_links(
             )
             for c in links
         ],
+        cipher=runtime.snapshot_cipher(app),
     )
 
 
