@@ -125,6 +125,8 @@ class HotPath(StoreCore):
             return decided(Gate.RETURN, "returned", result=row.result, error=row.error)
         if found is EntryStatus.BLOCKED:
             return decided(Gate.BLOCK, "block-gate", reason=row.reason)
+        if found.waits_for_time:  # issue 18: the ledger sends it when due
+            return decided(Gate.HOLD, "held", f"{found.value} until {row.due_at}")
 
         interruptions = row.interruptions
         gate = Gate.TAKEOVER
@@ -441,7 +443,11 @@ class HotPath(StoreCore):
         if status in (EntryStatus.RUNNING, EntryStatus.INTERRUPTED):
             raise ValueError(f"settle cannot move an entry to {status.value}")
         waits = (due_in, due_at, snapshot) != (None, None, None)
-        if waits and status is not EntryStatus.RETRYING:
+        if waits and status not in (
+            EntryStatus.RETRYING,
+            EntryStatus.SCHEDULED,  # a long retry countdown held by the ledger (issue 18)
+            EntryStatus.SLEEPING,  # ``self.sleep()`` (issue 18)
+        ):
             raise ValueError(
                 f"only a retrying settle has a due time or a new snapshot, not {status.value}"
             )

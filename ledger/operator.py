@@ -160,7 +160,8 @@ class OperatorQueries(StoreCore):
         limit: int = 50,
     ) -> list[Entry]:
         """Entries, newest first. ``stuck``: interrupted, blocked, running past the lease, or
-        retrying past the due time (the retry never arrived; the sweep re-sends it)."""
+        retrying past the due time (the retry never arrived; the sweep re-sends it), or
+        scheduled/sleeping past the due time (the sweep has not sent it: is beat running?)."""
         q = select(entries).order_by(entries.c.updated_at.desc()).limit(limit)
         if statuses:
             q = q.where(entries.c.status.in_(statuses))
@@ -175,6 +176,9 @@ class OperatorQueries(StoreCore):
                     (entries.c.status == EntryStatus.RUNNING.value)
                     & (entries.c.lease_until < db_now_stable()),
                     (entries.c.status == EntryStatus.RETRYING.value)
+                    & (entries.c.due_at < db_now_stable()),
+                    # issue 18: held past its due time (no beat is sweeping?)
+                    entries.c.status.in_([EntryStatus.SCHEDULED.value, EntryStatus.SLEEPING.value])
                     & (entries.c.due_at < db_now_stable()),
                 )
             )

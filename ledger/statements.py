@@ -193,18 +193,24 @@ def renew_update() -> Any:
     )
 
 
-def live_entry(key: Any, fence: Any) -> Any:
+def live_entry(key: Any, fence: Any, *, may_start: bool = False) -> Any:
     """The entry row an attempt still owns, share-locked.
 
     FOR SHARE makes a concurrent takeover (which updates the row) and this attempt's write
     serialize: either the write lands first and the takeover's replay load sees it, or the
     takeover commits first and the re-checked WHERE finds the fence moved.
+
+    ``may_start`` (an effect step's ``started`` write): also no cancellation asked for and no
+    deadline passed on the database clock (issue 18), so the step boundary's check rides on
+    the write the step makes anyway; a refused start is explained by ``worker/timing.py``.
     """
-    return (
-        select(entries.c.key)
-        .where(entries.c.key == key, entries.c.fence == fence, entries.c.status == _RUNNING)
-        .with_for_update(read=True)
-    )
+    cond = [entries.c.key == key, entries.c.fence == fence, entries.c.status == _RUNNING]
+    if may_start:
+        cond += [
+            entries.c.cancel_requested_at.is_(None),
+            (entries.c.deadline_at.is_(None)) | (entries.c.deadline_at > db_now()),
+        ]
+    return select(entries.c.key).where(*cond).with_for_update(read=True)
 
 
 def _second_at_position() -> Any:
@@ -254,7 +260,7 @@ def step_upsert(dialect: Dialect, started: bool, *, at_position: bool = False) -
         "started_at": now,
         "completed_at": None if started else now,
     }
-    source = live_entry(B("key"), B("fence")).with_only_columns(*values.values())
+    source = live_entry(B("key"), B("fence"), may_start=started).with_only_columns(*values.values())
     ins = dialect.insert(steps).from_select(list(values), source)
     ex = ins.excluded
     # An attempt of the step's body is a ``started`` write onto an existing row, from a new

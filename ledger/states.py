@@ -20,10 +20,32 @@ class EntryStatus(str, Enum):
     INTERRUPTED = "interrupted"
     #: Parked for an operator (ambiguous step, crash loop); never run automatically.
     BLOCKED = "blocked"
+    #: Held by the ledger until ``due_at`` (a long countdown/ETA, or a long retry countdown):
+    #: no broker holds a message for it; the sweep publishes it when due (issue 18).
+    SCHEDULED = "scheduled"
+    #: The body called ``self.sleep()``: its attempt ended, the sweep re-sends it at ``due_at``
+    #: and its completed steps replay (issue 18).
+    SLEEPING = "sleeping"
+    #: Settled: cancelled by an operator (``celery-ledger cancel``) or ``revoke()``; every later
+    #: delivery raises ``TaskCancelled`` (issue 18).
+    CANCELLED = "cancelled"
+    #: Settled: its deadline (``expires``, ``deadline``) passed before it could finish; every
+    #: later delivery raises ``TaskExpired`` (issue 18).
+    EXPIRED = "expired"
 
     @property
     def settled(self) -> bool:
-        return self in (EntryStatus.COMPLETED, EntryStatus.FAILED)
+        return self in (
+            EntryStatus.COMPLETED,
+            EntryStatus.FAILED,
+            EntryStatus.CANCELLED,
+            EntryStatus.EXPIRED,
+        )
+
+    @property
+    def waits_for_time(self) -> bool:
+        """Held until its ``due_at``: a delivery found meanwhile runs nothing (gate HOLD)."""
+        return self in (EntryStatus.SCHEDULED, EntryStatus.SLEEPING)
 
 
 class Gate(str, Enum):
@@ -41,6 +63,9 @@ class Gate(str, Enum):
     BLOCK = "block"
     #: The business key was first claimed with different arguments.
     CONFLICT = "conflict"
+    #: The entry is scheduled or sleeping: the ledger sends it when due; this delivery runs
+    #: nothing and is acked (issue 18).
+    HOLD = "hold"
 
 
 class StepStatus(str, Enum):

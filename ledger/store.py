@@ -19,6 +19,7 @@ from celery_ledger.ledger.hotpath import HotPath
 from celery_ledger.ledger.links import LinkQueries
 from celery_ledger.ledger.operator import OperatorQueries
 from celery_ledger.ledger.outbox import OutboxQueries
+from celery_ledger.ledger.schedule import ScheduleQueries
 from celery_ledger.ledger.sweeps import SweepQueries
 from celery_ledger.ledger.transactions import TransactionSteps
 
@@ -28,6 +29,7 @@ class LedgerStore(
     SweepQueries,
     OperatorQueries,
     DeathSignals,
+    ScheduleQueries,
     TransactionSteps,
     OutboxQueries,
     LinkQueries,
@@ -43,6 +45,8 @@ class LedgerStore(
         ├── OperatorQueries          get_entry, list_entries, release, stats, ...
         │   (operator.py)
         ├── DeathSignals (death.py)  mark_dead, record_seen_alive (the release gate)
+        ├── ScheduleQueries          schedule, list_due, begin_wake, request_cancel, ...
+        │   (schedule.py)            durable time (issue 18)
         ├── TransactionSteps         a step's completed row in a transaction: transaction
         │   (transactions.py)        steps, and a step's children (complete_step)
         ├── OutboxQueries            the children steps recorded: unpublished,

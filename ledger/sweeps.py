@@ -342,8 +342,15 @@ class SweepQueries(StoreCore):
             return None
         return CrashLoop(reason, self.block(entry.key, entry.fence, reason, actor=actor))
 
-    def prune_settled(self, older_than_seconds: float, *, limit: int = 1000) -> int:
+    def prune_settled(
+        self, older_than_seconds: float, *, limit: int = 1000, tombstone: str | None = None
+    ) -> int:
         """Delete up to ``limit`` settled entries older than the window, with steps and events.
+
+        ``tombstone`` (issue 18; the encoded failure a late delivery of a pruned failed,
+        cancelled or expired key raises): keep each entry's row as a tombstone instead, with
+        its key, arguments hash, final status and settled time (``tombstone_at``) and nothing
+        else (``ScheduleQueries.prune_tombstones`` deletes it after its own window).
 
         Atomic (one transaction). Rows another transaction holds (a release in progress) are
         skipped, not waited for. Returns how many entries this call deleted.
@@ -371,9 +378,15 @@ class SweepQueries(StoreCore):
                 return 0
             conn.execute(delete(steps).where(steps.c.key.in_(keys)))
             conn.execute(delete(events).where(events.c.key.in_(keys)))
-            conn.execute(
-                delete(entries).where(entries.c.key.in_(keys), entries.c.settled_at.is_not(None))
-            )
+            picked_rows = entries.c.key.in_(keys) & entries.c.settled_at.is_not(None)
+            if tombstone is None:
+                conn.execute(delete(entries).where(picked_rows))
+            else:
+                from celery_ledger.ledger.schedule import tombstone_values
+
+                conn.execute(
+                    update(entries).where(picked_rows).values(**tombstone_values(tombstone))
+                )
             return len(keys)
 
     def count_expired(self) -> int:

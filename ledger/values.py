@@ -191,6 +191,14 @@ class Entry:
     seen_alive_at: float | None = None
     seen_alive_fence: int | None = None
     seen_alive_owner: str | None = None
+    #: Issue 18: a cancellation asked for (database clock), by whom and why.
+    cancel_requested_at: float | None = None
+    cancel_by: str | None = None
+    cancel_reason: str | None = None
+    #: Issue 18: no effect step starts after this (database clock).
+    deadline_at: float | None = None
+    #: Issue 18: pruned to a tombstone; the settled time (``settled_at`` is then None).
+    tombstone_at: float | None = None
     #: The Celery group this task was published in, and the task that published it.
     group_id: str | None = None
     parent_id: str | None = None

@@ -101,6 +101,12 @@ class SweepReport:
     outbox_pending: int = 0
     #: ... of which published (confirmed) and marked by this sweep.
     outbox_published: int = 0
+    #: Issue 18: scheduled/sleeping entries past their due time ...
+    due: int = 0
+    #: ... of which sent with their task id.
+    woken: int = 0
+    #: Entries with a pending cancellation settled ``cancelled`` (no live attempt had them).
+    cancelled: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -180,10 +186,16 @@ def _park_unreadable(
     return ResumeOutcome.BLOCKED
 
 
-def _send(app: Any, name: str, task_id: str, snapshot: ArgumentSnapshot) -> None:
+def _send(
+    app: Any,
+    name: str,
+    task_id: str,
+    snapshot: ArgumentSnapshot,
+    extra_headers: dict[str, Any] | None = None,
+) -> None:
     """Re-send a task with its original task id and its argument snapshot."""
     # ledger_redelivery: the entry exists, so the publisher records no publish intent.
-    headers: dict[str, Any] = {"ledger_redelivery": True}
+    headers: dict[str, Any] = {**(extra_headers or {}), "ledger_redelivery": True}
     if snapshot.ledger_key is not None:
         headers["ledger_key"] = snapshot.ledger_key
     options: dict[str, Any] = {"task_id": task_id, "headers": headers}
@@ -367,6 +379,7 @@ def run_sweep(
     batch: int = 500,
     actor: str = "sweep",
     cipher: SnapshotCipher | None = None,
+    tombstone_days: float = 0.0,
 ) -> SweepReport:
     """One full sweep: interrupt expired leases, resume or block interrupted work, re-send
     overdue retries, prune.
@@ -377,6 +390,9 @@ def run_sweep(
     Raises:
         LedgerUnavailable: the ledger went away; the next sweep does the rest.
     """
+    from celery_ledger.recovery import wake  # issue 18's pass; it imports this module
+
+    cancelled = wake.finish_cancelled(store, app, batch=batch, actor=actor)
     interrupted = store.interrupt_expired(limit=batch, actor=actor)
     candidates = store.list_interrupted(limit=batch, resumable=True)
     outcomes: dict[ResumeOutcome | None, list[str]] = {}
@@ -425,7 +441,10 @@ def run_sweep(
         )
         resent.setdefault(outcome, []).append(late.key)
     outbox_pending, outbox_published = sweep_outbox(store, app, batch=batch, cipher=cipher)
-    pruned = store.prune_settled(retention_days * 86400.0, limit=batch)
+    due, woken, wake_errors = wake.wake_due(
+        store, app, lease_seconds=lease_seconds, batch=batch, actor=actor, cipher=cipher
+    )
+    pruned = wake.prune(store, retention_days, tombstone_days, batch=batch)
     store.prune_outbox(limit=batch)
     report = SweepReport(
         interrupted=len(interrupted),
@@ -438,9 +457,12 @@ def run_sweep(
         resumed_keys=tuple(outcomes.get(ResumeOutcome.RESUMED, [])),
         overdue=len(overdue),
         resent=len(resent.get(ResumeOutcome.RESUMED, [])),
-        errors=len(outcomes.get(None, [])) + len(resent.get(None, [])),
+        errors=len(outcomes.get(None, [])) + len(resent.get(None, [])) + wake_errors,
         outbox_pending=outbox_pending,
         outbox_published=outbox_published,
+        due=due,
+        woken=woken,
+        cancelled=cancelled,
     )
     if (
         report.interrupted
@@ -449,6 +471,8 @@ def run_sweep(
         or report.overdue
         or report.errors
         or report.outbox_pending
+        or report.due
+        or report.cancelled
     ):
         log.info("ledger sweep: %s", report.as_dict())
     return report

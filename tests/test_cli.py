@@ -497,6 +497,7 @@ def test_doctor_passes_on_the_embedded_default(
         "schema",
         "backend",
         "visibility",
+        "hold",
         "rabbitmq",
         "acks",
         "chords",
@@ -521,6 +522,7 @@ def test_doctor_warns_about_redis_visibility_and_sqlite_with_a_network_broker(
     assert checks["visibility"]["status"] == "WARN"
     assert "lease 7200s > visibility_timeout 3600s" in checks["visibility"]["reason"]
     assert "WAIT gate" in checks["visibility"]["reason"]
+    assert checks["hold"]["status"] == "PASS", checks["hold"]
     expected = "WARN" if ledger_url.startswith("sqlite") else "PASS"
     assert checks["backend"]["status"] == expected
 
@@ -538,6 +540,18 @@ def test_doctor_warns_about_chord_counting_before_celery_5_7(
     checks = {c["name"]: c for c in json.loads(cli("doctor", "--json").stdout)["checks"]}
     assert checks["chords"]["status"] == "WARN"
     assert "counts a chord member once per delivery" in checks["chords"]["reason"]
+
+
+def test_doctor_warns_when_the_hold_threshold_reaches_the_visibility_timeout(
+    cli: Any, store: LedgerStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 18: a countdown below the hold threshold waits unacked in a worker."""
+    monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:6379/15")
+    monkeypatch.setenv("CELERY_RESULT_BACKEND", "cache+memory://")
+    monkeypatch.setenv("CELERY_LEDGER_HOLD_THRESHOLD_SECONDS", "7200")
+    checks = {c["name"]: c for c in json.loads(cli("doctor", "--json").stdout)["checks"]}
+    assert checks["hold"]["status"] == "WARN"
+    assert "7200s >= visibility_timeout 3600s" in checks["hold"]["reason"]
 
 
 def test_schema_newer_than_the_code_is_refused_everywhere(
@@ -577,8 +591,8 @@ def test_migrate_plan_changes_nothing_then_migrate_applies(cli: Any, pg_url: str
     plan = json.loads(cli("--url", pg_url, "migrate", "--plan", "--json").stdout)
     assert plan["current"] is None and plan["pending"][-1] == plan["head"] == "0007_canvas"
     said = cli("--url", pg_url, "migrate", "--plan").stdout
-    assert "no ledger schema yet" in said
-    assert "5 pending: 0001, 0002, 0005_operators, 0003_outbox, 0007_canvas" in said
+    assert "no ledger schema yet" in said and "6 pending: 0001, 0002, 0005_operators, " in said
+    assert all(r in said for r in ("0003_outbox", "0004_time", "0007_canvas"))
     engine = make_engine(pg_url)
     with engine.connect() as conn:
         assert not conn.dialect.has_table(conn, "ledger_entries")

@@ -90,13 +90,9 @@ def test_head_revision_matches_schema_module() -> None:
 def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine) -> None:
     assert tables(raw_engine) == set()
     with raw_engine.connect() as conn:
-        assert pending_revisions(conn) == [
-            "0001",
-            "0002",
-            "0005_operators",
-            "0003_outbox",
-            "0007_canvas",
-        ]
+        pending = pending_revisions(conn)
+        assert pending[:3] == ["0001", "0002", "0005_operators"] and pending[-1] == "0007_canvas"
+        assert sorted(pending[3:5]) == ["0003_outbox", "0004_time"]
         assert current_revision(conn) is None
     store = LedgerStore(ledger_url)
     try:

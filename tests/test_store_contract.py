@@ -1039,6 +1039,11 @@ def test_stats(store: LedgerStore) -> None:
         "retrying": 0,
         "interrupted": 1,
         "blocked": 0,
+        # issue 18's statuses
+        "scheduled": 0,
+        "sleeping": 0,
+        "cancelled": 0,
+        "expired": 0,
     }
     assert stats.by_task_status[("shop.charge", "running")] == 2
     assert stats.expired_running == 1

@@ -37,6 +37,7 @@ from celery_ledger.ledger import (
     step_provider_key,
 )
 from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciler, ask
+from celery_ledger.timing import key_window_passed
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,9 @@ class Ambiguity:
         """
         attempt = self.attempt
         name = ident[0]
-        if attempt.side_effect.rerun_when_ambiguous:
+        # A keyed step past its provider's key window (issue 18) is not re-run blindly: the
+        # provider may have forgotten the key. It goes to its reconciler, else an operator.
+        if attempt.side_effect.rerun_when_ambiguous and not key_window_passed(attempt, ident):
             log.info(
                 "ambiguous step re-run key=%s task_id=%s fence=%s step=%s class=%s",
                 attempt.key,

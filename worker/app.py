@@ -23,7 +23,7 @@ from typing import Any
 
 from celery import Celery, Task, current_app, signals
 
-from celery_ledger import canvas, intents, runtime
+from celery_ledger import canvas, intents, runtime, timing
 from celery_ledger.backoff import retry_while_unavailable
 from celery_ledger.ledger import LedgerError, LedgerUnavailable
 from celery_ledger.recovery import SweepReport, boot_sweep, run_sweep
@@ -117,6 +117,7 @@ def install(app: Celery) -> Celery:
     app._ledger_installed = True
     ledger_apps.add(app)
     _connect_signals()
+    timing.install_revoke_hooks(app)  # revoke() is recorded in the ledger (issue 18)
 
     @app.task(name=SWEEP_TASK, ignore_result=True, shared=False, base=_SweepTask)
     def celery_ledger_sweep() -> dict[str, Any]:
@@ -146,6 +147,7 @@ def sweep_now(app: Celery, *, actor: str = "sweep") -> SweepReport:
         max_resumes=settings.max_resumes,
         retention_days=settings.retention_days,
         batch=settings.sweep_batch,
+        tombstone_days=settings.tombstone_days,
         actor=actor,
         cipher=runtime.snapshot_cipher(app),
     )
@@ -239,6 +241,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     global _freeze_before_fork
     if sender is not None and _installed(sender.app):
         runtime.new_boot()
+        timing.install_worker_revoke_hook()
         _freeze_before_fork = runtime.settings_for(sender.app).freeze_gc_before_fork
         canvas.keep_chord_unlock(sender.app)
         if getattr(sender, "task_events", False):

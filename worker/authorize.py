@@ -53,6 +53,8 @@ class Action(str, Enum):
     #: Assert the entry's old attempts dead (``mark-dead``): it unlocks a ``not-executed``
     #: release under ``ledger_release_requires_death_signal``, so it is gated like one.
     MARK_DEAD = "mark-dead"
+    #: Cancel a task (issue 18): it never starts, or stops at its next effect step.
+    CANCEL = "cancel"
 
     @property
     def is_release(self) -> bool:

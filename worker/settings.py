@@ -30,8 +30,14 @@ class LedgerSettings:
     sweep_interval: float = 30.0
     #: Interruptions after which an entry is parked as a crash loop instead of resumed again.
     max_resumes: int = 5
-    #: Settled entries are pruned after this many days; a duplicate delivered later runs again.
+    #: Settled entries are pruned after this many days, to a tombstone (issue 18) ...
     retention_days: float = 7.0
+    #: ... which keeps the key, its final status and settled time this many days longer: a
+    #: duplicate delivered meanwhile finds it and does not run (a completed one returns None,
+    #: any other raises ``KeyPruned``). 0: no tombstones; a duplicate of a pruned key runs
+    #: again. 90 days covers the longest redelivery windows of the brokers and of the usual
+    #: provider idempotency windows (Stripe: 24 h) many times over, at one small row per key.
+    tombstone_days: float = 90.0
     #: A result or step output larger than this (serialized) is an error, never truncated.
     max_result_bytes: int = 1024 * 1024
     #: A task's argument snapshot larger than this is not stored: the task still runs, but an
@@ -86,6 +92,13 @@ class LedgerSettings:
     #: message (the claim deduplicates it), never a duplicate run. Shorter finds lost retries
     #: sooner, longer sends fewer needless duplicates.
     retry_grace_seconds: float = 300.0
+    #: A countdown or ETA further away than this (``apply_async(countdown=...)``, ``eta=``,
+    #: ``self.retry(countdown=...)``) is held by the ledger, not by the broker: the entry is
+    #: ``scheduled`` and the sweep publishes it when due (issue 18). Shorter ones keep Celery's
+    #: behaviour. 600 s is a tenth of Redis's default visibility timeout (one hour) and well
+    #: under RabbitMQ's default ``consumer_timeout`` (30 min): a message held longer than that
+    #: in a worker is handed to another worker or kills the channel. 0 turns holding off.
+    hold_threshold_seconds: float = 600.0
     #: Freeze the worker's objects out of the garbage collector before each pool process is
     #: forked (``gc.freeze``; the parent unfreezes them again right after). A pool process's
     #: collections then never write to the pages it shares with the parent, so the modules the
@@ -161,6 +174,10 @@ class LedgerSettings:
             raise ValueError("ledger_sweep_interval must be > 0")
         if self.max_resumes < 0:
             raise ValueError("ledger_max_resumes must be >= 0")
+        if self.tombstone_days < 0:
+            raise ValueError("ledger_tombstone_days must be >= 0 (0: no tombstones)")
+        if self.hold_threshold_seconds < 0:
+            raise ValueError("ledger_hold_threshold_seconds must be >= 0 (0: never hold)")
         if self.retry_grace_seconds < 0:
             raise ValueError("ledger_retry_grace_seconds must be >= 0")
         if self.death_grace_seconds < 0:
@@ -188,6 +205,8 @@ class LedgerSettings:
 
 _FLOATS = {
     "death_grace_seconds",
+    "tombstone_days",
+    "hold_threshold_seconds",
     "publish_intent_seconds",
     "retry_grace_seconds",
     "lease_seconds",

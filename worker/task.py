@@ -29,7 +29,7 @@ from celery.exceptions import Ignore, Retry
 from celery.utils import uuid
 from celery.utils.time import maybe_make_aware
 
-from celery_ledger import canvas, intents, runtime
+from celery_ledger import canvas, intents, runtime, timing
 from celery_ledger.ambiguity import RUN_BODY, Ambiguity
 from celery_ledger.attempt import Attempt, current_attempt
 from celery_ledger.codec import arguments_hash, check_depth, decode, encode, encode_snapshot
@@ -72,6 +72,13 @@ class LedgerTask(Task):
     reconciler: Reconciler | Mapping[str, Reconciler] | None = None
     #: Exceptions that prove a step did not execute (raised before the request left).
     not_executed_on: tuple[type[BaseException], ...] = ()
+    #: Seconds after its entry was created (published, or first claimed) past which no effect
+    #: step of this task starts: it settles ``expired`` (issue 18, ``worker/timing.py``).
+    deadline: float | None = None
+    #: ``keyed`` tasks: how long (seconds) the provider keeps an idempotency key (Stripe: 24 h).
+    #: An ambiguous step older than that goes to its reconciler, else an operator, instead of
+    #: re-running with a key the provider may have forgotten (issue 18). None: no window.
+    provider_key_ttl: float | None = None
 
     # The ledger makes redelivery safe, so take the delivery guarantee that loses nothing:
     # ack after the body, and requeue when the pool process running it dies.
@@ -217,6 +224,27 @@ class LedgerTask(Task):
         """Durably attach a provider handle to the running step before calling the provider."""
         self._attempt().record_external_ref(ref)
 
+    def sleep(self, seconds: float) -> None:
+        """Sleep durably: a step that records the wake time; while it is ahead the entry is
+        ``sleeping``, this attempt ends (its message acked, no worker slot held) and the sweep
+        re-sends the task when it is due; completed steps replay and the body goes on here.
+        """
+        attempt = self._attempt()
+        timing.sleep_until(self, attempt, runtime.store_for(self.app), seconds=seconds, when=None)
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's ``retry``; a countdown beyond ``ledger_hold_threshold_seconds`` is held by
+        the ledger (the entry settles ``scheduled``) instead of published (issue 18)."""
+        with timing.in_retry():
+            return super().retry(*args, **kwargs)
+
+    def wait_until(self, when: float | datetime) -> None:
+        """``sleep`` until ``when`` (a datetime, or seconds since the epoch)."""
+        at = maybe_make_aware(when).timestamp() if isinstance(when, datetime) else float(when)
+        timing.sleep_until(
+            self, self._attempt(), runtime.store_for(self.app), seconds=None, when=at
+        )
+
     @property
     def provider_key(self) -> str:
         """The running step's stable provider idempotency key (``keyed`` tasks)."""
@@ -296,6 +324,12 @@ class LedgerTask(Task):
         """
         headers = options.get("headers") or {}
         check_depth([args or (), kwargs or {}], what=f"arguments of {self.name}")
+        due = timing.hold_due(self, options, linked=bool(link or link_error))
+        if due is not None:  # issue 18: a long countdown is held by the ledger, not the broker
+            held_id = task_id or uuid()
+            if timing.hold(self, tuple(args or ()), dict(kwargs or {}), held_id, options, due):
+                return self.AsyncResult(held_id)
+            task_id = held_id
         publishing: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         intent: str | None = None
         if intents.wanted(self, headers):
@@ -409,6 +443,8 @@ class LedgerTask(Task):
         if claim.gate is Gate.WAIT:
             countdown = min(max(claim.lease_remaining or 1.0, 1.0), settings.wait_countdown_max)
             redeliver(self, args, kwargs, countdown=countdown)
+        if claim.gate is Gate.HOLD:
+            raise Ignore()  # scheduled or sleeping: the ledger sends it when due
         if claim.gate is Gate.BLOCK:
             raise LedgerBlocked(
                 f"{self.name}[{req.id}] key {key} is blocked: {claim.reason}; "
@@ -453,11 +489,22 @@ class LedgerTask(Task):
                     if early is not RUN_BODY:
                         return early
                 crash_point(settings, "after-claim")
+                timing.check_deadline(self, attempt, store)
                 result = self.run(*args, **kwargs)
+            except timing.Stopped as stop:
+                raise stop.outcome from None
             except Retry as exc:
-                attempt.settle(EntryStatus.RETRYING, **self._retry_due(exc, settings))
+                due, held = self._retry_due(exc, settings), timing.held_retry()
+                if held is not None:  # issue 18: the ledger holds the long retry countdown
+                    due = {k: v for k, v in due.items() if k == "snapshot"} | held
+                status = EntryStatus.RETRYING if held is None else EntryStatus.SCHEDULED
+                attempt.settle(status, **due)
                 raise
             except Fenced as exc:
+                try:  # a start refused by a cancellation or a deadline settles it (issue 18)
+                    timing.explain_refusal(self, attempt, store)
+                except timing.Stopped as stop:
+                    raise stop.outcome from None
                 self._emit("fenced", attempt.key, attempt.fence, reason=str(exc))
                 raise Ignore() from exc
             except LedgerBlocked:
@@ -701,6 +748,7 @@ _GATE_EVENT = {
     Gate.WAIT: "waited",
     Gate.BLOCK: "blocked",
     Gate.CONFLICT: "conflict",
+    Gate.HOLD: "held",
 }
 
 

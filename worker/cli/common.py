@@ -52,6 +52,10 @@ STATUS_COLOURS = {
     "retrying": "yellow",
     "interrupted": "yellow",
     "blocked": "red",
+    "scheduled": "blue",
+    "sleeping": "blue",
+    "cancelled": "magenta",
+    "expired": "magenta",
 }
 CHECK_COLOURS = {"PASS": "green", "WARN": "yellow", "FAIL": "red"}
 
@@ -372,6 +376,14 @@ def next_action(entry: Entry, now: float, prefix: str) -> NextAction:
                 "sweep", f"retry overdue by {late}: the sweep re-sends it", f"{prefix} sweep"
             )
         return NextAction("wait", "Celery retry pending")
+    if entry.status.waits_for_time:  # issue 18: held by the ledger until due
+        left = None if entry.due_at is None else entry.due_at - now
+        when = (
+            "due now: the sweep sends it"
+            if left is None or left <= 0
+            else f"due in {duration(left)}"
+        )
+        return NextAction("wait", when, f"{prefix} resume {key}")
     return NextAction("none", "-")
 
 

@@ -240,6 +240,47 @@ def _check_consumer_timeout(app: Any, settings: Any, lease: float) -> Check:
     )
 
 
+def _check_hold(app: Any, settings: Any) -> Check:
+    """Issue 18: countdowns up to ``ledger_hold_threshold_seconds`` wait unacked in a worker
+    (Celery's ETA path); past the broker's visibility timeout (Redis, SQS) or RabbitMQ's
+    ``consumer_timeout`` such a message is handed to another worker or kills the channel."""
+    scheme = _scheme(app)
+    threshold = float(settings.hold_threshold_seconds)
+    if scheme in _AMQP:
+        limit, what = _CONSUMER_TIMEOUT_DEFAULT, "RabbitMQ's default consumer_timeout"
+        configured = os.environ.get("CELERY_LEDGER_RABBITMQ_CONSUMER_TIMEOUT") or app.conf.get(
+            "ledger_rabbitmq_consumer_timeout"
+        )
+        if configured is not None:
+            limit = _seconds(configured, "ledger_rabbitmq_consumer_timeout")
+            what = "consumer_timeout"
+    elif scheme in _VISIBILITY_BROKERS:
+        options = app.conf.broker_transport_options or {}
+        limit = float(options.get("visibility_timeout", _VISIBILITY_DEFAULT))
+        what = "visibility_timeout"
+    else:
+        return Check("hold", "PASS", f"{scheme or 'default'} broker holds no ETA message in time")
+    if threshold <= 0:
+        return Check(
+            "hold",
+            "WARN",
+            f"ledger_hold_threshold_seconds is 0: every countdown waits unacked in a worker; "
+            f"one longer than {what} {limit:.0f}s is redelivered (the claim deduplicates it)",
+        )
+    if threshold >= limit:
+        return Check(
+            "hold",
+            "WARN",
+            f"ledger_hold_threshold_seconds {threshold:.0f}s >= {what} {limit:.0f}s: a "
+            "countdown between the two waits unacked in a worker past it; lower the threshold",
+        )
+    return Check(
+        "hold",
+        "PASS",
+        f"countdowns over {threshold:.0f}s are held by the ledger, under {what} {limit:.0f}s",
+    )
+
+
 def _check_rabbitmq(app: Any, settings: Any) -> Check:
     """Classic queues without publisher confirms, and a quorum queue's delivery limit
     against ``ledger_max_resumes`` (RabbitMQ only)."""
@@ -417,6 +458,7 @@ def doctor_cmd(ctx: click.Context, as_json: bool, strict: bool) -> None:
         schema,
         _check_backend(url, app, store, schema),
         _check_visibility(app, settings, tasks),
+        _check_hold(app, settings),
         _check_rabbitmq(app, settings),
         _check_acks(app, tasks),
         _check_chords(app),

@@ -25,6 +25,7 @@ COMMANDS = [
     ("celery_ledger.cli.ops", "COMMANDS"),
     ("celery_ledger.cli.death", "COMMANDS"),
     ("celery_ledger.cli.sealing", "COMMANDS"),
+    ("celery_ledger.cli.schedule", "COMMANDS"),
     ("celery_ledger.cli.doctor", "COMMANDS"),
     ("celery_ledger.cli.metrics", "COMMANDS"),
     ("celery_ledger.harness.demo", "COMMANDS"),

@@ -552,10 +552,16 @@ def release_cmd(
 @click.pass_context
 @guarded
 def resume_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
-    """Re-enqueue an interrupted entry now, with its task id and argument snapshot."""
+    """Re-enqueue an interrupted entry now (or send a scheduled or sleeping one before its
+    due time), with its task id and argument snapshot."""
     store = open_store(ctx)
     key = resolve_key(store, ref)
     entry = store.get_entry(key)
+    if entry.status.waits_for_time:  # issue 18: send a scheduled or sleeping entry now
+        from celery_ledger.cli.schedule import resume_waiting
+
+        resume_waiting(ctx, store, entry, as_json)
+        return
     if entry.status is not EntryStatus.INTERRUPTED:
         hint = next_action(entry, store.now(), command_prefix(ctx))
         raise click.ClickException(
@@ -614,6 +620,7 @@ def sweep_cmd(ctx: click.Context, as_json: bool) -> None:
         batch=settings.sweep_batch,
         actor=operator_actor(),
         cipher=cipher_from(settings.snapshot_keys),
+        tombstone_days=settings.tombstone_days,
     )
     if as_json:
         emit_json(report.as_dict())

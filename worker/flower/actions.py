@@ -255,3 +255,20 @@ def mark_dead(
         operator.name,
         f" (overriding: {'; '.join(signal.overridden)})" if signal.overridden else "",
     )
+
+
+def cancel(page: LedgerPage, key: str, *, operator: Operator, reason_raw: str | None) -> str:
+    """Cancel a task (issue 18; ``celery-ledger cancel``): ``cancelled`` or ``requested``.
+
+    Raises:
+        ActionRefused: bad input, denied, or settled already.
+        EntryNotFound: no such key.
+    """
+    from celery_ledger.timing import cancel_entry
+
+    reason = parse_reason(reason_raw)
+    _authorized(page, operator, Action.CANCEL, key)
+    done = cancel_entry(page.capp, page.store, key, by=operator.name, reason=reason)
+    if done.outcome == "settled":
+        raise ActionRefused(f"it is {done.found.value} already: nothing to cancel")
+    return str(done.outcome)

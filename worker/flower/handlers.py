@@ -59,6 +59,9 @@ DONE = {
     "was blocked as a crash loop.",
     "marked-dead": "Marked dead: every attempt so far is asserted dead, stamped with your "
     "user and the reason.",
+    "cancel-cancelled": "Cancelled: it never starts; a later delivery raises TaskCancelled.",
+    "cancel-requested": "Cancellation recorded: it is running and stops at its next effect "
+    "step (a step already started finishes).",
 }
 
 _STATUS_BADGES = {
@@ -68,6 +71,10 @@ _STATUS_BADGES = {
     "retrying": "text-bg-warning",
     "interrupted": "text-bg-warning",
     "blocked": "text-bg-danger",
+    "scheduled": "text-bg-primary",
+    "sleeping": "text-bg-primary",
+    "cancelled": "text-bg-dark",
+    "expired": "text-bg-dark",
 }
 
 
@@ -350,6 +357,18 @@ class MarkDeadHandler(ActionHandler):
                 override=self.get_body_argument("override_heartbeat", "") == "on",
             )
             return "marked-dead"
+
+        await self.act(key, run)
+
+
+class CancelHandler(ActionHandler):
+    """Issue 18: cancel a task (``actions.cancel``)."""
+
+    @web.authenticated
+    async def post(self, key: str) -> None:
+        def run(operator: Operator) -> str:
+            reason = self.get_body_argument("reason", None)
+            return "cancel-" + actions.cancel(self.page, key, operator=operator, reason_raw=reason)
 
         await self.act(key, run)
 

@@ -190,6 +190,7 @@ def routes() -> list[Any]:
         url(rf"/ledger/entry/{key}/release", h.ReleaseHandler, name="ledger-release"),
         url(rf"/ledger/entry/{key}/resume", h.ResumeHandler, name="ledger-resume"),
         url(rf"/ledger/entry/{key}/mark-dead", h.MarkDeadHandler, name="ledger-mark-dead"),
+        url(rf"/ledger/entry/{key}/cancel", h.CancelHandler, name="ledger-cancel"),
     ]
 
 

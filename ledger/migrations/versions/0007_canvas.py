@@ -6,15 +6,15 @@ the task that published it (a chain's previous link, a ledgered task that sent a
 NULL for a task outside any canvas, and the indexes hold only the rows that have one.
 
 Revision ID: 0007_canvas
-Revises: 0003_outbox (the prompt's "0002"; this branch merged the outbox first, and the lead
-re-chains the revisions linearly at merge time)
+Revises: 0003_outbox, 0004_time (the prompt's "0002"; this branch merged the outbox and main,
+whose heads this revision joins; the lead re-chains the revisions linearly at merge time)
 """
 
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0007_canvas"
-down_revision = "0003_outbox"
+down_revision = ("0003_outbox", "0004_time")
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,430 @@
+"""Durable time (issue 18): entries the ledger holds until a due time, cancellation, deadlines.
+
+- ``schedule``: a long countdown or ETA is an entry ``scheduled`` with its due time and
+  argument snapshot; no broker holds a message for it.
+- ``list_due`` / ``begin_wake``: the sweep finds ``scheduled`` and ``sleeping`` entries whose
+  due time passed (the due-time index of 0002: a range scan over what is due, never over what
+  is held) and hands each to exactly one waker, which re-sends it with its task id.
+- ``request_cancel``: an entry that runs nothing right now settles ``cancelled`` at once; a
+  running one is marked, and its next effect step's own write refuses to start
+  (``statements.live_entry``); ``finish_cancelled`` settles the marked entries that no attempt
+  will settle (interrupted, or asleep).
+- ``set_deadline`` / ``stop_reason``: the deadline a claim found, and why a start was refused.
+
+Every transition is a compare-and-set on (key, fence, status) with its audit event, as in
+``sweeps``; a lost race returns None/False, never raises.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlalchemy import Float, case, cast, delete, func, select, update
+
+from celery_ledger.ledger import statements as sql
+from celery_ledger.ledger.core import Note, StoreCore
+from celery_ledger.ledger.dbclock import db_now, db_now_stable
+from celery_ledger.ledger.errors import EntryNotFound
+from celery_ledger.ledger.schema import CANCEL_PENDING, entries, steps
+from celery_ledger.ledger.states import EntryStatus, StepStatus
+from celery_ledger.ledger.values import RESUME_OWNER, ClaimRequest, Resuming
+
+_WAITING = (EntryStatus.SCHEDULED.value, EntryStatus.SLEEPING.value)
+#: Statuses a cancellation settles at once: nothing runs them right now.
+_IDLE = (
+    EntryStatus.SCHEDULED.value,
+    EntryStatus.SLEEPING.value,
+    EntryStatus.RETRYING.value,
+    EntryStatus.INTERRUPTED.value,
+    EntryStatus.BLOCKED.value,
+)
+B = sql.B
+
+
+class Due:
+    """One waiting entry the sweep found due."""
+
+    __slots__ = ("due_at", "fence", "key", "status", "task_id", "task_name")
+
+    def __init__(
+        self, key: str, task_name: str, task_id: str, fence: int, status: str, due_at: float
+    ) -> None:
+        self.key = key
+        self.task_name = task_name
+        self.task_id = task_id
+        self.fence = fence
+        self.status = EntryStatus(status)
+        self.due_at = due_at
+
+
+class CancelOutcome:
+    """What ``request_cancel`` did: ``cancelled`` (settled now), ``requested`` (the running
+    attempt stops at its next effect step), or ``settled`` (too late: it already is)."""
+
+    __slots__ = ("fence", "found", "outcome", "task_id", "task_name")
+
+    def __init__(
+        self, outcome: str, found: EntryStatus, fence: int, task_name: str, task_id: str
+    ) -> None:
+        self.outcome = outcome
+        self.found = found
+        self.fence = fence
+        self.task_name = task_name
+        self.task_id = task_id
+
+
+class ScheduleQueries(StoreCore):
+    """Queries of durable time: schedule, wake, cancel, deadlines."""
+
+    def schedule(
+        self,
+        req: ClaimRequest,
+        *,
+        due_in: float | None = None,
+        due_at: float | None = None,
+        deadline_at: float | None = None,
+    ) -> bool:
+        """Record a task the ledger holds until its due time (``due_in`` seconds from now on
+        the database clock, or ``due_at``), in one statement with its ``scheduled`` event.
+
+        Returns False when the key has an entry already (nothing written).
+        """
+        now = db_now()
+        ins = (
+            self.dialect.insert(entries)
+            .values(
+                key=req.key,
+                task_name=req.task_name,
+                task_id=req.task_id,
+                status=EntryStatus.SCHEDULED.value,
+                fence=1,
+                side_effect=req.side_effect,
+                args_hash=req.args_hash,
+                snapshot=req.snapshot,
+                owner=RESUME_OWNER,
+                executions=0,
+                interruptions=0,
+                created_at=now,
+                updated_at=now,
+                due_at=func.coalesce(now + B("due_in", Float), B("due_abs", Float)),
+                deadline_at=B("deadline_abs", Float),
+            )
+            .on_conflict_do_nothing(index_elements=[entries.c.key])
+            .returning(*sql.RETURNED)
+        )
+        params = {"due_in": due_in, "due_abs": due_at, "deadline_abs": deadline_at}
+        with self._one_statement() as conn:
+            rows = self._write_with_event(
+                conn, sql.with_event(self.dialect, ins), params, Note("scheduled", None)
+            )
+        return bool(rows)
+
+    def list_due(self, *, limit: int = 500) -> list[Due]:
+        """``scheduled`` and ``sleeping`` entries whose due time passed on the database clock,
+        most overdue first (read-only). The due-time index's range ``due_at < now`` holds only
+        what is due: the cost grows with the entries due, not with those held."""
+        with self._read() as conn:
+            rows = conn.execute(
+                select(
+                    entries.c.key,
+                    entries.c.task_name,
+                    entries.c.task_id,
+                    entries.c.fence,
+                    entries.c.status,
+                    entries.c.due_at,
+                )
+                .where(entries.c.due_at < db_now_stable(), entries.c.status.in_(_WAITING))
+                .order_by(entries.c.due_at)
+                .limit(limit)
+            ).all()
+        return [Due(r.key, r.task_name, r.task_id, r.fence, r.status, r.due_at) for r in rows]
+
+    def begin_wake(
+        self,
+        key: str,
+        fence: int,
+        status: EntryStatus,
+        *,
+        lease_seconds: float,
+        actor: str = "sweep",
+        only_due: bool = True,
+    ) -> tuple[Resuming, float | None] | None:
+        """CAS a ``scheduled``/``sleeping`` entry at ``fence`` to ``running`` under the resume
+        marker (fence + 1, lease ``lease_seconds``), returning what the winner re-sends and
+        the entry's deadline (sent along, so that the claim checks it at once).
+
+        The claim of the re-sent message then RUNs it (no execution yet) or takes it over
+        (a sleeper: its completed steps replay); if the message is lost, the lease expires
+        and the stale-lease sweep resumes it like any interrupted entry. ``only_due``: only
+        if its due time passed (``resume`` by hand passes False). An entry with a pending
+        cancellation is not woken (``finish_cancelled`` settles it). Exactly one of any
+        number of concurrent wakers gets a ``Resuming``.
+        """
+        completed = (
+            select(func.count())
+            .where(steps.c.key == key, steps.c.status == StepStatus.COMPLETED.value)
+            .scalar_subquery()
+            .label("completed_steps")
+        )
+        cond = [
+            entries.c.key == key,
+            entries.c.fence == fence,
+            entries.c.status == status.value,
+            entries.c.cancel_requested_at.is_(None),
+        ]
+        if only_due:
+            cond.append(entries.c.due_at < db_now())
+        upd = (
+            update(entries)
+            .where(*cond)
+            .values(
+                status=EntryStatus.RUNNING.value,
+                fence=fence + 1,
+                owner=RESUME_OWNER,
+                owner_boot=None,
+                owner_pid=None,
+                lease_until=db_now() + lease_seconds,
+                due_at=None,
+                updated_at=db_now(),
+            )
+            .returning(
+                *sql.RETURNED,
+                entries.c.task_name,
+                entries.c.snapshot,
+                entries.c.deadline_at,
+                completed,
+            )
+        )
+        with self._one_statement() as conn:
+            note = Note("woken", actor, f"{status.value}: due")
+            rows = self._write_with_event(conn, sql.with_event(self.dialect, upd), {}, note)
+        if not rows:
+            return None
+        row = rows[0]
+        won = Resuming(
+            row.task_name, row.task_id, row.fence, row.snapshot, int(row.completed_steps)
+        )
+        return won, row.deadline_at
+
+    # -- cancellation ---------------------------------------------------------------------
+
+    def request_cancel(self, key: str, *, by: str, reason: str, error: str) -> CancelOutcome:
+        """Cancel ``key`` durably, in one transaction under its row lock.
+
+        An entry that nothing runs right now (scheduled, sleeping, retrying, interrupted,
+        blocked, or running under the resume marker) settles ``cancelled`` with ``error``
+        (the encoded ``TaskCancelled``) at once.
+        A running one is marked: its attempt's next effect step is refused and the attempt
+        settles ``cancelled``; if the attempt is gone, the sweep settles it
+        (``finish_cancelled``). A settled entry is left as it is.
+
+        Raises:
+            EntryNotFound: no entry has this key.
+        """
+        with self._txn() as conn:
+            row = conn.execute(
+                select(entries).where(entries.c.key == key).with_for_update()
+            ).one_or_none()
+            if row is None:
+                raise EntryNotFound(f"no ledger entry with key {key}")
+            found = EntryStatus(row.status)
+            if found.settled:
+                return CancelOutcome("settled", found, row.fence, row.task_name, row.task_id)
+            now = db_now()
+            values: dict[str, Any] = {
+                "cancel_requested_at": func.coalesce(entries.c.cancel_requested_at, now),
+                "cancel_by": by,
+                "cancel_reason": reason,
+                "updated_at": now,
+            }
+            outcome = "requested"
+            # Under the resume marker nothing runs it either: a publish intent, or an entry
+            # the sweep re-sent (its claim waits for this row lock, then finds it settled).
+            if found.value in _IDLE or row.owner == RESUME_OWNER:
+                outcome = "cancelled"
+                values.update(_cancelled_values(row.fence + 1, error))
+            upd = (
+                update(entries)
+                .where(entries.c.key == key, entries.c.fence == row.fence)
+                .values(**values)
+                .returning(*sql.RETURNED)
+            )
+            event = "cancelled" if outcome == "cancelled" else "cancel-requested"
+            self._write_with_event(
+                conn, sql.with_event(self.dialect, upd), {}, Note(event, by, reason)
+            )
+            fence = row.fence + 1 if outcome == "cancelled" else row.fence
+            return CancelOutcome(outcome, found, fence, row.task_name, row.task_id)
+
+    def finish_cancelled(self, error: str, *, limit: int = 500, actor: str = "sweep") -> int:
+        """Settle ``cancelled`` the entries whose cancellation is pending and that no live
+        attempt will settle: not running, or running with an expired lease (one statement over
+        the pending-cancellation index). Returns how many it settled."""
+        picked = (
+            select(entries.c.key, entries.c.fence.label("picked_fence"))
+            .where(
+                entries.c.cancel_requested_at.is_not(None),
+                entries.c.status.in_(CANCEL_PENDING),
+                (entries.c.status != EntryStatus.RUNNING.value)
+                | (entries.c.lease_until < db_now_stable()),
+            )
+            .limit(limit)
+            .cte("picked")
+            .prefix_with("MATERIALIZED", dialect="postgresql")
+        )
+        upd = (
+            update(entries)
+            .where(entries.c.key == picked.c.key, entries.c.fence == picked.c.picked_fence)
+            .values(**_cancelled_values(entries.c.fence + 1, error))
+            .returning(*sql.RETURNED)
+        )
+        with self._txn() as conn:
+            rows = self._write_with_event(
+                conn,
+                sql.with_event(self.dialect, upd),
+                {},
+                Note("cancelled", actor, "cancellation pending, no live attempt"),
+            )
+        return len(rows)
+
+    def prune_tombstones(self, older_than_seconds: float, *, limit: int = 1000) -> int:
+        """Delete up to ``limit`` tombstones settled longer ago than the window (their index's
+        range; one transaction). Returns how many."""
+        picked = (
+            select(entries.c.key)
+            .where(
+                entries.c.tombstone_at.is_not(None),
+                entries.c.tombstone_at < db_now_stable() - older_than_seconds,
+            )
+            .order_by(entries.c.tombstone_at)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+        )
+        with self._txn() as conn:
+            keys = [k for (k,) in conn.execute(picked)]
+            if keys:
+                conn.execute(
+                    delete(entries).where(
+                        entries.c.key.in_(keys), entries.c.tombstone_at.is_not(None)
+                    )
+                )
+        return len(keys)
+
+    def keys_of_task_id(self, task_id: str, *, limit: int = 5) -> list[str]:
+        """Keys whose entry holds ``task_id`` (its index; read-only)."""
+        with self._read() as conn:
+            return [
+                k
+                for (k,) in conn.execute(
+                    select(entries.c.key).where(entries.c.task_id == task_id).limit(limit)
+                )
+            ]
+
+    # -- deadlines ------------------------------------------------------------------------
+
+    def set_deadline(
+        self, key: str, fence: int, *, at: float | None, after_created: float | None
+    ) -> bool | None:
+        """Store the attempt's deadline (the earlier of ``at`` and created_at +
+        ``after_created``), fenced, in one statement. Returns whether it already passed on the
+        database clock; None when the fence moved."""
+        # Typed casts: PostgreSQL cannot type a bare NULL parameter in ``$1 IS NULL``.
+        rel_in = cast(B("rel", Float), Float)
+        abs_ = cast(B("abs", Float), Float)
+        rel = entries.c.created_at + rel_in
+        deadline = case(
+            (abs_.is_(None), rel),
+            (rel_in.is_(None), abs_),
+            (rel < abs_, rel),
+            else_=abs_,
+        )
+        upd = (
+            update(entries)
+            .where(
+                entries.c.key == key,
+                entries.c.fence == fence,
+                entries.c.status == EntryStatus.RUNNING.value,
+            )
+            .values(deadline_at=deadline)
+            .returning((entries.c.deadline_at <= db_now()).label("passed"))
+        )
+        with self._one_statement() as conn:
+            row = conn.execute(upd, {"abs": at, "rel": after_created}).first()
+        return None if row is None else bool(row.passed)
+
+    def stop_reason(self, key: str, fence: int) -> str | None:
+        """Why an effect step of the attempt at ``fence`` was refused: ``cancelled``,
+        ``expired``, or None (the fence moved: superseded). Read-only."""
+        with self._read() as conn:
+            row = conn.execute(
+                select(
+                    entries.c.cancel_requested_at,
+                    (entries.c.deadline_at <= db_now()).label("passed"),
+                ).where(
+                    entries.c.key == key,
+                    entries.c.fence == fence,
+                    entries.c.status == EntryStatus.RUNNING.value,
+                )
+            ).first()
+        if row is None:
+            return None
+        if row.cancel_requested_at is not None:
+            return EntryStatus.CANCELLED.value
+        if row.passed:
+            return EntryStatus.EXPIRED.value
+        return None
+
+
+def _cancelled_values(fence: Any, error: str) -> dict[str, Any]:
+    now = db_now()
+    return {
+        "status": EntryStatus.CANCELLED.value,
+        "fence": fence,
+        "error": error,
+        "lease_until": None,
+        "due_at": None,
+        "settled_at": now,
+        "updated_at": now,
+    }
+
+
+def tombstone_values(error: str) -> dict[str, Any]:
+    """What a tombstone keeps of a settled entry: key, task, arguments hash, final status,
+    settled time (``tombstone_at``). A completed one returns nothing (no result is kept); any
+    other raises ``error`` to a late delivery."""
+    return {
+        "tombstone_at": entries.c.settled_at,
+        "settled_at": None,
+        "result": None,
+        "snapshot": None,
+        "reason": None,
+        "cancel_reason": None,
+        "error": case((entries.c.status == EntryStatus.COMPLETED.value, None), else_=error),
+    }
+
+
+#: Where the exceptions a settled cancelled/expired/pruned entry raises live (the runtime);
+#: named, not imported: the ledger stays free of the runtime.
+EXC_MODULE = "celery_ledger.timing"
+
+
+def stored_exception(exc_type: str, message: str) -> str:
+    """A failure as the ledger stores it (the form of Celery's JSON ``prepare_exception``),
+    raised again by every later delivery (gate RETURN)."""
+    return json.dumps(
+        {"exc_type": exc_type, "exc_message": [message[:2000]], "exc_module": EXC_MODULE}
+    )
+
+
+def cancelled_failure(why: str) -> str:
+    """The stored ``TaskCancelled`` of a cancellation settled outside any attempt."""
+    return stored_exception("TaskCancelled", why)
+
+
+#: The stored failure of a tombstone that is not ``completed``.
+PRUNED_FAILURE = stored_exception(
+    "KeyPruned",
+    "this key settled (failed, cancelled or expired) and was pruned after the retention "
+    "window; a late delivery does not run it again (ledger_tombstone_days)",
+)

@@ -1,0 +1,147 @@
+"""The sweep's durable-time pass (issue 18): publish what is due, settle pending cancellations.
+
+``scheduled`` entries (a countdown the ledger holds) and ``sleeping`` ones (``self.sleep()``)
+whose due time passed are found on the due-time index (``LedgerStore.list_due``), handed to
+exactly one waker by a compare-and-set (``begin_wake``) and re-sent with their original task id
+and argument snapshot, confirmed by the broker (``recovery.publish``). The woken entry is
+``running`` under the resume marker with a lease: if the message is lost, the lease expires and
+the stale-lease sweep resumes it like any interrupted entry.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery_ledger.ledger import (
+    EntryStatus,
+    LedgerStore,
+    LedgerUnavailable,
+    SnapshotCipher,
+    SnapshotSealError,
+)
+from celery_ledger.ledger.schedule import PRUNED_FAILURE, cancelled_failure
+from celery_ledger.recovery.sweep import (
+    ResumeOutcome,
+    UnreadableSnapshot,
+    _park_unreadable,
+    _send,
+    read_snapshot,
+)
+
+log = logging.getLogger(__name__)
+
+
+def wake_entry(
+    store: LedgerStore,
+    app: Any,
+    key: str,
+    fence: int,
+    status: EntryStatus,
+    snapshot_text: str | None,
+    *,
+    task_id: str,
+    lease_seconds: float,
+    actor: str,
+    only_due: bool = True,
+    cipher: SnapshotCipher | None = None,
+) -> ResumeOutcome:
+    """Wake one ``scheduled``/``sleeping`` entry at ``fence``: CAS it to running, then send it.
+
+    Returns RESUMED (sent), NO_SNAPSHOT, BLOCKED (its snapshot cannot be read) or LOST_RACE
+    (another waker, a cancel, or a refused publish: the lease brings it back).
+    """
+    if snapshot_text is None:
+        return ResumeOutcome.NO_SNAPSHOT
+    try:
+        snapshot = read_snapshot(snapshot_text, cipher)
+    except SnapshotSealError as exc:
+        # This process lacks the key (as ``_snapshot_at``): a process with it wakes the entry.
+        log.error("cannot wake key=%s fence=%s here: %s", key, fence, exc)
+        return ResumeOutcome.LOST_RACE
+    except UnreadableSnapshot as exc:
+        reason = f"argument snapshot cannot be read: {exc}; release it once you know what it was"
+        return _park_unreadable(store, key, task_id, fence, reason, status=status, actor=actor)
+    woke = store.begin_wake(
+        key, fence, status, lease_seconds=lease_seconds, actor=actor, only_due=only_due
+    )
+    if woke is None:
+        return ResumeOutcome.LOST_RACE
+    won, deadline = woke
+    # The deadline rides along, so the claim checks it before the body starts.
+    extra = None if deadline is None else {"ledger_deadline": deadline}
+    try:
+        _send(app, won.task_name, won.task_id, snapshot, extra)
+    except Exception as exc:  # noqa: BLE001 - the lease brings it back to a later sweep
+        log.error(
+            "wake of key=%s task_id=%s could not be sent (%r); resumed after %ss",
+            key,
+            won.task_id,
+            exc,
+            lease_seconds,
+        )
+        return ResumeOutcome.LOST_RACE
+    log.info("woke %s key=%s task_id=%s fence=%s", status.value, key, won.task_id, won.fence)
+    return ResumeOutcome.RESUMED
+
+
+def wake_due(
+    store: LedgerStore,
+    app: Any,
+    *,
+    lease_seconds: float,
+    batch: int,
+    actor: str = "sweep",
+    cipher: SnapshotCipher | None = None,
+) -> tuple[int, int, int]:
+    """Send every due ``scheduled``/``sleeping`` entry (up to ``batch``).
+
+    Returns (due, woken, errors). One entry's failure is logged and counted; an unavailable
+    ledger ends the pass (the next sweep goes on).
+    """
+    due = store.list_due(limit=batch)
+    woken = errors = 0
+    for entry in due:
+        try:
+            current = store.get_entry(entry.key)
+            if current.fence != entry.fence or current.status is not entry.status:
+                continue
+            outcome = wake_entry(
+                store,
+                app,
+                entry.key,
+                entry.fence,
+                entry.status,
+                current.snapshot,
+                task_id=entry.task_id,
+                lease_seconds=lease_seconds,
+                actor=actor,
+                cipher=cipher,
+            )
+        except LedgerUnavailable:
+            raise
+        except Exception:  # noqa: BLE001 - one entry must not stop the others
+            log.exception("sweep could not wake key=%s; the sweep goes on", entry.key)
+            errors += 1
+            continue
+        woken += outcome is ResumeOutcome.RESUMED
+    return len(due), woken, errors
+
+
+def finish_cancelled(store: LedgerStore, app: Any, *, batch: int, actor: str = "sweep") -> int:
+    """Settle ``cancelled`` the entries with a pending cancellation that no live attempt will
+    settle (interrupted, asleep, running past its lease)."""
+    return store.finish_cancelled(
+        cancelled_failure("cancelled; no attempt was running it"), limit=batch, actor=actor
+    )
+
+
+def prune(store: LedgerStore, retention_days: float, tombstone_days: float, *, batch: int) -> int:
+    """Retention: prune settled entries past ``retention_days``, to tombstones when
+    ``tombstone_days`` > 0, and delete tombstones past ``retention_days + tombstone_days``.
+    Returns how many settled entries were pruned."""
+    if tombstone_days <= 0:
+        return store.prune_settled(retention_days * 86400.0, limit=batch)
+    pruned = store.prune_settled(retention_days * 86400.0, limit=batch, tombstone=PRUNED_FAILURE)
+    store.prune_tombstones((retention_days + tombstone_days) * 86400.0, limit=batch)
+    return pruned

@@ -1,0 +1,140 @@
+"""Issue 18 at the store (SQLite and PostgreSQL): waking held entries, cancellation, deadlines,
+tombstones. Each transition is a compare-and-set that one caller wins."""
+
+from __future__ import annotations
+
+import time
+
+from test_store_contract import STEP, make_interrupted, request
+
+from celery_ledger.ledger import EntryStatus, Gate, LedgerStore, StepStatus
+from celery_ledger.ledger.schedule import PRUNED_FAILURE, cancelled_failure
+
+
+def test_a_due_entry_is_woken_by_exactly_one_waker(store: LedgerStore) -> None:
+    assert store.schedule(request("k-due", task_id="t-due"), due_in=-1.0)
+    assert store.schedule(request("k-later", task_id="t-later"), due_in=3600.0)
+    # An ETA is an absolute time; a deadline may come with it.
+    assert store.schedule(
+        request("k-eta", task_id="t-eta"), due_at=time.time() + 3600, deadline_at=time.time()
+    )
+    assert not store.schedule(request("k-eta", task_id="t-eta"), due_in=1.0), "key exists"
+    due = store.list_due()
+    assert [d.key for d in due] == ["k-due"]
+    first = store.begin_wake("k-due", due[0].fence, EntryStatus.SCHEDULED, lease_seconds=60)
+    second = store.begin_wake("k-due", due[0].fence, EntryStatus.SCHEDULED, lease_seconds=60)
+    assert first is not None and second is None
+    assert store.begin_wake("k-later", 1, EntryStatus.SCHEDULED, lease_seconds=60) is None
+    entry = store.get_entry("k-due")
+    assert entry.status is EntryStatus.RUNNING and entry.due_at is None
+    # Its claim RUNs it (nothing executed yet); a delivery of the held one is held.
+    assert store.claim(request("k-due", task_id="t-due")).gate is Gate.RUN
+    assert store.claim(request("k-later", task_id="t-later")).gate is Gate.HOLD
+
+
+def test_cancel_settles_idle_entries_and_marks_running_ones(store: LedgerStore) -> None:
+    error = cancelled_failure("test")
+    assert store.schedule(request("k-s", task_id="t-s"), due_in=-1.0)
+    assert store.request_cancel("k-s", by="ops", reason="r", error=error).outcome == "cancelled"
+    assert store.list_due() == [], "a cancelled entry is never woken"
+    claim = store.claim(request("k-s", task_id="t-s"))
+    assert claim.gate is Gate.RETURN and "TaskCancelled" in (claim.error or "")
+
+    running = store.claim(request("k-r", task_id="t-r"))
+    assert store.request_cancel("k-r", by="ops", reason="r", error=error).outcome == "requested"
+    # A read step's completed write still lands; an effect step's start is refused.
+    assert store.write_step(
+        "k-r", running.fence, STEP, seq=1, status=StepStatus.COMPLETED, output="1"
+    )
+    second = ("email", "ih-email", 0)
+    assert not store.write_step("k-r", running.fence, second, seq=2, status=StepStatus.STARTED)
+    assert store.stop_reason("k-r", running.fence) == "cancelled"
+    assert store.settle("k-r", running.fence, EntryStatus.CANCELLED, error=error)
+
+    fence = make_interrupted(store, "k-i")
+    assert fence
+    store.request_cancel("k-i", by="ops", reason="r", error=error)
+    assert store.get_entry("k-i").status is EntryStatus.CANCELLED
+
+
+def test_a_pending_cancellation_without_a_live_attempt_is_settled_by_the_sweep(
+    store: LedgerStore,
+) -> None:
+    error = cancelled_failure("test")
+    claim = store.claim(request("k-gone", task_id="t-gone", lease=0.05))
+    assert store.request_cancel("k-gone", by="ops", reason="r", error=error).outcome == "requested"
+    time.sleep(0.2)
+    assert store.finish_cancelled(error) == 1
+    entry = store.get_entry("k-gone")
+    assert entry.status is EntryStatus.CANCELLED and entry.fence == claim.fence + 1
+    assert store.finish_cancelled(error) == 0
+
+
+def test_a_passed_deadline_refuses_the_next_effect_start(store: LedgerStore) -> None:
+    claim = store.claim(request("k-d", task_id="t-d"))
+    assert (
+        store.set_deadline("k-d", claim.fence, at=time.time() + 3600, after_created=None) is False
+    )
+    assert store.write_step("k-d", claim.fence, STEP, seq=1, status=StepStatus.STARTED)
+    assert store.set_deadline("k-d", claim.fence, at=time.time() - 1, after_created=None) is True
+    second = ("email", "ih-email", 0)
+    assert not store.write_step("k-d", claim.fence, second, seq=2, status=StepStatus.STARTED)
+    assert store.stop_reason("k-d", claim.fence) == "expired"
+    assert store.set_deadline("k-d", claim.fence + 1, at=None, after_created=1.0) is None
+
+
+def test_prune_to_tombstones_keeps_the_final_status_and_blocks_a_rerun(store: LedgerStore) -> None:
+    for key, status in (("k-ok", EntryStatus.COMPLETED), ("k-bad", EntryStatus.FAILED)):
+        claim = store.claim(request(key, task_id=f"t-{key}"))
+        assert store.write_step(key, 1, STEP, seq=1, status=StepStatus.COMPLETED, output="1")
+        assert store.settle(key, claim.fence, status, result="1", error="e")
+    time.sleep(0.3)
+    assert store.prune_settled(0.1, tombstone=PRUNED_FAILURE) == 2
+    assert store.prune_settled(0.1, tombstone=PRUNED_FAILURE) == 0, "a tombstone is not pruned"
+    ok, bad = store.get_entry("k-ok"), store.get_entry("k-bad")
+    assert (ok.status, ok.result, ok.settled_at) == (EntryStatus.COMPLETED, None, None)
+    assert ok.tombstone_at is not None and store.load_steps("k-ok") == ()
+    assert "KeyPruned" in (bad.error or "")
+    again = store.claim(request("k-ok", task_id="t-k-ok"))
+    assert again.gate is Gate.RETURN and again.result is None
+    assert store.prune_tombstones(3600) == 0
+    assert store.prune_tombstones(0.0) == 2
+    assert store.claim(request("k-ok", task_id="t-k-ok")).gate is Gate.RUN
+
+
+def test_a_held_snapshot_is_sealed_and_the_wake_pass_opens_it(tmp_path) -> None:
+    """With ``ledger_snapshot_keys`` a held task's snapshot is sealed like a worker's; the
+    sweep wakes it with the key, and without the key leaves it for a process that has it."""
+    from cryptography.fernet import Fernet
+
+    from celery_ledger import LedgerTask, create_app, runtime
+    from celery_ledger.ledger import cipher_from, entry_key, is_sealed
+    from celery_ledger.recovery import run_sweep
+
+    key = Fernet.generate_key().decode()
+    app = create_app(
+        "sealed-producer",
+        data_dir=tmp_path,
+        ledger_snapshot_keys=[key],
+        ledger_hold_threshold_seconds=60,
+    )
+
+    @app.task(shared=False, base=LedgerTask, bind=True, name="sealed.remind")
+    def remind(self: LedgerTask, card: str) -> str:
+        return card
+
+    result = remind.apply_async(("4242",), countdown=3600)
+    store = runtime.store_for(app)
+    k = entry_key("sealed.remind", result.id)
+    entry = store.get_entry(k)
+    assert entry.status is EntryStatus.SCHEDULED
+    assert is_sealed(entry.snapshot) and "4242" not in entry.snapshot
+    with store.engine.begin() as conn:
+        from sqlalchemy import text
+
+        conn.execute(text("UPDATE ledger_entries SET due_at = 1 WHERE key = :k"), {"k": k})
+    kw = {"lease_seconds": 60, "max_resumes": 5, "retention_days": 7}
+    assert run_sweep(store, app, **kw).woken == 0, "woken without the key"
+    assert store.get_entry(k).status is EntryStatus.SCHEDULED, "parked for a missing key"
+    assert run_sweep(store, app, cipher=cipher_from([key]), **kw).woken == 1
+    assert store.get_entry(k).status is EntryStatus.RUNNING

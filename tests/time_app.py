@@ -1,0 +1,116 @@
+"""Tasks for issue 18's process tests (durable time), registered on ``tests_app``'s app.
+
+A worker loads them with ``celery -A tests_app worker -I time_app`` (``TIME_TASKS``); a test's
+producer registers the same names on its own ledger app (``register``), since only a
+``LedgerTask`` class can hold a long countdown in the ledger. Every effect goes through
+``tests_app.effect`` (one row per call).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from celery_ledger import LedgerTask, Reconciled
+from helpers import effect_counts
+from tests_app import app, effect
+
+#: Worker option that imports this module.
+TIME_TASKS = ["-I", "time_app"]
+
+
+def _ran(step: Any) -> Reconciled:
+    """The effects table is the provider: a ``run`` row for the tag proves the step ran."""
+    tag = step.args[0]
+    if effect_counts(os.environ["TEST_EFFECTS_URL"], tag).get((tag, "run")):
+        return Reconciled.completed(f"run:{tag}", note="effect row found")
+    return Reconciled.not_executed("no effect row")
+
+
+def _charged(step: Any) -> Reconciled:
+    tag = step.args[0]
+    if effect_counts(os.environ["TEST_EFFECTS_URL"], tag).get((tag, "charge")):
+        return Reconciled.completed(f"charge:{tag}", note="effect row found")
+    return Reconciled.not_executed("no effect row")
+
+
+def register(target: Any) -> dict[str, Any]:
+    """Register issue 18's test tasks on ``target``; returns them by short name."""
+
+    # A SIGKILL between the step's start and its completion leaves it ambiguous: the
+    # reconciler asks the effects table, so the test can demand exactly once.
+    @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.once", reconciler=_ran)
+    def once(self: LedgerTask, tag: str, pause: float = 0.0) -> str:
+        done = self.step("run", effect, tag, "run")
+        time.sleep(pause)
+        return done
+
+    @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.sleeper")
+    def sleeper(self: LedgerTask, tag: str, seconds: float) -> list[str]:
+        before = self.step("before", effect, tag, "before")
+        self.sleep(seconds)
+        after = self.step("after", effect, tag, "after")
+        return [before, after]
+
+    @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.gated")
+    def gated(self: LedgerTask, tag: str, marker: str, limit: float = 60.0) -> list[str]:
+        """Step ``s0``, then wait (bounded) for ``marker`` to exist, then step ``s1``."""
+        first = self.step("s0", effect, tag, "s0")
+        deadline = time.monotonic() + limit
+        while not Path(marker).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return [first, self.step("s1", effect, tag, "s1")]
+
+    @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.retry_far", max_retries=2)
+    def retry_far(self: LedgerTask, tag: str, countdown: float) -> list[str]:
+        charged = self.step("charge", effect, tag, "charge")
+        if self.request.retries == 0:
+            raise self.retry(countdown=countdown)
+        return [charged, self.step("email", effect, tag, "email")]
+
+    # The provider forgets a key at once: any ambiguous charge is past its window.
+    @target.task(
+        shared=False,
+        base=LedgerTask,
+        bind=True,
+        name="time_app.keyed_charge",
+        side_effect="keyed",
+        provider_key_ttl=0.001,
+        reconciler=_charged,
+    )
+    def keyed_charge(self: LedgerTask, tag: str) -> list[str]:
+        return [
+            self.step("charge", effect, tag, "charge"),
+            self.step("receipt", effect, tag, "receipt"),
+        ]
+
+    @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.fails")
+    def fails(self: LedgerTask, tag: str) -> None:
+        self.step("run", effect, tag, "run")
+        raise ValueError(f"{tag} failed")
+
+    @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.bare")
+    def bare(self: LedgerTask, tag: str) -> str:
+        """Records no steps: the body is the effect."""
+        return effect(tag, "bare")
+
+    @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.soon", deadline=1.0)
+    def soon(self: LedgerTask, tag: str) -> str:
+        """Must start its effect within a second of being published (``deadline``)."""
+        return self.step("run", effect, tag, "run")
+
+    return {
+        "soon": soon,
+        "bare": bare,
+        "keyed_charge": keyed_charge,
+        "fails": fails,
+        "once": once,
+        "sleeper": sleeper,
+        "gated": gated,
+        "retry_far": retry_far,
+    }
+
+
+TASKS = register(app)

@@ -1,0 +1,429 @@
+"""Durable time for ledgered tasks (issue 18): held countdowns, sleep, deadlines, cancellation.
+
+- **Held countdowns.** ``apply_async(countdown=/eta=)`` further away than
+  ``ledger_hold_threshold_seconds`` records a ``scheduled`` entry (due time and argument
+  snapshot) and publishes nothing (``hold``); ``self.retry(countdown=)`` past it settles the
+  entry ``scheduled`` instead of publishing the retry (``held_retry``). The sweep publishes
+  what is due with the original task id (``recovery.sweep.wake_due``). No broker ever holds a
+  long-delayed message, so no visibility timeout or ``consumer_timeout`` can duplicate or kill
+  it.
+- **Sleep.** ``self.sleep(seconds)`` / ``self.wait_until(when)`` is a step (its wake time is
+  its output, so it never sleeps twice); while the wake time is ahead the entry settles
+  ``sleeping`` and the attempt ends (message acked, no worker slot held).
+- **Deadlines.** Celery's ``expires`` and the ledger's ``deadline`` (task option: seconds after
+  the entry was created; or the ``ledger_deadline`` header: seconds since the epoch) are
+  stored on the entry after the claim and checked there on the database clock; every effect
+  step's ``started`` write re-checks them in the same statement.
+- **Cancellation.** ``cancel_entry`` (the CLI's ``cancel``) and ``revoke()`` (producer side:
+  ``app.control.revoke``; worker side: the ``revoke`` control command) record it in the ledger.
+  A running attempt finds out at its next effect step: the step's own ``started`` write
+  refuses to start (no extra statement); ``explain_refusal`` then settles ``cancelled``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from celery.exceptions import Ignore
+from celery.utils.time import maybe_make_aware
+
+from celery_ledger import runtime
+from celery_ledger.codec import encode, encode_snapshot
+from celery_ledger.ledger import ClaimRequest, EntryStatus, LedgerError, LedgerStore
+from celery_ledger.ledger.schedule import PRUNED_FAILURE, cancelled_failure
+from celery_ledger.redelivery import header
+
+if TYPE_CHECKING:
+    from celery_ledger.attempt import Attempt
+
+log = logging.getLogger(__name__)
+
+#: The step a sleep records (its output is the wake time).
+SLEEP_STEP = "ledger.sleep"
+
+
+class TaskCancelled(Exception):  # noqa: N818 - reads as the outcome, like Celery's Ignore
+    """The task was cancelled (``celery-ledger cancel``, ``revoke()``); no further effect ran."""
+
+
+class TaskExpired(Exception):  # noqa: N818
+    """The task's deadline (``expires``, ``deadline``) passed; no further effect ran."""
+
+
+class KeyPruned(Exception):  # noqa: N818
+    """A late delivery of a key whose entry retention pruned to a tombstone: it settled failed,
+    cancelled or expired long ago, and it is not run again."""
+
+
+def pruned_error() -> str:
+    """The stored failure of a tombstone that is not ``completed``."""
+    return PRUNED_FAILURE
+
+
+class Stopped(BaseException):
+    """Ends the body without settling it again: the entry is settled (sleeping, cancelled,
+    expired) already. A BaseException, so a body's ``except Exception`` does not swallow it.
+    ``LedgerTask`` raises ``outcome`` in its place (``Ignore``: acked, nothing stored)."""
+
+    def __init__(self, outcome: BaseException) -> None:
+        super().__init__(repr(outcome))
+        self.outcome = outcome
+
+
+# -- held countdowns ---------------------------------------------------------------------------
+
+_held_retry: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "ledger_held_retry", default=None
+)
+#: Set while ``LedgerTask.retry`` runs: only its publish is a retry the attempt may hold (not
+#: the ledger's own re-sends from inside an attempt, which carry a retry count too).
+_in_retry: contextvars.ContextVar[bool] = contextvars.ContextVar("ledger_in_retry", default=False)
+
+
+@contextlib.contextmanager
+def in_retry() -> Iterator[None]:
+    token = _in_retry.set(True)
+    try:
+        yield
+    finally:
+        _in_retry.reset(token)
+
+
+def hold_due(task: Any, options: dict[str, Any], *, linked: bool) -> dict[str, float] | None:
+    """The due time (``{"due_in": s}`` on the database clock, or ``{"due_at": ts}``) when this
+    publish is one the ledger holds; None when Celery's behaviour applies (short or no delay,
+    eager, the ledger's own re-sends, or callbacks, which the ledger does not store)."""
+    threshold = runtime.settings_for(task.app).hold_threshold_seconds
+    if threshold <= 0 or linked or task.app.conf.task_always_eager:
+        return None
+    headers = options.get("headers") or {}
+    # The ledger's own re-sends are never held; a retry is not one, even of a delivery that
+    # was (its options copy the delivery's headers).
+    resent = headers.get("ledger_redelivery") or headers.get("ledger_unavailable")
+    if resent and not _in_retry.get():
+        return None
+    if options.get("chain") or options.get("chord"):
+        return None
+    countdown, eta = options.get("countdown"), options.get("eta")
+    if countdown is not None:
+        seconds = float(countdown)
+        return {"due_in": seconds} if seconds > threshold else None
+    if eta is None:
+        return None
+    if isinstance(eta, str):
+        eta = datetime.fromisoformat(eta)
+    when = maybe_make_aware(eta).timestamp()
+    return {"due_at": when} if when - time.time() > threshold else None
+
+
+def hold(
+    task: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    task_id: str,
+    options: dict[str, Any],
+    due: dict[str, float],
+) -> bool:
+    """Hold this publish in the ledger: a retry of the running attempt is settled
+    ``scheduled`` by it (``held_retry``); any other publish records a ``scheduled`` entry.
+
+    Returns False when the ledger holds nothing (the key has an entry, or the ledger cannot
+    be reached: logged): the caller then publishes as Celery would.
+    """
+    from celery_ledger.attempt import current_attempt
+
+    attempt = current_attempt.get()
+    if _in_retry.get() and attempt is not None and attempt.task_id == task_id:
+        _held_retry.set(dict(due))
+        return True
+    headers = options.get("headers") or {}
+    try:
+        settings = runtime.settings_for(task.app)
+        key, args_hash = task.ledger_key(args, kwargs, task_id, headers.get("ledger_key"))
+        snapshot = encode_snapshot(
+            args,
+            kwargs,
+            queue=options.get("queue") or getattr(task, "queue", None),
+            ledger_key=headers.get("ledger_key"),
+            limit=settings.max_snapshot_bytes,
+            cipher=runtime.snapshot_cipher(task.app),
+        )
+        recorded = runtime.store_for(task.app).schedule(
+            ClaimRequest(
+                key=key,
+                task_name=task.name,
+                task_id=task_id,
+                args_hash=args_hash,
+                snapshot=snapshot,
+                side_effect=task.side_effect,
+                owner=runtime.owner_for(None),
+                lease_seconds=settings.lease_seconds,
+                max_interruptions=settings.max_resumes,
+            ),
+            deadline_at=_absolute_deadline(options.get("expires"), headers),
+            **due,
+        )
+    except Exception as exc:  # noqa: BLE001 - the publish goes ahead as Celery's
+        log.warning(
+            "%s[%s] not held by the ledger (%s); published with its countdown as Celery does",
+            task.name,
+            task_id,
+            exc,
+        )
+        return False
+    if not recorded:
+        log.info(
+            "%s[%s]: key %s has an entry already; published with its countdown as Celery does",
+            task.name,
+            task_id,
+            key,
+        )
+    return recorded
+
+
+def held_retry() -> dict[str, float] | None:
+    """The due time of a ``self.retry()`` this attempt held (and forget it)."""
+    due = _held_retry.get()
+    _held_retry.set(None)
+    return due
+
+
+# -- deadlines ---------------------------------------------------------------------------------
+
+
+def _absolute_deadline(expires: Any, headers: dict[str, Any]) -> float | None:
+    """The earliest of Celery's ``expires`` (seconds from now, a datetime or ISO text) and the
+    ``ledger_deadline`` header (seconds since the epoch), as seconds since the epoch."""
+    found: list[float] = []
+    if isinstance(expires, (int, float)) and not isinstance(expires, bool):
+        found.append(time.time() + float(expires))
+    elif isinstance(expires, str):
+        found.append(maybe_make_aware(datetime.fromisoformat(expires)).timestamp())
+    elif isinstance(expires, datetime):
+        found.append(maybe_make_aware(expires).timestamp())
+    raw = headers.get("ledger_deadline")
+    if raw is not None:
+        found.append(float(raw))
+    return min(found) if found else None
+
+
+def check_deadline(task: Any, attempt: Attempt, store: LedgerStore) -> None:
+    """After the claim: store the delivery's deadline on the entry and stop if it passed on
+    the database clock. One statement, and only for a task or a call that has a deadline.
+
+    Raises:
+        Stopped: the deadline passed; the entry is settled ``expired``.
+    """
+    req = task.request
+    headers = req.headers if isinstance(getattr(req, "headers", None), dict) else {}
+    at = _absolute_deadline(req.expires, {"ledger_deadline": header(req, "ledger_deadline")})
+    if at is None and headers.get("ledger_deadline") is not None:
+        at = float(headers["ledger_deadline"])
+    rel = getattr(task, "deadline", None)
+    if at is None and rel is None:
+        return
+    passed = store.set_deadline(
+        attempt.key, attempt.fence, at=at, after_created=None if rel is None else float(rel)
+    )
+    if passed:
+        _settle_stop(task, attempt, EntryStatus.EXPIRED, "the deadline passed before it started")
+
+
+# -- cancellation and refused starts -----------------------------------------------------------
+
+
+def explain_refusal(task: Any, attempt: Attempt, store: LedgerStore) -> None:
+    """A fenced write was refused: if it was an effect step's start that a cancellation or a
+    passed deadline refused, settle the entry ``cancelled``/``expired`` (same fence).
+
+    Returns when the fence moved (superseded: the caller goes on as before).
+
+    Raises:
+        Stopped: settled cancelled or expired.
+    """
+    try:
+        why = store.stop_reason(attempt.key, attempt.fence)
+    except LedgerError:
+        return
+    if why == EntryStatus.CANCELLED.value:
+        _settle_stop(task, attempt, EntryStatus.CANCELLED, "cancelled before this step started")
+    if why == EntryStatus.EXPIRED.value:
+        _settle_stop(task, attempt, EntryStatus.EXPIRED, "the deadline passed before this step")
+
+
+def _settle_stop(task: Any, attempt: Attempt, status: EntryStatus, why: str) -> None:
+    exc_type = TaskCancelled if status is EntryStatus.CANCELLED else TaskExpired
+    exc = exc_type(f"{task.name}[{attempt.task_id}] key {attempt.key}: {why}")
+    error = stored_error(task, exc)
+    if not attempt.settle(status, error=error):
+        raise Stopped(Ignore())  # another attempt owns it now
+    log.warning("%s key=%s task_id=%s: %s", status.value, attempt.key, attempt.task_id, why)
+    raise Stopped(exc)
+
+
+def stored_error(task: Any, exc: BaseException) -> str:
+    """``exc`` as the ledger stores a failure (what RETURN raises to a later delivery): the
+    form of Celery's JSON ``prepare_exception``, without needing a result backend."""
+    return _stored(exc)
+
+
+def _stored(exc: BaseException) -> str:
+    data = {
+        "exc_type": type(exc).__name__,
+        "exc_message": [str(exc)[:2000]],
+        "exc_module": type(exc).__module__,
+    }
+    return encode(data, limit=64 * 1024, what="stored exception")
+
+
+def cancelled_error(app: Any, why: str) -> str:
+    """The stored ``TaskCancelled`` of a cancellation made outside any attempt."""
+    return cancelled_failure(why)
+
+
+def cancel_entry(app: Any, store: LedgerStore, key: str, *, by: str, reason: str) -> Any:
+    """Cancel ``key`` durably (``LedgerStore.request_cancel``); returns its ``CancelOutcome``."""
+    return store.request_cancel(
+        key, by=by, reason=reason, error=cancelled_error(app, f"cancelled by {by}: {reason}")
+    )
+
+
+def cancel_task_ids(app: Any, task_ids: Iterable[str], *, by: str, reason: str) -> int:
+    """Cancel the ledger entries of ``task_ids`` (a revoke); never raises. Returns how many
+    entries it cancelled or marked."""
+    done = 0
+    try:
+        store = runtime.store_for(app)
+        for task_id in task_ids:
+            for key in store.keys_of_task_id(str(task_id)):
+                if cancel_entry(app, store, key, by=by, reason=reason).outcome != "settled":
+                    done += 1
+    except Exception as exc:  # noqa: BLE001 - a revoke goes on as Celery's without the ledger
+        log.warning("revoke of %s not recorded in the ledger: %s", list(task_ids), exc)
+    return done
+
+
+def install_revoke_hooks(app: Any) -> None:
+    """Record ``revoke()`` in the ledger on the producer: ``app.control.revoke``, which
+    ``AsyncResult.revoke`` calls. The app's control object is made with a subclass of its
+    control class (or patched, when it exists already). Idempotent."""
+    if "control" in app.__dict__:  # made already (a cached property)
+        _wrap_revoke(app, app.control)
+        return
+    base = app.control_cls
+    if isinstance(base, str):
+        from celery.utils.imports import symbol_by_name
+
+        base = symbol_by_name(base)
+    if getattr(base, "_ledger", False):
+        return
+
+    class LedgerControl(base):  # type: ignore[misc, valid-type]
+        _ledger = True
+
+        def revoke(self, task_id: Any, *args: Any, **kwargs: Any) -> Any:
+            ids = [task_id] if isinstance(task_id, str) else list(task_id or ())
+            cancel_task_ids(self.app, ids, by="revoke", reason="AsyncResult.revoke()")
+            return super().revoke(task_id, *args, **kwargs)
+
+    app.control_cls = LedgerControl
+
+
+def _wrap_revoke(app: Any, control: Any) -> None:
+    if getattr(control.revoke, "_ledger", False):
+        return
+    original = control.revoke
+
+    def revoke(task_id: Any, *args: Any, **kwargs: Any) -> Any:
+        ids = [task_id] if isinstance(task_id, str) else list(task_id or ())
+        cancel_task_ids(app, ids, by="revoke", reason="AsyncResult.revoke()")
+        return original(task_id, *args, **kwargs)
+
+    revoke._ledger = True  # type: ignore[attr-defined]
+    control.revoke = revoke
+
+
+def install_worker_revoke_hook() -> None:
+    """Wrap the worker's ``revoke`` control command (``celery.worker.control.Panel``)."""
+    from celery.worker.control import Panel
+
+    original = Panel.data.get("revoke")
+    if original is None or getattr(original, "_ledger", False):
+        return
+
+    def revoke(state: Any, task_id: Any, *args: Any, **kwargs: Any) -> Any:
+        reply = original(state, task_id, *args, **kwargs)
+        ids = [task_id] if isinstance(task_id, str) else list(task_id or ())
+        app = getattr(state, "app", None)
+        if app is not None:
+            hostname = getattr(state, "hostname", "worker")
+            cancel_task_ids(app, ids, by=f"revoke@{hostname}", reason="revoke control command")
+        return reply
+
+    revoke._ledger = True  # type: ignore[attr-defined]
+    Panel.data["revoke"] = revoke
+
+
+# -- provider key windows ------------------------------------------------------------------
+
+
+def key_window_passed(attempt: Attempt, ident: tuple[str, str, int]) -> bool:
+    """Whether an ambiguous ``keyed`` step's provider key may have been forgotten: its task's
+    ``provider_key_ttl`` (seconds) has passed since the key was first sent, on the database
+    clock. The first send is the step's ``started_at`` when it started once; after a re-run
+    that time was overwritten, so the entry's creation (earlier still) stands in for it: the
+    window is judged passed sooner, never later."""
+    from celery_ledger.ledger import SideEffect
+
+    ttl = getattr(attempt.task, "provider_key_ttl", None)
+    if ttl is None or attempt.side_effect is not SideEffect.KEYED:
+        return False
+    row = attempt.replay_row(ident)
+    if row is None:
+        return False  # first started by this very attempt: just now
+    store = runtime.store_for(attempt.task.app)
+    since = row.started_at if row.attempts <= 1 else store.get_entry(attempt.key).created_at
+    passed = store.now() - since > float(ttl)
+    if passed:
+        log.warning(
+            "keyed step %s of key=%s started %.0fs ago, past provider_key_ttl=%ss: asking its "
+            "reconciler instead of re-running it",
+            ident[0],
+            attempt.key,
+            store.now() - since,
+            ttl,
+        )
+    return passed
+
+
+# -- sleep -------------------------------------------------------------------------------------
+
+
+def sleep_until(
+    task: Any, attempt: Attempt, store: LedgerStore, *, seconds: float | None, when: float | None
+) -> None:
+    """The body of ``self.sleep``/``self.wait_until``: a step whose output is the wake time
+    (database clock), so a resume never sleeps again; while it is ahead, settle ``sleeping``
+    and end the attempt.
+
+    Raises:
+        Stopped: the entry sleeps until its wake time (the delivery is acked).
+    """
+    if seconds is not None:
+        wake = attempt.step(
+            SLEEP_STEP, lambda s: store.now() + s, (float(seconds),), {}, effect=False
+        )
+    else:
+        wake = attempt.step(SLEEP_STEP, lambda w: w, (float(when),), {}, effect=False)  # type: ignore[arg-type]
+    if store.now() >= float(wake):
+        return
+    if not attempt.settle(EntryStatus.SLEEPING, due_at=float(wake)):
+        raise Stopped(Ignore())
+    log.info("sleeping key=%s task_id=%s until %.3f", attempt.key, attempt.task_id, wake)
+    raise Stopped(Ignore())
