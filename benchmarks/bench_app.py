@@ -17,6 +17,14 @@ still imports nothing of celery-ledger: the memory benchmark reports the ledger 
 Celery as shipped and against plain Celery with that idiom, to separate what the ledger's modules
 cost from what the freeze saves.
 
+Issue 20's variants, from the environment too: ``BENCH_BODY_MS`` (the body sleeps that long,
+every mode), ``BENCH_SIDE_EFFECT`` (the ledgered task's class; default ``non_idempotent``, no
+steps) and ``BENCH_FLOOR_SETTLE_ASYNC=1`` (the floor's settle ``UPDATE`` commits on a second
+connection with ``synchronous_commit = off``: the floor of a task whose claim is its intent and
+whose settle need not wait, one synchronous and one asynchronous commit). The floor with every
+commit asynchronous is the floor run with ``PGOPTIONS='-c synchronous_commit=off'``; the
+ledger's mode is ``CELERY_LEDGER_DURABILITY``.
+
 Both get the same broker, result backend, serializer, ``acks_late``, prefetch and
 ``result_extended`` settings, so a ratio of the two isolates what the ledger costs.
 """
@@ -75,26 +83,51 @@ def make_app(
         if not ledger_url:
             raise ValueError("BENCH_MODE=floor needs BENCH_LEDGER_URL (a PostgreSQL database)")
         floor = FloorWrites(ledger_url)
+        settle = FloorWrites(ledger_url, lazy=True) if os.environ.get(ENV_FLOOR_ASYNC) else floor
 
         @app.task(name="bench_app.noop", shared=False, acks_late=True, reject_on_worker_lost=True)
         def noop_floor(i: int) -> int:
             task_id = noop_floor.request.id
             floor.write(FLOOR_CLAIM, task_id)
-            result = i
-            floor.write(FLOOR_SETTLE, task_id)
+            result = body(i)
+            settle.write(FLOOR_SETTLE, task_id)
             return result
 
         return app
 
     # shared=False: a second app built in the same process (the benchmark's one-process
     # measurement) must not inherit this app's task under the same name.
+    options: dict[str, Any] = {}
+    if mode == "ledger":
+        options["side_effect"] = os.environ.get(ENV_SIDE_EFFECT, "non_idempotent")
+
     @app.task(
-        base=base, name="bench_app.noop", shared=False, acks_late=True, reject_on_worker_lost=True
+        base=base,
+        name="bench_app.noop",
+        shared=False,
+        acks_late=True,
+        reject_on_worker_lost=True,
+        **options,
     )
     def noop(i: int) -> int:
-        return i
+        return body(i)
 
     return app
+
+
+ENV_BODY_MS = "BENCH_BODY_MS"
+ENV_SIDE_EFFECT = "BENCH_SIDE_EFFECT"
+ENV_FLOOR_ASYNC = "BENCH_FLOOR_SETTLE_ASYNC"
+_BODY_SECONDS = float(os.environ.get(ENV_BODY_MS, "0") or 0) / 1000
+
+
+def body(i: int) -> int:
+    """The task's work: nothing, or a sleep of ``BENCH_BODY_MS``."""
+    if _BODY_SECONDS:
+        import time
+
+        time.sleep(_BODY_SECONDS)
+    return i
 
 
 FLOOR_TABLE = "bench_floor"
@@ -117,8 +150,9 @@ class FloorWrites:
     """One autocommit psycopg connection per process (opened after fork), statements prepared
     on first use: the cheapest way for Python to make one durable PostgreSQL write."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, lazy: bool = False) -> None:
         self.url = url.replace("postgresql+psycopg://", "postgresql://")
+        self.lazy = lazy
         self._conn: Any = None
         self._pid = -1
 
@@ -127,6 +161,8 @@ class FloorWrites:
             import psycopg
 
             self._conn = psycopg.connect(self.url, autocommit=True, prepare_threshold=0)
+            if self.lazy:
+                self._conn.execute("SET synchronous_commit = off")
             self._pid = os.getpid()
         self._conn.execute(statement, (task_id,))
 
@@ -158,3 +194,125 @@ app = make_app(
     ledger_url=os.environ.get("BENCH_LEDGER_URL"),
     backend=os.environ.get("BENCH_BACKEND_URL"),
 )
+
+
+# -- issue 20, part 1: a wall-clock trace of each task (``benchmarks/trace.py``) ----------------
+
+ENV_TRACE = "BENCH_TRACE"
+
+
+def install_trace(directory: str) -> None:
+    """Write, per process, one JSON line per task with wall-clock stamps around each phase.
+
+    Pool processes: ``prerun`` and ``postrun`` (Celery's signals), and the time spent in each
+    ledger or floor write and in the result backend's store within them. The worker's parent:
+    when each message was received (``Request.__init__``), handed to the pool, accepted by a
+    pool process, reported successful, and acknowledged. Timestamps are ``time.time()`` so the
+    two kinds of process can be joined by task id.
+    """
+    import json
+    import threading
+    import time
+    from pathlib import Path
+
+    from celery import signals
+    from celery.worker import request as request_module
+
+    now = time.time
+    state = threading.local()
+    files: dict[int, Any] = {}
+
+    def out() -> Any:
+        pid = os.getpid()
+        f = files.get(pid)
+        if f is None:
+            f = files[pid] = open(Path(directory) / f"trace-{pid}.jsonl", "a", buffering=1)  # noqa: SIM115
+        return f
+
+    def timed(phase: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            phases = getattr(state, "phases", None)
+            if phases is None:
+                return fn(*args, **kwargs)
+            started = now()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phases.append((phase, started, now()))
+
+        wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+        return wrapper
+
+    @signals.task_prerun.connect(weak=False)
+    def _prerun(task_id: str = "", **_: Any) -> None:
+        state.phases = []
+        state.prerun = now()
+
+    @signals.task_postrun.connect(weak=False)
+    def _postrun(task_id: str = "", **_: Any) -> None:
+        phases = getattr(state, "phases", None) or []
+        state.phases = None
+        line = {"pid": os.getpid(), "id": task_id, "prerun": state.prerun, "postrun": now()}
+        line["phases"] = phases
+        out().write(json.dumps(line) + "\n")
+
+    # Pool process phases.
+    try:
+        from celery_ledger.ledger import LedgerStore
+
+        for name in ("claim", "settle", "renew_lease", "write_step"):
+            setattr(LedgerStore, name, timed(name, getattr(LedgerStore, name)))
+        from celery_ledger import heartbeat as hb
+
+        for name in ("register", "unregister"):
+            setattr(hb.Heartbeat, name, timed(f"heartbeat.{name}", getattr(hb.Heartbeat, name)))
+    except ImportError:
+        pass
+    FloorWrites.write = timed("floor write", FloorWrites.write)  # type: ignore[method-assign]
+    from celery.backends.base import Backend
+
+    Backend.mark_as_done = timed("result backend", Backend.mark_as_done)  # type: ignore[method-assign]
+
+    # The parent's stamps, per task id.
+    Request = request_module.Request
+
+    def parent_stamp(what: str, fn: Any) -> Any:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            started = now()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                line = {"parent": os.getpid(), "id": self.id, "what": what, "t0": started}
+                line["t1"] = now()
+                out().write(json.dumps(line) + "\n")
+
+        return wrapper
+
+    for name, what in (
+        ("__init__", "received"),
+        ("on_accepted", "accepted"),
+        ("acknowledge", "acked"),
+    ):
+        setattr(Request, name, parent_stamp(what, getattr(Request, name)))
+    try:
+        from celery_ledger.request import LedgerRequest
+
+        LedgerRequest._hold = parent_stamp("receipt hold", LedgerRequest._hold)  # type: ignore[method-assign]
+    except ImportError:
+        pass
+    # The strategy builds a Request subclass per task that overrides these two.
+    from celery.worker import strategy
+
+    create = strategy.create_request_cls
+
+    def create_request_cls(*args: Any, **kwargs: Any) -> Any:
+        cls = create(*args, **kwargs)
+        cls.execute_using_pool = parent_stamp("dispatched", cls.execute_using_pool)
+        cls.on_success = parent_stamp("succeeded", cls.on_success)
+        return cls
+
+    strategy.create_request_cls = create_request_cls
+
+
+if os.environ.get(ENV_TRACE):
+    install_trace(os.environ[ENV_TRACE])

@@ -2,6 +2,7 @@
 
     python benchmarks/sweep.py                      # 1,000,000 settled rows, PostgreSQL + SQLite
     python benchmarks/sweep.py --rows 10000 --backend sqlite
+    python benchmarks/sweep.py --rows 1000 --backend postgres --broker redis   # issue 20
 
 The ledger (a scratch PostgreSQL database, or a temporary SQLite file) is bulk-loaded with
 one ``INSERT ... SELECT`` over ``generate_series`` (PostgreSQL) or a recursive CTE (SQLite),
@@ -14,6 +15,11 @@ sets the leases of the first E running entries in the past (the rest stay live),
 - ``E expired``: the sweep interrupts E entries, lists them and re-enqueues each one
   (``batch`` = E, so one sweep does it all); also the two queries alone
   (``interrupt_expired`` + ``list_interrupted``).
+
+With ``--broker redis`` the re-sends go to Redis through a real Celery app (a queue of this
+run's own, deleted after each sweep) instead of the stub, and each size is also swept the old
+way, one entry at a time (``resume_entry`` per entry: a read, a CAS and a commit, a producer
+per re-send), beside the batched sweep (issue 20, part 4).
 
 Each figure is the median of ``--repeat`` sweeps, measured first with 1,000 settled rows and
 then with ``--rows`` settled rows and the same running entries: the sweep should cost what the
@@ -28,11 +34,11 @@ import sys
 import time
 from typing import Any
 
-from common import Report, databases, exit_on_sigterm, format_rows, median
+from common import REDIS_URL, Report, databases, exit_on_sigterm, format_rows, median
 from sqlalchemy import event, text
 
 from celery_ledger.ledger import LedgerStore
-from celery_ledger.recovery import run_sweep
+from celery_ledger.recovery import ResumeOutcome, resume_entry, run_sweep
 
 BENCH = "sweep"
 SMALL = 1000
@@ -47,6 +53,32 @@ class StubApp:
 
     def send_task(self, name: str, args: Any = None, kwargs: Any = None, **options: Any) -> None:
         self.sent.append((name, options))
+
+
+class RedisApp:
+    """A real Celery app on Redis whose re-sends go to a queue of this run's own."""
+
+    def __init__(self, url: str) -> None:
+        import os
+
+        from celery import Celery
+
+        self.queue = f"ledger-sweep-bench-{os.getpid()}"
+        self.app = Celery("sweep-bench", broker=url, set_as_current=False)
+        self.app.conf.task_default_queue = self.queue
+        self.app.conf.broker_connection_retry_on_startup = False
+
+    def drain(self) -> int:
+        """Delete the queue; returns how many messages it held."""
+        with self.app.connection_for_write() as conn:
+            client = conn.default_channel.client
+            held = int(client.llen(self.queue))
+            client.delete(self.queue)
+            return held
+
+    def close(self) -> None:
+        self.drain()
+        self.app.close()
 
 
 def _now() -> float:
@@ -123,30 +155,55 @@ def analyze(store: LedgerStore) -> None:
         conn.exec_driver_sql("VACUUM ANALYZE ledger_entries")
 
 
-def sweep_once(store: LedgerStore, batch: int) -> tuple[float, Any]:
-    app = StubApp()
+def sweep_once(store: LedgerStore, batch: int, broker: RedisApp | None = None) -> tuple[float, Any]:
+    app = StubApp() if broker is None else broker.app
     started = time.perf_counter()
     report = run_sweep(store, app, lease_seconds=60, max_resumes=5, retention_days=7, batch=batch)
-    return (time.perf_counter() - started) * 1000, report
+    ms = (time.perf_counter() - started) * 1000
+    if broker is not None and broker.drain() != report.resumed:
+        raise RuntimeError("Redis does not hold every re-send the sweep counted")
+    return ms, report
 
 
-def measure(store: LedgerStore, expired: int, repeat: int) -> dict[str, float]:
+def sweep_one_by_one(store: LedgerStore, batch: int, broker: RedisApp) -> float:
+    """The sweep before issue 20: ``resume_entry`` for each entry (ms)."""
+    started = time.perf_counter()
+    store.interrupt_expired(limit=batch)
+    resumed = sum(
+        resume_entry(store, broker.app, e, lease_seconds=60, max_resumes=5) is ResumeOutcome.RESUMED
+        for e in store.list_interrupted(limit=batch, resumable=True)
+    )
+    ms = (time.perf_counter() - started) * 1000
+    if broker.drain() != resumed:
+        raise RuntimeError("Redis does not hold every re-send the sweep counted")
+    return ms
+
+
+def measure(
+    store: LedgerStore, expired: int, repeat: int, broker: RedisApp | None = None
+) -> dict[str, float]:
     """Median ms of a full sweep and of its two queries, with ``expired`` stale leases."""
-    full, queries = [], []
+    full, queries, single = [], [], []
     batch = max(expired, 500)
     for _ in range(repeat):
         expire(store, expired)
-        ms, report = sweep_once(store, batch)
+        ms, report = sweep_once(store, batch, broker)
         if report.interrupted != expired or report.resumed != expired:
             raise RuntimeError(f"sweep did not do its work: {report.as_dict()}")
         full.append(ms)
+        if broker is not None:
+            expire(store, expired)
+            single.append(sweep_one_by_one(store, batch, broker))
         expire(store, expired)
         started = time.perf_counter()
         store.interrupt_expired(limit=batch)
         store.list_interrupted(limit=batch)
         queries.append((time.perf_counter() - started) * 1000)
     expire(store, 0)
-    return {"full": median(full), "queries": median(queries)}
+    got = {"full": median(full), "queries": median(queries)}
+    if single:
+        got["single"] = median(single)
+    return got
 
 
 def explain_stale(store: LedgerStore, expired: int) -> str:
@@ -182,8 +239,11 @@ def run(
     rows: int = 1_000_000,
     repeat: int = 5,
     running: int = 1000,
+    broker_url: str | None = None,
 ) -> Report:
     report = Report()
+    broker = RedisApp(broker_url) if broker_url else None
+    via = "" if broker is None else ", re-sent to Redis"
     small = min(SMALL, rows)
     with databases(list(backends)) as urls:
         for backend, url in urls.items():
@@ -223,14 +283,23 @@ def run(
                 )
                 counts = (running // 10, running) if settled == rows else (running,)
                 for expired in counts:
-                    got = measure(store, expired, repeat)
+                    got = measure(store, expired, repeat, broker)
                     report.add(
                         BENCH,
-                        f"sweep {expired:,} expired, {size} ({name})",
+                        f"sweep {expired:,} expired, {size} ({name}{via})",
                         got["full"],
                         "ms",
-                        note="interrupt + list + re-enqueue each",
+                        target="< 500" if broker is not None and expired == 1000 else "",
+                        note="interrupt + list + re-enqueue in batches",
                     )
+                    if "single" in got:
+                        report.add(
+                            BENCH,
+                            f"sweep {expired:,} expired one entry at a time, {size} ({name}{via})",
+                            got["single"],
+                            "ms",
+                            note="resume_entry per entry (before issue 20)",
+                        )
                     report.add(
                         BENCH,
                         f"stale queries {expired:,} expired, {size} ({name})",
@@ -247,6 +316,8 @@ def run(
                         f"{running // 2:,} of {running:,} running expired"
                     ] = explain_stale(store, running // 2)
             store.dispose()
+    if broker is not None:
+        broker.close()
     return report
 
 
@@ -262,9 +333,16 @@ def main() -> None:
         help="running entries; a tenth and all of them expire in turn",
     )
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument(
+        "--broker",
+        choices=["stub", "redis"],
+        default="stub",
+        help="where re-sends go: a stub that records them, or Redis through a real Celery app",
+    )
     args = parser.parse_args()
     backends = ("postgres", "sqlite") if args.backend == "both" else (args.backend,)
-    report = run(backends, args.rows, args.repeat, args.running)
+    broker_url = REDIS_URL if args.broker == "redis" else None
+    report = run(backends, args.rows, args.repeat, args.running, broker_url)
     print(format_rows(report.rows))
     for title, plan in report.text.items():
         print(f"\n{title}:\n{plan}")

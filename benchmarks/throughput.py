@@ -3,6 +3,7 @@
     python benchmarks/throughput.py                    # 5,000 tasks, median of 3 rounds
     python benchmarks/throughput.py --tasks 200 --rounds 1
     python benchmarks/throughput.py --amqp amqp://guest:guest@127.0.0.1:5672//   # + RabbitMQ
+    python benchmarks/throughput.py --matrix --tasks 1000 --rounds 1 -c 2 --body-ms 10  # issue 20
 
 Setup (identical for both, see ``bench_app``): Redis broker and result backend, one worker
 ``-P prefork -c 2``, ``acks_late``, prefetch 1, ``result_extended``, log level warning. The
@@ -16,6 +17,12 @@ A third mode, ``floor``, is plain Celery plus the two PostgreSQL writes any dura
 claim-then-settle design must make per task (an ``INSERT`` before the body, an ``UPDATE`` after,
 on a bare psycopg connection; see ``bench_app``). ``floor/plain`` is the most a ledgered task can
 reach on this machine whatever the ledger's own code does; ``ledger/floor`` is what that code costs.
+
+``--matrix`` (issue 20) drains, side by side in one invocation, with a body of ``--body-ms``:
+plain; the floor with synchronous commits, with asynchronous ones (``PGOPTIONS``), and with one
+of each (``floor-intent``: a synchronous claim, an asynchronous settle, what a task whose claim
+is its intent needs); the ledger with ``ledger_durability`` ``every-write`` and ``effects``
+(default class ``non_idempotent``, no steps) and ``effects`` for an ``idempotent`` task.
 
 Then, in this process (no worker), ``task.apply()`` of the ledgered task with SQLAlchemy
 ``before_cursor_execute`` counting: statements and round trips per task on the hot path. The
@@ -246,6 +253,74 @@ def time_apply(task: Any, n: int) -> float:
     return time.perf_counter() - started
 
 
+#: ``--matrix``: label -> (bench_app mode, environment of its worker).
+VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+    "plain": ("plain", {}),
+    "floor-sync": ("floor", {}),
+    "floor-async": ("floor", {"PGOPTIONS": "-c synchronous_commit=off"}),
+    "floor-intent": ("floor", {"BENCH_FLOOR_SETTLE_ASYNC": "1"}),
+    "ledger-every-write": ("ledger", {"CELERY_LEDGER_DURABILITY": "every-write"}),
+    "ledger-effects": ("ledger", {"CELERY_LEDGER_DURABILITY": "effects"}),
+    "ledger-effects-idempotent": (
+        "ledger",
+        {"CELERY_LEDGER_DURABILITY": "effects", "BENCH_SIDE_EFFECT": "idempotent"},
+    ),
+}
+#: (numerator, denominator, target) of the ratios ``--matrix`` reports.
+MATRIX_RATIOS = (
+    ("floor-sync", "plain", ""),
+    ("floor-async", "plain", ""),
+    ("floor-intent", "plain", ""),
+    ("ledger-every-write", "plain", ""),
+    ("ledger-effects", "plain", ""),
+    ("ledger-effects-idempotent", "plain", ">= 0.75 (-c 2), >= 0.80 (-c 8); 10 ms: >= 0.95"),
+    ("ledger-every-write", "floor-sync", ">= 0.95"),
+    ("ledger-effects", "floor-intent", ">= 0.95"),
+    ("ledger-effects-idempotent", "floor-async", ">= 0.95"),
+)
+
+
+def run_matrix(tasks: int, rounds: int, broker: str, concurrency: int, body_ms: float) -> Report:
+    """Issue 20's table: every variant drained in one invocation, rounds alternating order."""
+    report = Report()
+    rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    names = list(VARIANTS)
+    with pg_database() as ledger_url, tempfile.TemporaryDirectory(prefix="cl_tp_") as tmp:
+        from bench_app import create_floor_table
+
+        from celery_ledger.ledger import LedgerStore
+
+        store = LedgerStore(ledger_url)
+        store.ensure_ready()
+        store.dispose()
+        create_floor_table(ledger_url)
+        for r in range(rounds):
+            for variant in names if r % 2 == 0 else names[::-1]:
+                mode, env = VARIANTS[variant]
+                out = drain(
+                    mode,
+                    tasks,
+                    broker=broker,
+                    tmp=Path(tmp),
+                    concurrency=concurrency,
+                    ledger_url=ledger_url if mode != "plain" else None,
+                    extra_env={**env, "BENCH_BODY_MS": str(body_ms)},
+                )
+                rates[variant].append(out["rate"])
+                print(
+                    f"  round {r + 1} {variant}: {out['rate']:.0f} tasks/s "
+                    f"({tasks} in {out['span']:.2f}s)",
+                    file=sys.stderr,
+                )
+    note = f"-c {concurrency}, body {body_ms:g} ms, {tasks} tasks, median of {rounds}"
+    got = {v: median(xs) for v, xs in rates.items()}
+    for variant, rate in got.items():
+        report.add(BENCH, variant, rate, "tasks/s", note=note)
+    for top, bottom, target in MATRIX_RATIOS:
+        report.add(BENCH, f"{top} / {bottom}", got[top] / got[bottom], "x", target=target)
+    return report
+
+
 def run(
     tasks: int = 5000,
     rounds: int = 3,
@@ -395,6 +470,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--broker", default=REDIS_URL)
     parser.add_argument(
+        "-c",
         "--concurrency",
         type=int,
         default=2,
@@ -408,10 +484,17 @@ def main() -> None:
         metavar="URL",
         help="also run each mode on this RabbitMQ broker (amqp://...), side by side in each round",
     )
-    args = parser.parse_args()
-    report = run(
-        args.tasks, args.rounds, args.broker, args.profile, args.concurrency, amqp=args.amqp
+    parser.add_argument(
+        "--matrix", action="store_true", help="issue 20's variants side by side (see above)"
     )
+    parser.add_argument("--body-ms", type=float, default=0.0, help="--matrix: the body's sleep")
+    args = parser.parse_args()
+    if args.matrix:
+        report = run_matrix(args.tasks, args.rounds, args.broker, args.concurrency, args.body_ms)
+    else:
+        report = run(
+            args.tasks, args.rounds, args.broker, args.profile, args.concurrency, amqp=args.amqp
+        )
     print(format_rows(report.rows))
     for title, text in report.text.items():
         print(f"\n{title}:\n{text}")

@@ -100,12 +100,39 @@ class _OnCursor:
 _Runner = _OnConnection | _OnCursor
 
 
+#: ``ledger_durability`` values: ``effects`` (default) or ``every-write``.
+DURABILITY = ("effects", "every-write")
+DEFAULT_DURABILITY = "effects"
+
+
 class StoreCore:
     """Engine handling, transactions, the hot path's cursors and the event writer."""
 
+    def _lazy(self, guards_an_effect: bool) -> bool:
+        """Whether a hot-path write may commit without waiting for the flush to disk: in
+        ``effects`` mode, a write that lets no effect begin (docs/design.md, "Durability
+        follows effects"). A server crash may lose it; recovery then sees the state before
+        it, and every such state leads to a replay, a takeover or a block, never to a second
+        run of an effect: the write that lets an effect begin waits, and its flush takes every
+        earlier commit of the log with it."""
+        return self._effects and not guards_an_effect
+
     def __init__(
-        self, url: str, *, migrate: bool = True, engine_options: dict[str, Any] | None = None
+        self,
+        url: str,
+        *,
+        migrate: bool = True,
+        engine_options: dict[str, Any] | None = None,
+        durability: str = DEFAULT_DURABILITY,
     ) -> None:
+        if durability not in DURABILITY:
+            raise ValueError(
+                f"ledger durability {durability!r} is not one of: {', '.join(DURABILITY)}"
+            )
+        #: ``effects``: writes that guard no effect commit without waiting for the flush
+        #: (``lazy``); ``every-write``: every commit waits (docs/design.md, issue 20).
+        self.durability = durability
+        self._effects = durability == "effects"
         self.url = normalize_url(url)
         self.dialect = dialect_for(url)
         self.is_sqlite = self.dialect.name == "sqlite"
@@ -272,11 +299,17 @@ class StoreCore:
             run.append_events([note.on(r) for r in rows])
 
     def _fast_write(
-        self, key: Any, build: Callable[[], Any], params: dict[str, Any], note: Note
+        self,
+        key: Any,
+        build: Callable[[], Any],
+        params: dict[str, Any],
+        note: Note,
+        *,
+        lazy: bool = False,
     ) -> list[Any]:
         """``_write_with_event`` on the hot path: the statement ``build`` makes, compiled once
-        under ``key``, run in one unit of work on a raw cursor."""
+        under ``key``, run in one unit of work on a raw cursor (``lazy``: see ``_lazy``)."""
         fast = self.fast
         stmt = fast.compiled(key, build)
-        with fast.cursor() as cur:
+        with fast.cursor(lazy=lazy) as cur:
             return self._write_with_event(_OnCursor(fast, cur), stmt, params, note)

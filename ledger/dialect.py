@@ -38,6 +38,12 @@ class Dialect:
     event_in_statement: bool
     #: SQLAlchemy's INSERT for this dialect: ``ON CONFLICT`` exists only per dialect.
     insert: Callable[..., Any]
+    #: What makes a connection's commits stop waiting for the flush to disk (``effects``
+    #: durability, issue 20). PostgreSQL: the commit returns before its WAL is flushed, and a
+    #: server crash may lose it; a later synchronous commit of any session flushes it (one
+    #: sequential WAL). SQLite (WAL mode): the WAL is not fsynced at commit, so a power loss
+    #: (not a process crash) may lose it; a later FULL commit fsyncs the WAL file, it too.
+    lazy_commit: str = ""
 
     @property
     def begin_unit(self) -> str | None:
@@ -50,9 +56,19 @@ class Dialect:
         return None if self.autocommit else "BEGIN IMMEDIATE"
 
 
-SQLITE = Dialect("sqlite", autocommit=False, event_in_statement=False, insert=sqlite_dialect.insert)
+SQLITE = Dialect(
+    "sqlite",
+    autocommit=False,
+    event_in_statement=False,
+    insert=sqlite_dialect.insert,
+    lazy_commit="PRAGMA synchronous=NORMAL",
+)
 POSTGRESQL = Dialect(
-    "postgresql", autocommit=True, event_in_statement=True, insert=pg_dialect.insert
+    "postgresql",
+    autocommit=True,
+    event_in_statement=True,
+    insert=pg_dialect.insert,
+    lazy_commit="SET synchronous_commit = off",
 )
 
 

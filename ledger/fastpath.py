@@ -20,6 +20,13 @@ On PostgreSQL the connections are in autocommit, so a one-statement write is one
 SQLite each unit is an explicit ``BEGIN IMMEDIATE`` ... ``COMMIT``. A driver error, at connect or
 at execute, is classified by ``errors.as_unavailable``, as on every other path.
 
+Durability (issue 20): a second free list holds connections whose commits do not wait for
+the flush to disk (``lazy``: ``SET synchronous_commit = off`` on PostgreSQL, ``PRAGMA
+synchronous=NORMAL`` on SQLite, once per connection, when it is opened). A write that guards no
+effect runs on one of those in ``effects`` mode; every other write on the durable list. A
+separate set of connections costs nothing per write, where a ``SET LOCAL`` would need a
+transaction block (two more round trips in autocommit) on every one.
+
 After ``fork()`` the store builds a new fast path and forgets the old one without closing its
 connections (they are the parent's sessions; psycopg does not end a session from a process that
 did not open it).
@@ -64,8 +71,11 @@ class FastPath:
     def __init__(self, engine: Engine, dialect: Dialect, *, keep: int = 2) -> None:
         self.engine = engine
         self._begin = dialect.begin_unit
-        #: Idle DBAPI connections, last in first out (list.pop/append are atomic).
+        self._lazy_setting = dialect.lazy_commit
+        #: Idle DBAPI connections, last in first out (list.pop/append are atomic): those whose
+        #: commits wait for the flush, and those whose commits do not (``lazy``).
         self._idle: list[Any] = []
+        self._idle_lazy: list[Any] = []
         self._keep = keep
         self._pid = os.getpid()
         self._compiled: dict[Any, Compiled] = {}
@@ -81,25 +91,39 @@ class FastPath:
             found = self._compiled[key] = Compiled(build(), self.engine)
         return found
 
-    def _connect(self) -> Any:
+    def _connect(self, idle: list[Any], lazy: bool) -> Any:
         try:
-            return self._idle.pop()
+            return idle.pop()
         except IndexError:
             pass
         fairy = self.engine.raw_connection()  # a failure is the driver's own error
         fairy.detach()  # ours from now on: closed by this class, never returned to the pool
-        return fairy.dbapi_connection
+        conn: Any = fairy.dbapi_connection
+        if lazy:
+            try:
+                cur = conn.cursor()
+                cur.execute(self._lazy_setting)
+                cur.close()
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    conn.close()
+                raise
+        return conn
 
     @contextmanager
-    def cursor(self) -> Iterator[Any]:
+    def cursor(self, *, lazy: bool = False) -> Iterator[Any]:
         """A cursor for one atomic unit of work (one statement on PostgreSQL).
+
+        ``lazy``: on a connection whose commit does not wait for the flush to disk (a server
+        crash may lose it; a later durable commit flushes it too).
 
         Raises:
             LedgerUnavailable: the database cannot be reached (connect or execute); the
                 connection is closed and the next call connects again.
         """
+        idle = self._idle_lazy if lazy else self._idle
         with translate_db_errors(self.dbapi):
-            conn = self._connect()
+            conn = self._connect(idle, lazy)
             cur = conn.cursor() if not self.listeners else _Observed(conn.cursor(), self.listeners)
             reuse = False
             try:
@@ -117,8 +141,8 @@ class FastPath:
             finally:
                 with contextlib.suppress(Exception):  # a broken one is closed below anyway
                     cur.close()
-                if reuse and len(self._idle) < self._keep:
-                    self._idle.append(conn)
+                if reuse and len(idle) < self._keep:
+                    idle.append(conn)
                 else:
                     with contextlib.suppress(Exception):  # it may be broken already
                         conn.close()
@@ -127,10 +151,12 @@ class FastPath:
         """Close the idle connections (in the process that opened them only)."""
         if self._pid != os.getpid():
             self._idle = []
+            self._idle_lazy = []
             return
-        while self._idle:
-            with contextlib.suppress(Exception):
-                self._idle.pop().close()
+        for idle in (self._idle, self._idle_lazy):
+            while idle:
+                with contextlib.suppress(Exception):
+                    idle.pop().close()
 
 
 class _Observed:

@@ -26,6 +26,9 @@ from celery_ledger.ledger.values import (
     StepRecord,
 )
 
+#: Side-effect classes whose claim is the intent of a body without steps (issue 20).
+_CLAIM_IS_INTENT = frozenset({"non_idempotent", "irreversible"})
+
 
 class HotPath(StoreCore):
     """Claim, renew, write steps, settle: the store methods every ledgered task calls."""
@@ -53,8 +56,16 @@ class HotPath(StoreCore):
         raise RuntimeError(f"claim of {req.key} did not converge")  # pragma: no cover
 
     def _insert_new(self, req: ClaimRequest) -> int | None:
+        # The claim of a non_idempotent or irreversible task is its intent when the body has
+        # no steps (issue 20): it waits for the flush. Other classes may re-run: it need not.
         rows = self._insert_entry(
-            req, req.owner.node, req.owner.boot, req.owner.pid, executions=1, event="claimed"
+            req,
+            req.owner.node,
+            req.owner.boot,
+            req.owner.pid,
+            executions=1,
+            event="claimed",
+            lazy=self._lazy(req.side_effect in _CLAIM_IS_INTENT),
         )
         return int(rows[0][2]) if rows else None
 
@@ -78,6 +89,7 @@ class HotPath(StoreCore):
         *,
         executions: int,
         event: str,
+        lazy: bool = False,
     ) -> list[Any]:
         """The claim's insert (``sql.claim_insert``): a new running entry, or no row if the
         key exists. A claim owns it with one execution; a publish intent with none."""
@@ -100,6 +112,7 @@ class HotPath(StoreCore):
                 "parent_id": req.parent_id,
             },
             Note(event, req.owner.node),
+            lazy=lazy,
         )
 
     def _claim_existing_txn(self, conn: Connection, req: ClaimRequest) -> Claim | None:
@@ -258,7 +271,7 @@ class HotPath(StoreCore):
         nothing is written then.
         """
         stmt = self.fast.compiled("renew", sql.renew_update)
-        with self.fast.cursor() as cur:
+        with self.fast.cursor(lazy=self._lazy(False)) as cur:
             cur.execute(stmt.sql, stmt.params({"k": key, "f": fence, "lease": lease_seconds}))
             return bool(cur.rowcount == 1)
 
@@ -335,7 +348,8 @@ class HotPath(StoreCore):
             ("step", started, at_position),
             lambda: sql.step_upsert(self.dialect, started, at_position=at_position),
         )
-        with self.fast.cursor() as cur:
+        # A started row lets its effect begin: it waits for the flush (issue 20).
+        with self.fast.cursor(lazy=self._lazy(started)) as cur:
             cur.execute(stmt.sql, stmt.params(params))
             return cur.fetchone() is not None
 
@@ -468,6 +482,9 @@ class HotPath(StoreCore):
             lambda: sql.settle_update(self.dialect, settled),
             params,
             Note("settled", actor, reason or error),
+            # A settle lets no effect begin; a lost one is recovered by replay or blocks
+            # (issue 20). A block is rare and is what an operator acts on: it waits.
+            lazy=self._lazy(status is EntryStatus.BLOCKED),
         )
         return bool(rows)
 

@@ -11,6 +11,7 @@ from celery_ledger.recovery.sweep import (
     boot_sweep,
     read_snapshot,
     resend_retry,
+    resume_batch,
     resume_entry,
     run_sweep,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "SweepReport",
     "run_sweep",
     "boot_sweep",
+    "resume_batch",
     "resume_entry",
     "resend_retry",
     "ResumeOutcome",

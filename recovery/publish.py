@@ -92,3 +92,114 @@ def close(app: Any) -> None:
     cached = getattr(app, "_ledger_confirmed", None)
     if cached is not None and cached[0] == os.getpid():
         _drop(app, cached[1])
+
+
+class Batch:
+    """Re-sends of one sweep over one producer (and so one connection), confirmed as above.
+
+    ``send_task`` without a producer acquires one from the app's pool for every message, and
+    a confirmed re-send builds a producer on the confirming connection each time; a sweep of a
+    thousand entries paid that a thousand times. A batch takes the producer once and passes it
+    to every ``send_task``. Where kombu can defer publishes (``Producer.batch``, kombu 5.7:
+    Redis, as one pipeline without retries), the sends are buffered and ``flush()`` writes them
+    in one round trip; it raises when the broker did not take them, and then no send since the
+    last flush may be counted as sent. Elsewhere (RabbitMQ: each publish waits for its
+    confirm) every ``send_task`` is sent when it returns, and ``flush()`` does nothing.
+
+    A send that raises is that send's failure (the caller contains it per entry). Unbuffered,
+    the producer (and a confirming connection) is dropped then, so the next send starts on a
+    fresh one. Use as a context manager; leaving it flushes what is left.
+    """
+
+    #: Commands kombu may buffer before it flushes on its own; above any chunk a caller
+    #: flushes itself, so that each flush is the caller's and its failure is reported.
+    MAX_BUFFERED = 100_000
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self._stack: contextlib.ExitStack | None = None
+        self._producer: Any = None
+        self._deferred: Any = None
+        #: Queues (by the name the send gave, None for the default) declared on this producer.
+        self._declared: set[Any] = set()
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self._close(failed=exc_type is not None)
+
+    @property
+    def deferred(self) -> bool:
+        """Whether sends wait for ``flush()`` (known once the first send opened the batch)."""
+        return self._deferred is not None
+
+    def send_task(self, name: str, **options: Any) -> None:
+        """``app.send_task(name, **options)`` on the batch's producer.
+
+        The first send to a queue declares it, as ``send_task`` always does; later sends to
+        the same queue on the same producer pass ``declare=[]``: kombu would only find it in
+        its per-connection cache of declared entities, after copying and binding the queue
+        again (a fifth of ``send_task``'s CPU in a sweep of a thousand).
+        """
+        producer = self._open()
+        queue = options.get("queue")
+        if producer is not None:
+            options["producer"] = producer
+            if queue in self._declared:
+                options["declare"] = []
+        try:
+            self.app.send_task(name, **options)
+        except BaseException:
+            if self._deferred is None:
+                self._close(failed=True)
+            raise
+        if producer is not None:
+            self._declared.add(queue)
+
+    def flush(self) -> None:
+        """Write the buffered sends; raises if the broker may not have taken them all."""
+        if self._deferred is None:
+            return
+        try:
+            self._deferred.flush()
+        except BaseException:
+            self._close(failed=True)
+            raise
+
+    def _open(self) -> Any:
+        if self._stack is None:
+            stack = contextlib.ExitStack()
+            try:
+                connection = stack.enter_context(confirmed(self.app))
+                acquire = getattr(self.app, "producer_or_acquire", None)
+                if connection is not None:
+                    self._producer = self.app.amqp.Producer(connection, auto_declare=False)
+                elif acquire is not None:
+                    self._producer = stack.enter_context(acquire())
+                    if getattr(self._producer, "supports_batch_publish", False):
+                        self._deferred = stack.enter_context(
+                            self._producer.batch(max_size=self.MAX_BUFFERED)
+                        )
+                else:  # an app without a producer pool: let send_task do as it does
+                    self._producer = None
+            except BaseException:
+                stack.close()
+                self._producer = self._deferred = None
+                raise
+            self._stack = stack
+        return self._producer
+
+    def _close(self, *, failed: bool = False) -> None:
+        stack, self._stack = self._stack, None
+        self._producer = self._deferred = None
+        self._declared = set()
+        if stack is None:
+            return
+        if failed:
+            # Through confirmed()'s except clause (the confirming connection is dropped) and
+            # kombu's batch (what is still buffered is discarded, never half-sent later).
+            with contextlib.suppress(BaseException):
+                stack.__exit__(RuntimeError, RuntimeError("re-send failed"), None)
+            return
+        stack.close()

@@ -32,7 +32,7 @@ fault; it ends the sweep (the next one retries).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from functools import partial
@@ -48,12 +48,13 @@ from celery_ledger.ledger import (
     LedgerStore,
     LedgerUnavailable,
     Overdue,
+    Resuming,
     SnapshotCipher,
     SnapshotSealError,
     open_snapshot,
 )
 from celery_ledger.recovery.outbox import sweep_outbox
-from celery_ledger.recovery.publish import confirmed
+from celery_ledger.recovery.publish import Batch
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +195,19 @@ def _send(
     extra_headers: dict[str, Any] | None = None,
 ) -> None:
     """Re-send a task with its original task id and its argument snapshot."""
+    with Batch(app) as batch:
+        _send_on(batch, name, task_id, snapshot, extra_headers)
+        batch.flush()
+
+
+def _send_on(
+    batch: Batch,
+    name: str,
+    task_id: str,
+    snapshot: ArgumentSnapshot,
+    extra_headers: dict[str, Any] | None = None,
+) -> None:
+    """``_send`` on a batch's producer (one connection for a whole sweep)."""
     # ledger_redelivery: the entry exists, so the publisher records no publish intent.
     headers: dict[str, Any] = {**(extra_headers or {}), "ledger_redelivery": True}
     if snapshot.ledger_key is not None:
@@ -208,31 +222,14 @@ def _send(
     # Confirmed by the broker (recovery/publish.py): a re-send it never took raises here and
     # is not counted as sent; the lease the caller's compare-and-set took brings it back to the
     # next sweep.
-    with confirmed(app) as connection:
-        app.send_task(
-            name,
-            args=list(snapshot.args),
-            kwargs=dict(snapshot.kwargs),
-            connection=connection,
-            **options,
-        )
+    batch.send_task(name, args=list(snapshot.args), kwargs=dict(snapshot.kwargs), **options)
 
 
-def resume_entry(
-    store: LedgerStore,
-    app: Any,
-    entry: Interrupted,
-    *,
-    lease_seconds: float,
-    max_resumes: int,
-    actor: str = "sweep",
-    cipher: SnapshotCipher | None = None,
-) -> ResumeOutcome:
-    """Re-enqueue one interrupted entry, or block it as a crash loop (the ledger decides) or
-    for a snapshot no process can read.
-
-    Returns the ``ResumeOutcome``.
-    """
+def _screen(
+    store: LedgerStore, entry: Interrupted, *, max_resumes: int, actor: str
+) -> ResumeOutcome | None:
+    """What becomes of ``entry`` before any resume: BLOCKED (a crash loop, the ledger's
+    rule), LOST_RACE, NO_SNAPSHOT; or None when it is to be resumed."""
     crash_loop = store.block_crash_loop(entry, max_resumes=max_resumes, actor=actor)
     if crash_loop is not None:
         if not crash_loop.blocked:
@@ -255,6 +252,28 @@ def resume_entry(
             entry.key,
         )
         return ResumeOutcome.NO_SNAPSHOT
+    return None
+
+
+def resume_entry(
+    store: LedgerStore,
+    app: Any,
+    entry: Interrupted,
+    *,
+    lease_seconds: float,
+    max_resumes: int,
+    actor: str = "sweep",
+    cipher: SnapshotCipher | None = None,
+) -> ResumeOutcome:
+    """Re-enqueue one interrupted entry, or block it as a crash loop (the ledger decides) or
+    for a snapshot no process can read.
+
+    Returns the ``ResumeOutcome``. A sweep resumes its entries in batches
+    (``resume_batch``); this is the same, one entry at a time (the CLI, Flower).
+    """
+    screened = _screen(store, entry, max_resumes=max_resumes, actor=actor)
+    if screened is not None:
+        return screened
     # Decode before the resume begins: an entry whose snapshot no process can read is parked
     # where an operator sees it, not hidden under a resume lease that lapses again and again.
     snapshot = _snapshot_at(store, entry.key, entry.fence, EntryStatus.INTERRUPTED, cipher)
@@ -274,30 +293,233 @@ def resume_entry(
     won = store.begin_resume(entry.key, entry.fence, lease_seconds=lease_seconds, actor=actor)
     if won is None:
         return ResumeOutcome.LOST_RACE
-    fence, replay = won.fence, won.completed_steps
+    with Batch(app) as batch:
+        return _resend_won(batch, entry, won, snapshot, lease_seconds=lease_seconds)
+
+
+def resume_batch(
+    store: LedgerStore,
+    app: Any,
+    batch: Sequence[Interrupted],
+    *,
+    lease_seconds: float,
+    max_resumes: int,
+    actor: str = "sweep",
+    cipher: SnapshotCipher | None = None,
+) -> list[ResumeOutcome | None]:
+    """``resume_entry`` for each of ``batch``, in bulk: one read of the snapshots, one
+    statement and one commit for every compare-and-set, and the re-sends over one producer.
+
+    Each entry keeps its own outcome, as ``resume_entry`` would give it, and its own
+    containment: an entry that raises is logged and gets None, and the others go on. If a
+    bulk step fails for a reason other than an unavailable ledger, its entries are resumed
+    one at a time instead, so one bad entry never costs the batch its resume.
+
+    Raises:
+        LedgerUnavailable: the ledger went away; the next sweep does the rest.
+    """
+    outcomes: dict[int, ResumeOutcome | None] = {}
+    ready: list[int] = []
+    for i, entry in enumerate(batch):
+        try:
+            screened = _screen(store, entry, max_resumes=max_resumes, actor=actor)
+        except LedgerUnavailable:
+            raise
+        except Exception:  # noqa: BLE001 - one entry must not abort the sweep
+            log.exception("sweep could not resume key=%s; the sweep goes on", entry.key)
+            outcomes[i] = None
+            continue
+        if screened is None:
+            ready.append(i)
+        else:
+            outcomes[i] = screened
+
+    def one_by_one(which: Sequence[int]) -> None:
+        for i in which:
+            outcomes[i] = _contained(
+                batch[i].key,
+                "resume",
+                partial(
+                    resume_entry,
+                    store,
+                    app,
+                    batch[i],
+                    lease_seconds=lease_seconds,
+                    max_resumes=max_resumes,
+                    actor=actor,
+                    cipher=cipher,
+                ),
+            )
+
+    # Decode before the resume begins (see resume_entry), all snapshots in one read.
     try:
-        _send(app, won.task_name, won.task_id, snapshot)
-    except Exception as exc:  # noqa: BLE001 - the lease brings it back to the next sweep
-        log.error(
-            "resume of key=%s task_id=%s fence=%s could not be sent (%r); the next sweep "
-            "after %ss retries it",
-            entry.key,
-            won.task_id,
-            fence,
-            exc,
-            lease_seconds,
+        stored = store.snapshots_at([batch[i].key for i in ready])
+    except LedgerUnavailable:
+        raise
+    except Exception:  # noqa: BLE001 - fall back to one entry at a time
+        log.exception("sweep could not read %d snapshots at once; one at a time", len(ready))
+        one_by_one(ready)
+        return [outcomes[i] for i in range(len(batch))]
+    decoded: dict[int, ArgumentSnapshot] = {}
+    for i in ready:
+        entry = batch[i]
+        found = stored.get(entry.key)
+        if (
+            found is None
+            or found[0] != entry.fence
+            or found[1] is not EntryStatus.INTERRUPTED
+            or found[2] is None
+        ):
+            outcomes[i] = ResumeOutcome.LOST_RACE
+            continue
+        try:
+            decoded[i] = read_snapshot(found[2], cipher)
+        except SnapshotSealError as exc:
+            # This process's fault, not the snapshot's (see _snapshot_at): it stays interrupted
+            # for a process that holds the key.
+            log.error(
+                "cannot resume key=%s fence=%s here: %s; a process with the key resumes it",
+                entry.key,
+                entry.fence,
+                exc,
+            )
+            outcomes[i] = ResumeOutcome.LOST_RACE
+        except UnreadableSnapshot as exc:
+            reason = (
+                f"argument snapshot cannot be read: {exc}; release it once you know what it was"
+            )
+            outcomes[i] = _contained(
+                entry.key,
+                "park",
+                partial(
+                    _park_unreadable,
+                    store,
+                    entry.key,
+                    entry.task_id,
+                    entry.fence,
+                    reason,
+                    status=EntryStatus.INTERRUPTED,
+                    actor=actor,
+                ),
+            )
+    # Every CAS at the fence its snapshot was read at, in one statement and one commit.
+    try:
+        won = store.begin_resume_many(
+            [(batch[i].key, batch[i].fence) for i in decoded],
+            lease_seconds=lease_seconds,
+            actor=actor,
         )
-        return ResumeOutcome.LOST_RACE
+    except LedgerUnavailable:
+        raise
+    except Exception:  # noqa: BLE001 - fall back to one entry at a time
+        log.exception("sweep could not begin %d resumes at once; one at a time", len(decoded))
+        one_by_one(list(decoded))
+        return [outcomes[i] for i in range(len(batch))]
+    sends = [(i, snapshot, won.get(batch[i].key)) for i, snapshot in decoded.items()]
+    with Batch(app) as sender:
+        for start in range(0, len(sends), SEND_CHUNK):
+            _send_chunk(sender, batch, sends[start : start + SEND_CHUNK], outcomes, lease_seconds)
+    return [outcomes[i] for i in range(len(batch))]
+
+
+#: Re-sends written per broker round trip where kombu can buffer them (Redis). A flush that
+#: fails costs at most this many entries their resume until their lease lapses.
+SEND_CHUNK = 100
+
+
+def _send_chunk(
+    sender: Batch,
+    batch: Sequence[Interrupted],
+    sends: Sequence[tuple[int, ArgumentSnapshot, Resuming | None]],
+    outcomes: dict[int, ResumeOutcome | None],
+    lease_seconds: float,
+) -> None:
+    """Re-send one chunk of won resumes and record each one's outcome.
+
+    A send that raises is that entry's LOST_RACE (logged; its lease brings it back). Where
+    sends are buffered (Redis), none counts as sent before the flush succeeds: a failed flush
+    makes every entry of the chunk a LOST_RACE (their re-sends may or may not be on the broker;
+    either way the next sweep finds the entry running under the resume marker, or claimed).
+    """
+    queued: list[tuple[int, Resuming]] = []
+    for i, snapshot, won in sends:
+        if won is None:
+            outcomes[i] = ResumeOutcome.LOST_RACE
+            continue
+        try:
+            _send_on(sender, won.task_name, won.task_id, snapshot)
+        except Exception as exc:  # noqa: BLE001 - this entry alone; the lease brings it back
+            _log_unsent(batch[i], won, exc, lease_seconds)
+            outcomes[i] = ResumeOutcome.LOST_RACE
+            continue
+        if sender.deferred:
+            queued.append((i, won))
+        else:  # unbuffered (RabbitMQ confirms each publish): the broker has it already
+            _report_resumed(batch, [(i, won)], outcomes)
+    try:
+        sender.flush()
+    except Exception as exc:  # noqa: BLE001 - the chunk's leases bring it back
+        for i, won in queued:
+            _log_unsent(batch[i], won, exc, lease_seconds)
+            outcomes[i] = ResumeOutcome.LOST_RACE
+        return
+    _report_resumed(batch, queued, outcomes)
+
+
+def _report_resumed(
+    batch: Sequence[Interrupted],
+    queued: Sequence[tuple[int, Resuming]],
+    outcomes: dict[int, ResumeOutcome | None],
+) -> None:
+    for i, won in queued:
+        _log_resumed(batch[i], won)
+        outcomes[i] = ResumeOutcome.RESUMED
+
+
+def _log_unsent(
+    entry: Interrupted, won: Resuming, exc: BaseException, lease_seconds: float
+) -> None:
+    log.error(
+        "resume of key=%s task_id=%s fence=%s could not be sent (%r); the next sweep "
+        "after %ss retries it",
+        entry.key,
+        won.task_id,
+        won.fence,
+        exc,
+        lease_seconds,
+    )
+
+
+def _log_resumed(entry: Interrupted, won: Resuming) -> None:
     log.info(
         "resumed key=%s task_id=%s fence=%s task=%s: %d completed step(s) will replay; "
         "by hand: celery-ledger resume %s",
         entry.key,
         won.task_id,
-        fence,
+        won.fence,
         won.task_name,
-        replay,
+        won.completed_steps,
         entry.key,
     )
+
+
+def _resend_won(
+    batch: Batch,
+    entry: Interrupted,
+    won: Resuming,
+    snapshot: ArgumentSnapshot,
+    *,
+    lease_seconds: float,
+) -> ResumeOutcome:
+    """Re-send an entry whose resume this process won; RESUMED, or LOST_RACE (logged) when
+    the broker did not take it (the resume lease brings it back to a later sweep)."""
+    try:
+        _send_on(batch, won.task_name, won.task_id, snapshot)
+        batch.flush()
+    except Exception as exc:  # noqa: BLE001 - the lease brings it back to the next sweep
+        _log_unsent(entry, won, exc, lease_seconds)
+        return ResumeOutcome.LOST_RACE
+    _log_resumed(entry, won)
     return ResumeOutcome.RESUMED
 
 
@@ -396,21 +618,16 @@ def run_sweep(
     interrupted = store.interrupt_expired(limit=batch, actor=actor)
     candidates = store.list_interrupted(limit=batch, resumable=True)
     outcomes: dict[ResumeOutcome | None, list[str]] = {}
-    for entry in candidates:
-        outcome = _contained(
-            entry.key,
-            "resume",
-            partial(
-                resume_entry,
-                store,
-                app,
-                entry,
-                lease_seconds=lease_seconds,
-                max_resumes=max_resumes,
-                actor=actor,
-                cipher=cipher,
-            ),
-        )
+    results = resume_batch(
+        store,
+        app,
+        candidates,
+        lease_seconds=lease_seconds,
+        max_resumes=max_resumes,
+        actor=actor,
+        cipher=cipher,
+    )
+    for entry, outcome in zip(candidates, results, strict=True):
         outcomes.setdefault(outcome, []).append(entry.key)
     no_snapshot = store.count_unresumable(limit=batch)
     if no_snapshot:
@@ -490,23 +707,15 @@ def boot_sweep(
 ) -> SweepReport:
     """A worker's boot sweep: its own previous boot is gone, so its entries resume now."""
     mine = store.interrupt_previous_boot(node, boot, actor=node)
-    outcomes = [
-        _contained(
-            e.key,
-            "resume",
-            partial(
-                resume_entry,
-                store,
-                app,
-                e,
-                lease_seconds=lease_seconds,
-                max_resumes=max_resumes,
-                actor=node,
-                cipher=cipher,
-            ),
-        )
-        for e in mine
-    ]
+    outcomes = resume_batch(
+        store,
+        app,
+        mine,
+        lease_seconds=lease_seconds,
+        max_resumes=max_resumes,
+        actor=node,
+        cipher=cipher,
+    )
     report = SweepReport(
         interrupted=len(mine),
         found=len(mine),

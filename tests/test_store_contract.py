@@ -1293,6 +1293,9 @@ def test_a_statement_on_a_terminated_connection_is_translated_by_the_one_functio
     store = LedgerStore(pg_url)
     try:
         claim = store.claim(request())  # the hot path's connection now waits, idle
+        # ... and so does one whose commits do not wait for the flush (``effects`` durability,
+        # issue 20), which the settle takes.
+        assert store.renew_lease("key-1", claim.fence, 60.0)
         assert store.get_entry("key-1").status is EntryStatus.RUNNING  # and the pool's
         with psycopg.connect(pg_url, autocommit=True) as admin:
             admin.execute(
@@ -1375,7 +1378,9 @@ def test_hot_path_keeps_its_connection_between_tasks(store: LedgerStore) -> None
         claim = store.claim(request(f"key-{i}", task_id=f"tid-{i}"))
         assert claim.gate is Gate.RUN
         assert store.settle(claim.key, claim.fence, EntryStatus.COMPLETED, result="1")
-    assert len(taken) == 1, "40 writes in one thread should take one connection, once"
+    # In ``effects`` durability (issue 20) the claim waits for the flush and the settle does
+    # not: each kind of write has a connection of its own.
+    assert len(taken) == 2, "40 writes in one thread should take one connection of each kind"
 
 
 def test_hot_path_connection_ended_by_the_server_fails_once_and_loses_nothing(
@@ -1387,6 +1392,8 @@ def test_hot_path_connection_ended_by_the_server_fails_once_and_loses_nothing(
     try:
         claim = store.claim(request())
         assert claim.gate is Gate.RUN
+        # The connection the settle takes (commits that do not wait for the flush, issue 20).
+        assert store.renew_lease("key-1", claim.fence, 60.0)
         opened = _pool_events(store, "connect")
         with psycopg.connect(pg_url, autocommit=True) as admin:
             ended = admin.execute(

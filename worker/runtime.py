@@ -64,7 +64,8 @@ def store_for(app: Any) -> LedgerStore:
     """The app's ledger store (one per app; its engine is per process and fork-safe)."""
     store = getattr(app, "_ledger_store", None)
     if store is None:
-        store = LedgerStore(settings_for(app).url)
+        settings = settings_for(app)
+        store = LedgerStore(settings.url, durability=settings.durability)
         app._ledger_store = store
     return store
 

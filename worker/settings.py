@@ -12,6 +12,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+#: ``ledger_durability`` values (the store checks the same: ``celery_ledger.ledger.core``).
+DURABILITY = ("effects", "every-write")
+
 #: Where the embedded default keeps its files (ledger, broker folders, results).
 DEFAULT_DATA_DIR = ".celery-ledger"
 
@@ -22,6 +25,13 @@ class LedgerSettings:
 
     #: SQLAlchemy URL of the ledger database (sqlite:///... or postgresql://...).
     url: str
+    #: When a ledger write waits for the database's flush to disk (issue 20, docs/design.md
+    #: "Durability follows effects"). ``effects``: only the writes that let an effect begin
+    #: (a step's ``started`` row; the claim of a non_idempotent or irreversible task, which is
+    #: the intent of a body without steps; a block); the others commit without waiting, and a
+    #: database crash that loses one ends in a replay, a takeover or a block, never in a
+    #: second run of an effect. ``every-write``: every commit waits.
+    durability: str = "effects"
     #: Lease length. Long enough that a heartbeat every lease/3 survives a slow database;
     #: short enough that a dead worker's task is found within a minute plus the sweep interval.
     lease_seconds: float = 60.0
@@ -168,6 +178,10 @@ class LedgerSettings:
         return cached
 
     def validate(self) -> None:
+        if self.durability not in DURABILITY:
+            raise ValueError(
+                f"ledger_durability must be one of {', '.join(DURABILITY)}, not {self.durability!r}"
+            )
         if self.lease_seconds <= 0:
             raise ValueError("ledger_lease_seconds must be > 0")
         if self.sweep_interval <= 0:
@@ -258,6 +272,8 @@ def _parse(name: str, raw: Any) -> Any:
             return str(raw).strip().lower() in ("1", "true", "yes", "on")
     except (TypeError, ValueError) as exc:
         raise ValueError(f"ledger setting {name}={raw!r}: {exc}") from None
+    if name == "durability" and isinstance(raw, str):
+        return raw.strip().lower()
     if name == "authorizer" and isinstance(raw, str):
         return raw.strip() or None
     return raw

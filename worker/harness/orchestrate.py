@@ -102,12 +102,20 @@ class Sandbox:
 
     @classmethod
     def create(
-        cls, *, prefix: str, broker: str | None, ledger: str | None, data_dir: Path | None = None
+        cls,
+        *,
+        prefix: str,
+        broker: str | None,
+        ledger: str | None,
+        data_dir: Path | None = None,
+        effects_apart: bool = False,
     ) -> Sandbox:
         """A fresh namespace, and a data directory (a new temporary one unless given).
 
         With no ``ledger`` the ledger and the effects tables are SQLite files in the data
-        directory; with one, the effects tables live in the ledger database.
+        directory; with one, the effects tables live in the ledger database, unless
+        ``effects_apart`` (the ledger's server is crashed on purpose: the effects, the outside
+        world the count is made from, must not be crashed with it).
         """
         namespace = uuid.uuid4().hex[:8]
         temporary = data_dir is None
@@ -115,7 +123,7 @@ class Sandbox:
         path.mkdir(parents=True, exist_ok=True)
         path = path.resolve()
         ledger_url = ledger or f"sqlite:///{path / 'ledger.sqlite3'}"
-        effects_url = ledger or f"sqlite:///{path / 'effects.sqlite3'}"
+        effects_url = (None if effects_apart else ledger) or f"sqlite:///{path / 'effects.sqlite3'}"
         return cls(path, namespace, broker or None, ledger_url, effects_url, temporary)
 
     @property
@@ -480,13 +488,14 @@ def staged(
     keep: bool,
     phases: Phases,
     note: str = "",
+    effects_apart: bool = False,
 ) -> Iterator[Stage]:
     """A fresh sandbox with the ledger schema and the effects tables made, and an orchestra.
 
     On the way out, however it is left: every process is stopped, then the stage's cleanups
     run, then what the run created is removed (``Sandbox.remove``).
     """
-    box = Sandbox.create(prefix=prefix, broker=broker, ledger=ledger)
+    box = Sandbox.create(prefix=prefix, broker=broker, ledger=ledger, effects_apart=effects_apart)
     phases.note(f"data: {box.data_dir} ({box.describe()}){note}")
     ledger_engine = make_engine(box.ledger_url)
     stage: Stage | None = None

@@ -20,6 +20,14 @@ intervals (``--seed`` makes the choices repeatable; the timing is the machine's)
   restart also loses on the server side (a Redis without persistence) is proven by the test
   suite against servers of its own (``tests/test_broker_faults.py``).
 
+With ``--crash-ledger`` (issue 20) the chaos is something else: verify starts a PostgreSQL
+server of its own (``initdb`` into a temporary directory, on a free port of 127.0.0.1; see
+``celery_ledger.harness.pgserver``) as the ledger, keeps the effects tables apart from it (an
+SQLite file), and crashes it ``--crashes`` times (3) with ``pg_ctl stop -m immediate``,
+restarting it after a moment each time. ``--durability`` sets the ledgered workers'
+``ledger_durability`` (effects, every-write), so both modes can be proven the same way: no
+duplicate, nothing lost; what a crash cost is counted as ``blocked``.
+
 On Redis the second worker of each run has a 1 s visibility timeout, so the broker redelivers
 tasks that are still running (celery #4400). (RabbitMQ does that only past its server-wide
 ``consumer_timeout``, which verify does not change on your server.) Each action hits both
@@ -87,6 +95,9 @@ CHAOS_INTERVAL = (0.7, 2.5)
 MAX_ACTIONS = 400
 #: How long a ledger outage lasts (PostgreSQL) or the SQLite write lock is held.
 OUTAGE_SECONDS = {"postgresql": 2.5, "sqlite": LEASE_SECONDS + 1.0}
+#: ``--crash-ledger``: seconds between crashes (uniform), and how long the server stays down.
+CRASH_INTERVAL = (1.5, 3.0)
+CRASH_DOWN_SECONDS = 1.5
 #: How long a broker restart keeps the broker unreachable.
 BROKER_RESTART_SECONDS = 3.0
 #: Default ports of the brokers verify can proxy, when the URL names none.
@@ -218,6 +229,33 @@ def outage_for(box: Sandbox) -> LedgerOutage:
     return SqliteStall(box.ledger_url)
 
 
+class LedgerCrash(LedgerOutage):
+    """``--crash-ledger``: the ledger is a PostgreSQL server of verify's own; ``begin`` crashes
+    it (``pg_ctl stop -m immediate``), ``end`` starts it again (it recovers from its WAL)."""
+
+    seconds = CRASH_DOWN_SECONDS
+
+    def __init__(self, server: Any, after_restart: Any) -> None:
+        self.unavailable = None
+        self.server = server
+        self.after_restart = after_restart
+        self.down = False
+
+    def begin(self) -> str:
+        self.server.crash()
+        self.down = True
+        return (
+            f"ledger PostgreSQL crashed (pg_ctl stop -m immediate, crash "
+            f"{self.server.crashes}); restarted after {self.seconds:.1f}s"
+        )
+
+    def end(self) -> None:
+        if self.down:
+            self.server.start()
+            self.down = False
+            self.after_restart()
+
+
 class BrokerRestart:
     """Every process of both runs reaches the broker through a proxy on 127.0.0.1 that this
     command owns; ``begin`` cuts every connection and refuses new ones, ``end`` listens again.
@@ -282,15 +320,20 @@ class Chaos:
         outage: LedgerOutage,
         chaos_log: ChaosLog,
         broker: BrokerRestart | None = None,
+        crash: LedgerCrash | None = None,
+        crashes: int = 0,
     ) -> None:
         self.works = works
+        self.crash = crash
+        self.max_actions = crashes if crash is not None else MAX_ACTIONS
+        self.interval = CRASH_INTERVAL if crash is not None else CHAOS_INTERVAL
         self.rng = rng
         self.outage = outage
         self.broker = broker
         self.broker_down = False
         self.log = chaos_log
         self.started = time.monotonic()
-        self.next_at = self.started + rng.uniform(*CHAOS_INTERVAL)
+        self.next_at = self.started + rng.uniform(*self.interval)
         self.timers: list[tuple[float, str, Any]] = []
         self.outage_on = False
         weights = {
@@ -304,6 +347,8 @@ class Chaos:
             del weights["ledger-outage"]
         if broker is None or broker.unavailable:
             del weights["broker-restart"]
+        if crash is not None:  # the ledger's crashes, and nothing else, so each is counted
+            weights = {"ledger-crash": 1}
         self.actions = list(weights)
         self.weights = list(weights.values())
 
@@ -312,8 +357,8 @@ class Chaos:
         for timer in [t for t in self.timers if t[0] <= now]:
             self.timers.remove(timer)
             timer[2]()
-        if now >= self.next_at and len(self.log.actions) < MAX_ACTIONS:
-            self.next_at = now + self.rng.uniform(*CHAOS_INTERVAL)
+        if now >= self.next_at and len(self.log.actions) < self.max_actions:
+            self.next_at = now + self.rng.uniform(*self.interval)
             self.act(self.rng.choices(self.actions, self.weights)[0])
 
     def act(self, action: str) -> None:
@@ -330,6 +375,16 @@ class Chaos:
                 (time.monotonic() + BROKER_RESTART_SECONDS, "broker", self._end_broker)
             )
             self.log.actions.append({"t": at, "action": action, "run": "all", "detail": detail})
+            return
+        if action == "ledger-crash":
+            assert self.crash is not None
+            if self.crash.down:
+                return
+            detail = self.crash.begin()
+            self.timers.append((time.monotonic() + self.crash.seconds, "restart", self.crash.end))
+            self.log.actions.append(
+                {"t": at, "action": action, "run": "ledgered", "detail": detail}
+            )
             return
         if action == "ledger-outage":
             if self.outage_on:
@@ -378,6 +433,13 @@ class Chaos:
             return f"SIGSTOP worker {name} (pid {proc.pid}) for {seconds:.1f}s, then SIGCONT"
         raise ValueError(action)
 
+    def all_done(self) -> bool:
+        """Whether every crash ``--crash-ledger`` asked for happened (and the server is up
+        again): the run does not end before, even if its orders are done."""
+        if self.crash is None:
+            return True
+        return len(self.log.actions) >= self.max_actions and not self.crash.down
+
     def _end_outage(self) -> None:
         self.outage.end()
         self.outage_on = False
@@ -395,6 +457,8 @@ class Chaos:
         self.outage.end()
         self.outage_on = False
         self._end_broker()
+        if self.crash is not None:
+            self.crash.end()
 
 
 # -- the command ------------------------------------------------------------------------------
@@ -416,6 +480,10 @@ class VerifyReport:
     canvas: CanvasReport | None = None
     kept: bool = False
     data_dir: str = ""
+    #: The ledgered workers' ``ledger_durability`` ("" : their default).
+    durability: str = ""
+    #: ``--crash-ledger``: how often the ledger's own PostgreSQL was crashed.
+    ledger_crashes: int = 0
 
 
 def run_verify(
@@ -428,6 +496,58 @@ def run_verify(
     ledger: str | None,
     keep: bool,
     phases: Phases,
+    crash_ledger: bool = False,
+    crashes: int = 3,
+    durability: str | None = None,
+) -> VerifyReport:
+    if not crash_ledger:
+        return _run_verify(
+            tasks,
+            duration,
+            seed,
+            concurrency,
+            broker,
+            ledger,
+            keep,
+            phases,
+            None,
+            crashes,
+            durability,
+        )
+    from celery_ledger.harness.pgserver import OwnPostgres
+
+    server = OwnPostgres()
+    try:
+        server.start()
+        return _run_verify(
+            tasks,
+            duration,
+            seed,
+            concurrency,
+            broker,
+            server.url,
+            keep,
+            phases,
+            server,
+            crashes,
+            durability,
+        )
+    finally:
+        server.close()
+
+
+def _run_verify(
+    tasks: int,
+    duration: float,
+    seed: int,
+    concurrency: int,
+    broker: str | None,
+    ledger: str | None,
+    keep: bool,
+    phases: Phases,
+    server: Any,
+    crashes: int,
+    durability: str | None,
 ) -> VerifyReport:
     started = time.monotonic()
     rng = random.Random(seed)
@@ -440,9 +560,17 @@ def run_verify(
         keep=keep,
         phases=phases,
         note=f"; seed {seed}",
+        effects_apart=server is not None,
     ) as stage:
         box = stage.box
-        outage = outage_for(box)
+        crash: LedgerCrash | None = None
+        if server is not None:
+            outage: LedgerOutage = NoOutage("--crash-ledger crashes the ledger instead")
+            # The counting engine's connections die with the server: drop them after each
+            # restart (the workers' own reconnect, which is what is under test).
+            crash = LedgerCrash(server, stage.ledger_engine.dispose)
+        else:
+            outage = outage_for(box)
         stage.cleanups.append(outage.close)
         if outage.unavailable:
             chaos_log.skipped.append(f"ledger-outage: {outage.unavailable}")
@@ -467,6 +595,8 @@ def run_verify(
             env = {}
             if kind.ledgered:
                 env["CELERY_LEDGER_URL"] = outage.worker_url(box.ledger_url)
+                if durability:
+                    env["CELERY_LEDGER_DURABILITY"] = durability
             if not broker_restart.unavailable:
                 env["CELERY_BROKER_URL"] = broker_restart.url
             stage.workload(kind, orders=tasks, concurrency=concurrency, env=env)
@@ -493,10 +623,12 @@ def run_verify(
                 f"{chains} chain(s) and a chord of {canvas_load.CHORD_SIZE} to the ledgered one"
             )
         with phases.phase("chaos"):
-            chaos = Chaos(works, rng, outage, chaos_log, broker_restart)
+            chaos = Chaos(works, rng, outage, chaos_log, broker_restart, crash, crashes)
             deadline = time.monotonic() + duration
             try:
-                while time.monotonic() < deadline and not _drained(works, stage.ledger_engine):
+                while time.monotonic() < deadline and not (
+                    chaos.all_done() and _drained(works, stage.ledger_engine)
+                ):
                     chaos.tick()
                     phases.update(_status(works, chaos_log))
                     time.sleep(0.1)
@@ -554,6 +686,8 @@ def run_verify(
         },
         kept=keep,
         data_dir=str(box.data_dir),
+        durability=durability or "",
+        ledger_crashes=server.crashes if server is not None else 0,
     )
 
 
@@ -567,8 +701,14 @@ def _enqueue_canvas(work: Workload, chains: int) -> list[str]:
 
 def _drained(works: list[Workload], ledger_engine: Any) -> bool:
     """Whether the chaos can stop early: every run accounted for everything, or went idle
-    (a plain run's lost orders never come back; neither does a message the broker lost)."""
-    return all([w.finished or w.settle_tick(ledger_engine) for w in works])
+    (a plain run's lost orders never come back; neither does a message the broker lost).
+    Not while the ledger cannot be read (``--crash-ledger`` crashed it)."""
+    from sqlalchemy.exc import DBAPIError
+
+    try:
+        return all([w.finished or w.settle_tick(ledger_engine) for w in works])
+    except DBAPIError:
+        return False
 
 
 def _status(works: list[Workload], chaos_log: ChaosLog) -> str:
@@ -608,6 +748,8 @@ def render(report: VerifyReport) -> str:
     lines = side_by_side(KINDS, runs, ROWS, report.tasks)
     lines.append("")
     counts = report.chaos["counts"]
+    if report.durability:
+        lines.append(f"ledgered workers: ledger_durability = {report.durability}")
     lines.append("chaos: " + (", ".join(f"{n} × {a}" for a, n in sorted(counts.items())) or "none"))
     for skipped in report.chaos["skipped"]:
         lines.append(f"  skipped {skipped}")
@@ -683,6 +825,24 @@ def render(report: VerifyReport) -> str:
 )
 @concurrency_option
 @click.option("--keep", is_flag=True, help="Keep the data directory and the ledger rows.")
+@click.option(
+    "--crash-ledger",
+    is_flag=True,
+    help="Run the ledger on a PostgreSQL server of verify's own (initdb, a free port) and "
+    "crash it (pg_ctl stop -m immediate) instead of the usual chaos.",
+)
+@click.option(
+    "--crashes",
+    type=click.IntRange(1, 20),
+    default=3,
+    show_default=True,
+    help="With --crash-ledger: how many times the ledger's server is crashed and restarted.",
+)
+@click.option(
+    "--durability",
+    type=click.Choice(["effects", "every-write"]),
+    help="The ledgered workers' ledger_durability (default: theirs).",
+)
 @click.pass_context
 def verify(
     ctx: click.Context,
@@ -694,9 +854,23 @@ def verify(
     ledger_url: str | None,
     concurrency: int,
     keep: bool,
+    crash_ledger: bool,
+    crashes: int,
+    durability: str | None,
 ) -> None:
     """Run synthetic orders under chaos; fail if the ledgered run lost or duplicated any."""
-    if ledger_url is None and ctx.parent is not None:
+    if crash_ledger and ledger_url is not None:
+        raise click.UsageError(
+            "--crash-ledger runs a PostgreSQL server of its own: give no --ledger"
+        )
+    if crash_ledger:
+        from celery_ledger.harness.pgserver import PostgresUnavailable, find_bindir
+
+        try:
+            find_bindir()
+        except PostgresUnavailable as exc:
+            raise click.ClickException(str(exc)) from None
+    if ledger_url is None and ctx.parent is not None and not crash_ledger:
         ledger_url = ctx.parent.params.get("url")
     if seed is None:
         seed = random.SystemRandom().randrange(1, 2**31)
@@ -714,6 +888,9 @@ def verify(
             ledger=ledger_url,
             keep=keep,
             phases=phases,
+            crash_ledger=crash_ledger,
+            crashes=crashes,
+            durability=durability,
         ),
         render=render,
     )
