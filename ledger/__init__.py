@@ -33,6 +33,7 @@ from celery_ledger.ledger.identity import (
     provider_key,
     step_provider_key,
 )
+from celery_ledger.ledger.links import LINKS_STEP, LinkQueries, Member
 from celery_ledger.ledger.operator import (
     BODY_STEP,
     MAX_RELEASE_BY_CHARS,
@@ -82,6 +83,9 @@ __all__ = [
     "Child",
     "OutboxMessage",
     "child_task_id",
+    "LINKS_STEP",
+    "LinkQueries",
+    "Member",
     "TRANSACTION_STEP_REF",
     "TransactionSteps",
     # Values

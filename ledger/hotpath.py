@@ -108,6 +108,8 @@ class HotPath(StoreCore):
                 "owner_pid": pid,
                 "lease": req.lease_seconds,
                 "executions": executions,
+                "group_id": req.group_id,
+                "parent_id": req.parent_id,
             },
             Note(event, req.owner.node),
             lazy=lazy,
@@ -173,6 +175,8 @@ class HotPath(StoreCore):
             "new_owner_pid": req.owner.pid,
             "lease": req.lease_seconds,
             "new_interruptions": interruptions,
+            "new_group_id": req.group_id,
+            "new_parent_id": req.parent_id,
         }
         event = (
             "claimed" if row.executions == 0 else "takeover" if gate is Gate.TAKEOVER else "rerun"

@@ -23,7 +23,7 @@ from sqlalchemy import (
 metadata = MetaData()
 
 #: Bumped with every Alembic revision; the migration head must equal it.
-SCHEMA_REVISION = "0003_outbox"
+SCHEMA_REVISION = "0006_canvas"
 
 KEY = String(64)
 
@@ -81,6 +81,11 @@ entries = Table(
     # result and snapshot and kept the key, its final status and its settled time (here; then
     # ``settled_at`` is NULL) for ``ledger_tombstone_days``: a late delivery finds it.
     Column("tombstone_at", Float),
+    # The Celery group (or chord header) this task was published in, and the task that
+    # published it (a chain's previous link, a task that sent a group): ``show`` lists a
+    # parent's members (0006_canvas). NULL outside any canvas.
+    Column("group_id", String(255)),
+    Column("parent_id", String(255)),
 )
 
 # Hot predicates. Partial indexes stay as small as the work in flight, so the stale-lease
@@ -187,10 +192,23 @@ Index(
     sqlite_where=steps.c.attempts > steps.c.authorized + 1,
 )
 
+Index(
+    "ix_ledger_entries_group",
+    entries.c.group_id,
+    postgresql_where=entries.c.group_id.is_not(None),
+    sqlite_where=entries.c.group_id.is_not(None),
+)
+Index(
+    "ix_ledger_entries_parent",
+    entries.c.parent_id,
+    postgresql_where=entries.c.parent_id.is_not(None),
+    sqlite_where=entries.c.parent_id.is_not(None),
+)
+
 Index("ix_ledger_events_key", events.c.key, events.c.id)
 Index("ix_ledger_events_event", events.c.event, events.c.key)
 
-# The transactional outbox (0003_outbox): a child task a step sends, recorded in the same
+# The transactional outbox (0005_outbox): a child task a step sends, recorded in the same
 # transaction as the step's ``completed`` row and published after it commits. ``child_id`` is
 # the child's task id, derived from (parent_key, step, occurrence, n), so a re-publish is the
 # same message and the child's own claim deduplicates it.

@@ -111,6 +111,8 @@ def claim_insert(dialect: Dialect) -> Any:
             owner_pid=B("owner_pid", Integer),
             lease_until=now + B("lease", Float),
             executions=B("executions", Integer),
+            group_id=B("group_id", String),
+            parent_id=B("parent_id", String),
             interruptions=0,
             created_at=now,
             updated_at=now,
@@ -144,6 +146,9 @@ def claim_takeover(dialect: Dialect) -> Any:
             interruptions=B("new_interruptions", Integer),
             updated_at=now,
             due_at=None,  # a retry that is claimed waits for no time any more
+            # A publish intent knows no canvas (the claim does); a re-send keeps it.
+            group_id=func.coalesce(B("new_group_id", String), entries.c.group_id),
+            parent_id=func.coalesce(B("new_parent_id", String), entries.c.parent_id),
         )
         .returning(*RETURNED)
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from celery_ledger.ledger.death import DeathSignals
 from celery_ledger.ledger.hotpath import HotPath
+from celery_ledger.ledger.links import LinkQueries
 from celery_ledger.ledger.operator import OperatorQueries
 from celery_ledger.ledger.outbox import OutboxQueries
 from celery_ledger.ledger.schedule import ScheduleQueries
@@ -31,6 +32,7 @@ class LedgerStore(
     ScheduleQueries,
     TransactionSteps,
     OutboxQueries,
+    LinkQueries,
 ):
     """The ledger store: hot path, sweeps and operator queries over one engine per process.
 
@@ -47,8 +49,10 @@ class LedgerStore(
         │   (schedule.py)            durable time (issue 18)
         ├── TransactionSteps         a step's completed row in a transaction: transaction
         │   (transactions.py)        steps, and a step's children (complete_step)
-        └── OutboxQueries            the children steps recorded: unpublished,
-            (outbox.py)              mark_published, children_of, parent_of
+        ├── OutboxQueries            the children steps recorded: unpublished,
+        │   (outbox.py)              mark_published, children_of, parent_of
+        └── LinkQueries (links.py)   a settle that records the next chain link and the
+                                     callbacks as outbox children; group members
 
     Each query group is a mixin over ``StoreCore`` alone: none calls another group, and none
     tests which database it runs on (``StoreCore.dialect`` and ``statements`` hold the

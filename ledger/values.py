@@ -48,9 +48,15 @@ class ArgumentSnapshot:
     #: Celery's retry count of the delivery to re-send (a retry's: 1 for the first retry), so
     #: that a re-sent retry counts against ``max_retries`` like the message it replaces.
     retries: int = 0
+    #: Where the delivery sits in a Celery canvas: the publish options that carry it on
+    #: (``chain``, ``link``, ``link_error``, ``chord``, ``group_id``, ``group_index``,
+    #: ``parent_id``, ``root_id``), so that a re-send continues the chain and counts in the
+    #: chord. Opaque to the ledger; empty for a task outside any canvas.
+    canvas: Mapping[str, Any] = field(default_factory=dict)
 
     def as_data(self) -> dict[str, Any]:
-        """The JSON object stored for this snapshot (``retries`` only when not 0)."""
+        """The JSON object stored for this snapshot (``retries`` only when not 0, ``canvas``
+        only when not empty)."""
         data = {
             "args": list(self.args),
             "kwargs": dict(self.kwargs),
@@ -59,6 +65,8 @@ class ArgumentSnapshot:
         }
         if self.retries:
             data["retries"] = self.retries
+        if self.canvas:
+            data["canvas"] = dict(self.canvas)
         return data
 
     @classmethod
@@ -70,6 +78,7 @@ class ArgumentSnapshot:
             queue=data.get("queue") or None,
             ledger_key=data.get("ledger_key"),
             retries=int(data.get("retries") or 0),
+            canvas=dict(data.get("canvas") or {}),
         )
 
 
@@ -91,6 +100,10 @@ class ClaimRequest:
     #: entry keyed by its task id: ``retry(args=...)`` may change them). The claim then takes
     #: the new ``args_hash`` instead of answering CONFLICT.
     args_may_change: bool = False
+    #: Where Celery's canvas put this delivery: its group (or chord header) id, and the task
+    #: that published it. Stored on the entry for ``show``; never part of its identity.
+    group_id: str | None = None
+    parent_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +199,9 @@ class Entry:
     deadline_at: float | None = None
     #: Issue 18: pruned to a tombstone; the settled time (``settled_at`` is then None).
     tombstone_at: float | None = None
+    #: The Celery group this task was published in, and the task that published it.
+    group_id: str | None = None
+    parent_id: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> Entry:

@@ -217,6 +217,8 @@ def _send_on(
         options["queue"] = snapshot.queue
     if snapshot.retries:
         options["retries"] = snapshot.retries
+    # Its place in a canvas: the rest of its chain, its callbacks, its chord and group.
+    options.update(snapshot.canvas)
     # Confirmed by the broker (recovery/publish.py): a re-send it never took raises here and
     # is not counted as sent; the lease the caller's compare-and-set took brings it back to the
     # next sweep.

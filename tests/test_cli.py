@@ -500,6 +500,7 @@ def test_doctor_passes_on_the_embedded_default(
         "hold",
         "rabbitmq",
         "acks",
+        "chords",
         "beat",
         "reconcilers",
         "secrets",
@@ -524,6 +525,21 @@ def test_doctor_warns_about_redis_visibility_and_sqlite_with_a_network_broker(
     assert checks["hold"]["status"] == "PASS", checks["hold"]
     expected = "WARN" if ledger_url.startswith("sqlite") else "PASS"
     assert checks["backend"]["status"] == expected
+
+
+def test_doctor_warns_about_chord_counting_before_celery_5_7(
+    cli: Any, store: LedgerStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import celery
+
+    monkeypatch.setenv("CELERY_RESULT_BACKEND", "redis://127.0.0.1:6379/15")  # never connected
+    checks = {c["name"]: c for c in json.loads(cli("doctor", "--json").stdout)["checks"]}
+    assert checks["chords"]["status"] == "PASS"
+    assert checks["chords"]["reason"].startswith(f"Celery {celery.__version__}")
+    monkeypatch.setattr(celery, "VERSION", (5, 5, 3, "", ""))
+    checks = {c["name"]: c for c in json.loads(cli("doctor", "--json").stdout)["checks"]}
+    assert checks["chords"]["status"] == "WARN"
+    assert "counts a chord member once per delivery" in checks["chords"]["reason"]
 
 
 def test_doctor_warns_when_the_hold_threshold_reaches_the_visibility_timeout(
@@ -573,10 +589,10 @@ def test_a_url_that_does_not_connect_is_one_line(cli: Any, tmp_path: Path) -> No
 
 def test_migrate_plan_changes_nothing_then_migrate_applies(cli: Any, pg_url: str) -> None:
     plan = json.loads(cli("--url", pg_url, "migrate", "--plan", "--json").stdout)
-    assert plan["current"] is None and plan["pending"][-1] == plan["head"] == "0003_outbox"
+    assert plan["current"] is None and plan["pending"][-1] == plan["head"] == "0006_canvas"
     said = cli("--url", pg_url, "migrate", "--plan").stdout
     assert "no ledger schema yet" in said
-    assert "5 pending: 0001, 0002, 0005_operators, 0004_time, 0003_outbox" in said
+    assert "6 pending: 0001, 0002, 0003_operators, 0004_time, 0005_outbox, 0006_canvas" in said
     engine = make_engine(pg_url)
     with engine.connect() as conn:
         assert not conn.dialect.has_table(conn, "ledger_entries")

@@ -84,7 +84,7 @@ def partial_index_clauses(engine: Engine) -> dict[str, str]:
 
 
 def test_head_revision_matches_schema_module() -> None:
-    assert head_revision() == SCHEMA_REVISION == "0003_outbox"
+    assert head_revision() == SCHEMA_REVISION == "0006_canvas"
 
 
 def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine) -> None:
@@ -93,9 +93,10 @@ def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine)
         assert pending_revisions(conn) == [
             "0001",
             "0002",
-            "0005_operators",
+            "0003_operators",
             "0004_time",
-            "0003_outbox",
+            "0005_outbox",
+            "0006_canvas",
         ]
         assert current_revision(conn) is None
     store = LedgerStore(ledger_url)

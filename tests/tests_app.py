@@ -11,7 +11,7 @@ import signal
 import time
 from typing import Any
 
-from sqlalchemy import Column, Float, Integer, MetaData, String, Table, insert
+from sqlalchemy import Column, Float, Integer, MetaData, String, Table, func, insert, select
 from sqlalchemy.exc import DBAPIError
 
 from celery_ledger import LedgerTask, Reconciled, create_app
@@ -180,6 +180,63 @@ def slow_charge(self: LedgerTask, order_id: str, seconds: float) -> str:
     return self.step("charge", charge)
 
 
+# -- canvas (issue 17): chains, groups, chords of ledgered members ---------------------------
+
+
+def _effect_seen(tag: str, name: str) -> Reconciled:
+    """The canvas tasks' reconciler: the effects table is the provider. A row for the step's
+    (tag, effect) means the effect happened; none means it did not."""
+    with effects_engine().connect() as conn:
+        seen = conn.execute(
+            select(func.count())
+            .select_from(effects)
+            .where(effects.c.tag == tag, effects.c.effect == name)
+        ).scalar_one()
+    if seen:
+        return Reconciled.completed(f"{name}:{tag}", note="effect row found")
+    return Reconciled.not_executed("no effect row")
+
+
+@app.task(
+    shared=False,
+    base=LedgerTask,
+    bind=True,
+    name="tests_app.link",
+    reconciler=lambda step: _effect_seen(step.args[2], f"link{step.args[1]}"),
+)
+def link(self: LedgerTask, acc: list[int], n: int, tag: str) -> list[int]:
+    """A chain link: its effect, then the accumulated list with ``n`` appended."""
+    self.step("effect", effect, tag, f"link{n}")
+    return [*acc, n]
+
+
+@app.task(
+    shared=False,
+    base=LedgerTask,
+    bind=True,
+    name="tests_app.member",
+    reconciler=lambda step: _effect_seen(step.args[1], f"member{step.args[0]}"),
+)
+def member(self: LedgerTask, n: int, tag: str, pause: float = 0.0) -> int:
+    """A group/chord member: one effect, then ``n * n``."""
+    self.step("effect", effect, tag, f"member{n}")
+    time.sleep(pause)
+    return n * n
+
+
+@app.task(
+    shared=False,
+    base=LedgerTask,
+    bind=True,
+    name="tests_app.collect",
+    reconciler=lambda step: _effect_seen(step.args[1], "callback"),
+)
+def collect(self: LedgerTask, results: list[int], tag: str) -> list[int]:
+    """A chord callback: one effect, the members' results sorted."""
+    self.step("effect", effect, tag, "callback")
+    return sorted(results)
+
+
 # -- issue 16: transaction steps and the outbox ---------------------------------------------
 
 
@@ -228,3 +285,37 @@ def fanout(self: LedgerTask, tag: str, children: int = 2) -> list[str]:
     effects_engine()
     sent.append(self.transaction_step("book", book))
     return sent
+
+
+@app.task(
+    shared=False,
+    base=LedgerTask,
+    bind=True,
+    name="tests_app.replacer",
+    reconciler=lambda step: _effect_seen(step.args[0], "replacer"),
+)
+def replacer(self: LedgerTask, tag: str) -> Any:
+    """One effect, then ``self.replace`` by a member (7 -> 49) under this task's id."""
+    self.step("effect", effect, tag, "replacer")
+    raise self.replace(member.s(7, tag))
+
+
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.fail_slowly")
+def fail_slowly(self: LedgerTask, tag: str, seconds: float) -> None:
+    """One effect, a pause (past a short visibility timeout), then a failure."""
+    self.step("effect", effect, tag, "failing")
+    time.sleep(seconds)
+    raise ValueError(f"{tag} failed")
+
+
+@app.task(
+    shared=False,
+    base=LedgerTask,
+    bind=True,
+    name="tests_app.on_failure",
+    key_from=lambda failed_id, tag: failed_id,
+)
+def on_failure(self: LedgerTask, failed_id: str, tag: str) -> str:
+    """A ``link_error`` errback keyed by the failed task's id: once per failed task."""
+    self.step("effect", effect, tag, "errback")
+    return failed_id

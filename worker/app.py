@@ -23,7 +23,7 @@ from typing import Any
 
 from celery import Celery, Task, current_app, signals
 
-from celery_ledger import intents, runtime, timing
+from celery_ledger import canvas, intents, runtime, timing
 from celery_ledger.backoff import retry_while_unavailable
 from celery_ledger.ledger import LedgerError, LedgerUnavailable
 from celery_ledger.recovery import SweepReport, boot_sweep, run_sweep
@@ -165,6 +165,7 @@ def _connect_signals() -> None:
     signals.worker_before_create_process.connect(_on_before_fork, weak=False)
     signals.after_task_publish.connect(on_task_published, weak=False)
     signals.worker_ready.connect(_on_worker_ready, weak=False)
+    signals.task_prerun.connect(canvas.on_task_prerun, weak=False)
     signals.beat_init.connect(_on_beat_init, weak=False)
 
 
@@ -242,6 +243,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         runtime.new_boot()
         timing.install_worker_revoke_hook()
         _freeze_before_fork = runtime.settings_for(sender.app).freeze_gc_before_fork
+        canvas.keep_chord_unlock(sender.app)
         if getattr(sender, "task_events", False):
             # `celery worker -E` sets the worker's attribute, not the app setting that the
             # pool processes read to decide whether to send task-ledger-* events.

@@ -18,7 +18,7 @@ Which row a step call is (its name and position, its input checked) is ``replay`
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from typing import Any, NoReturn, Protocol, TypeVar
@@ -28,6 +28,7 @@ from celery_ledger.codec import arguments_hash, decode, encode
 from celery_ledger.crashpoints import crash_point
 from celery_ledger.ledger import (
     BODY_STEP,
+    Child,
     EntryStatus,
     Fenced,
     LedgerBlocked,
@@ -153,6 +154,8 @@ class Attempt:
         #: Set when an exception escaped from a started effect step: it may have crossed.
         self.ambiguous: Ident | None = None
         self.replayed = 0
+        #: ``self.replace(sig)`` was called: the replacement, ``name[task id]``.
+        self.replaced_by: str | None = None
         #: The children the running step sends (``send``), recorded with its completed row.
         self._sends: Sends | None = None
         self._snapshot_cipher: SnapshotCipher | None | bool = False
@@ -627,20 +630,32 @@ class Attempt:
             self.mark_superseded("heartbeat found the fence moved")
         return ok
 
-    def settle(self, status: EntryStatus, **fields: Any) -> bool:
+    def settle(self, status: EntryStatus, *, links: Sequence[Child] = (), **fields: Any) -> bool:
         """Settle the entry, retrying an unreachable ledger for ``ledger_settle_retry_seconds``.
+
+        ``links`` (a ``completed`` settle only): the next chain link and callbacks, recorded
+        as outbox children in the settle's transaction (``ledger.links``).
 
         Returns False when the fence moved (superseded). If the ledger stays unreachable past
         the bound, the entry is left running and this returns True: its lease expires, the
         sweep interrupts it, and the resume replays the completed steps. Nothing is lost.
         """
+
+        def write() -> bool:
+            if links:
+                return self._store.settle_with_links(
+                    self.key,
+                    self.fence,
+                    result=fields.get("result"),
+                    error=fields.get("error"),
+                    status=status,
+                    links=links,
+                    actor=self.actor,
+                )
+            return self._store.settle(self.key, self.fence, status, actor=self.actor, **fields)
+
         try:
-            ok = self._retrying(
-                lambda: self._store.settle(
-                    self.key, self.fence, status, actor=self.actor, **fields
-                ),
-                f"settle {status.value}",
-            )
+            ok = self._retrying(write, f"settle {status.value}")
         except LedgerUnavailable as exc:
             log.error(
                 "settle %s of key=%s task_id=%s fence=%s failed for %ss (%s); "

@@ -61,6 +61,7 @@ def encode_snapshot(
     limit: int,
     retries: int = 0,
     cipher: SnapshotCipher | None = None,
+    canvas: dict[str, Any] | None = None,
 ) -> str:
     """The stored argument snapshot of a task (``ArgumentSnapshot``), for recovery's resume,
     sealed with ``cipher`` when given (``ledger_snapshot_keys``: encryption at rest). The size
@@ -71,7 +72,12 @@ def encode_snapshot(
         PayloadTooLarge: the snapshot exceeds ``limit`` (``ledger_max_snapshot_bytes``).
     """
     snapshot = ArgumentSnapshot(
-        args=args, kwargs=kwargs, queue=queue, ledger_key=ledger_key, retries=retries
+        args=args,
+        kwargs=kwargs,
+        queue=queue,
+        ledger_key=ledger_key,
+        retries=retries,
+        canvas=canvas or {},
     )
     text = encode(
         snapshot.as_data(),

@@ -10,6 +10,12 @@ crash point is one frozenset lookup. Names:
 - ``step-completed:<step>`` after its ``completed`` row is durable
 - ``before-settle``         after the body returned, before the settle
 - ``after-claim``           after the claim, before the body
+- ``after-settle``          after the settle (and the links it recorded: the next chain
+  link, the callbacks) committed, before they are published
+- ``chord-unlock``          as Celery's ``celery.chord_unlock`` (the chord join of database
+  result backends) starts
+- ``after-publish``         after the links were published and marked, before Celery stores
+  the result (and counts a chord member) and the message is acked
 - ``txn-written:<step>``    inside a transaction step: its block returned, its writes are
   made but nothing is committed (the step's row is the next statement)
 - ``children-published:<step>`` after the children a step sent were published, before

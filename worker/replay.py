@@ -41,6 +41,7 @@ from typing import Any
 from celery_ledger.codec import arguments_hash
 from celery_ledger.ledger import (
     BODY_STEP,
+    LINKS_STEP,
     TRANSACTION_STEP_REF,
     StepRecord,
     StepStatus,
@@ -86,6 +87,8 @@ def check_step_name(name: Any) -> None:
         )
     if name == BODY_STEP:
         raise ValueError(f"step name {name!r} is reserved for a body that records no steps")
+    if name == LINKS_STEP:
+        raise ValueError(f"step name {name!r} is reserved for the links a settle records")
 
 
 def identity_of(

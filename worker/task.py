@@ -29,7 +29,7 @@ from celery.exceptions import Ignore, Retry
 from celery.utils import uuid
 from celery.utils.time import maybe_make_aware
 
-from celery_ledger import intents, runtime, timing
+from celery_ledger import canvas, intents, runtime, timing
 from celery_ledger.ambiguity import RUN_BODY, Ambiguity
 from celery_ledger.attempt import Attempt, current_attempt
 from celery_ledger.codec import arguments_hash, check_depth, decode, encode, encode_snapshot
@@ -363,6 +363,22 @@ class LedgerTask(Task):
                 intents.withdraw(self, intent, task_id, exc)
             raise
 
+    def on_replace(self, sig: Any) -> Any:
+        """``self.replace(sig)``: Celery publishes ``sig`` under this task's id and raises
+        ``Ignore``. The attempt remembers what replaced it, so that the entry is settled
+        ``failed`` with that ``Ignore`` and a reason naming the replacement: a redelivery
+        RETURNs it and raises ``Ignore`` again, storing nothing over the replacement's result
+        and publishing nothing (docs/design.md, "Canvas")."""
+        attempt = current_attempt.get()
+        if attempt is None or self.request.is_eager:
+            return super().on_replace(sig)
+        attempt.replaced_by = f"{sig.name or sig.task}[{sig.id}]"
+        try:
+            return super().on_replace(sig)
+        except Ignore:
+            crash_point(attempt.settings, "after-publish")
+            raise
+
     # -- delivery -------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -390,6 +406,8 @@ class LedgerTask(Task):
             lease_seconds=lease,
             max_interruptions=settings.max_resumes,
             args_may_change=not fresh and self.keyed_by_task_id(header_key),
+            group_id=req.group,
+            parent_id=req.parent_id,
         )
         claim = None
         for _ in range(3):  # a WAIT that sees the other attempt end claims again, at most twice
@@ -406,9 +424,22 @@ class LedgerTask(Task):
         )
 
         if claim.gate is Gate.RETURN:
+            retval = None if claim.error is not None else decode(claim.result)
+            try:
+                canvas.returned(
+                    self,
+                    store,
+                    key,
+                    claim.fence,
+                    self._links(key, retval, failed=claim.error is not None),
+                )
+            except LedgerUnavailable as exc:
+                # Which links the settle recorded cannot be read: neither publish them nor
+                # let the tracer do it blind. Re-send this delivery (with its links) later.
+                ledger_unavailable(self, exc, args, kwargs)
             if claim.error is not None:
                 raise self._stored_failure(claim.error)
-            return decode(claim.result)
+            return retval
         if claim.gate is Gate.WAIT:
             countdown = min(max(claim.lease_remaining or 1.0, 1.0), settings.wait_countdown_max)
             redeliver(self, args, kwargs, countdown=countdown)
@@ -509,6 +540,13 @@ class LedgerTask(Task):
                         attempt.fence,
                     )
                     raise
+                if isinstance(exc, Ignore) and attempt.replaced_by is not None:
+                    attempt.settle(
+                        EntryStatus.FAILED,
+                        error=self._dump_exc(exc, settings),
+                        reason=f"replaced by {attempt.replaced_by}",
+                    )
+                    raise
                 self._settle_failure(attempt, exc, args, kwargs)
                 raise
             try:
@@ -518,16 +556,47 @@ class LedgerTask(Task):
             except PayloadError as exc:
                 attempt.settle(EntryStatus.FAILED, error=self._dump_exc(exc, settings))
                 raise
+            links = self._links(attempt.key, decode(encoded))
             crash_point(settings, "before-settle")
             if attempt.replayed:
                 self._emit("replayed", attempt.key, attempt.fence, steps=attempt.replayed)
-            if not attempt.settle(EntryStatus.COMPLETED, result=encoded):
+            if not attempt.settle(EntryStatus.COMPLETED, result=encoded, links=links.children):
                 self._emit("fenced", attempt.key, attempt.fence, reason="settle refused")
                 raise Ignore()
+            # The links are the outbox's now: the tracer must not publish them too.
+            links.hand_over(req)
+            crash_point(settings, "after-settle")
+            canvas.publish_links(store, self.app, attempt.key, attempt.fence, links.children)
+            crash_point(settings, "after-publish")
             return result
         finally:
             heartbeat.unregister(attempt)
             current_attempt.reset(token)
+
+    def _links(self, key: str, retval: Any, *, failed: bool = False) -> canvas.Links:
+        """The links this delivery publishes when it completes (``canvas.links_of``) or, if
+        ``failed``, its ``link_error`` callbacks (``canvas.errback_links_of``); none taken
+        over if one cannot be stored (the tracer then publishes them, as Celery does)."""
+        req = self.request
+        nothing = canvas.Links([], False, list(req.callbacks or ()))
+        if failed:
+            nothing.errbacks_left = list(req.errbacks or ())
+            if not req.errbacks:
+                return nothing
+        elif not (req.chain or req.callbacks):
+            return nothing
+        try:
+            if failed:
+                return canvas.errback_links_of(self, req, key)
+            return canvas.links_of(self, req, key, retval)
+        except PayloadError as exc:
+            log.warning(
+                "links of key=%s task_id=%s not recorded (%s); Celery publishes them",
+                key,
+                req.id,
+                exc,
+            )
+            return nothing
 
     def _ambiguity(
         self, attempt: Attempt, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -541,7 +610,15 @@ class LedgerTask(Task):
     ) -> None:
         if attempt.ambiguous is not None and self._ambiguity(attempt, args, kwargs).after_escape():
             return  # blocked, or fenced out: nothing left to settle
-        attempt.settle(EntryStatus.FAILED, error=self._dump_exc(exc, attempt.settings))
+        # Its link_error callbacks are recorded with the failure, as a success's links are.
+        links = self._links(attempt.key, None, failed=True)
+        if attempt.settle(
+            EntryStatus.FAILED, error=self._dump_exc(exc, attempt.settings), links=links.children
+        ):
+            links.hand_over(self.request)
+            canvas.publish_links(
+                runtime.store_for(self.app), self.app, attempt.key, attempt.fence, links.children
+            )
 
     def _dump_exc(self, exc: BaseException, settings: LedgerSettings) -> str:
         limit = settings.max_exception_bytes
@@ -590,6 +667,7 @@ class LedgerTask(Task):
                 ledger_key=header(req, "ledger_key"),
                 limit=settings.max_snapshot_bytes,
                 cipher=runtime.snapshot_cipher(self.app),
+                canvas=canvas.placement(req),
             )
         except PayloadError as exc:
             log.warning(
@@ -631,6 +709,7 @@ class LedgerTask(Task):
                 limit=settings.max_snapshot_bytes,
                 retries=int(options.get("retries") or (req.retries or 0) + 1),
                 cipher=runtime.snapshot_cipher(self.app),
+                canvas=canvas.placement(req),
             )
         except Exception as exc_:  # noqa: BLE001 - nothing here may stop the retry itself
             # The entry keeps the snapshot it has, as a claim does for arguments it cannot

@@ -349,6 +349,25 @@ def _check_acks(app: Any, tasks: list[Any]) -> Check:
     )
 
 
+def _check_chords(app: Any) -> Check:
+    """Whether Celery counts a redelivered chord member once (docs/design.md, "Canvas")."""
+    import celery
+
+    backend = str(app.conf.result_backend or "")
+    version = ".".join(str(p) for p in celery.VERSION[:3])
+    if not backend.startswith(("redis://", "rediss://", "sentinel://")):
+        return Check("chords", "PASS", "no Redis result backend: chord joins read results by id")
+    if tuple(celery.VERSION[:2]) < (5, 7):
+        return Check(
+            "chords",
+            "WARN",
+            f"Celery {version} with a Redis result backend counts a chord member once per "
+            "delivery: a member redelivered after it counted counts twice (Celery 5.7 records "
+            "each member once)",
+        )
+    return Check("chords", "PASS", f"Celery {version}: a redelivered chord member counts once")
+
+
 def _check_beat(app: Any, settings: Any, store: LedgerStore | None) -> Check:
     from celery_ledger.app import BEAT_ENTRY
 
@@ -442,6 +461,7 @@ def doctor_cmd(ctx: click.Context, as_json: bool, strict: bool) -> None:
         _check_hold(app, settings),
         _check_rabbitmq(app, settings),
         _check_acks(app, tasks),
+        _check_chords(app),
         _check_beat(app, settings, store),
         _check_reconcilers(tasks),
         _check_secrets(settings, tasks),

@@ -38,8 +38,10 @@ from celery_ledger.cli.common import (
 from celery_ledger.codec import encode
 from celery_ledger.ledger import (
     TRANSACTION_STEP_REF,
+    EntryNotFound,
     EntryStatus,
     Interrupted,
+    Member,
     StepStatus,
     Verdict,
     check_release_text,
@@ -118,9 +120,17 @@ def list_cmd(
 @click.pass_context
 @guarded
 def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
-    """One entry (REF: key, key prefix or task id): snapshot, steps, events, the fix."""
+    """One entry (REF: key, key prefix or task id): snapshot, steps, events, the fix; or a
+    Celery group (REF: group id): its members and their states."""
     store = open_store(ctx)
-    key = resolve_key(store, ref)
+    try:
+        key = resolve_key(store, ref)
+    except EntryNotFound:
+        group = store.members(ref.strip())
+        if not group:
+            raise
+        _show_members(ctx, ref.strip(), group, as_json)
+        return
     entry = store.get_entry(key)
     steps = store.load_steps(key)
     events = store.entry_events(key, limit=1000)
@@ -176,6 +186,11 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
         if parent is None
         else {"key": parent.parent_key, "step": parent.step, "occurrence": parent.occurrence}
     )
+    # Celery's canvas: the group this entry was published in, and the entries it published
+    # (the next link of a chain, a group it sent) with their states.
+    view["group_id"] = entry.group_id
+    view["parent_id"] = entry.parent_id
+    view["members"] = [_member_view(m) for m in store.members(entry.task_id)]
     view["events"] = [
         {
             "id": e.id,
@@ -225,6 +240,10 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
         fields.append(("result", unreadable.get("result") or _dumped(view["result"])[:200]))
     if entry.error is not None:
         fields.append(("error", unreadable.get("error") or _dumped(view["error"])[:200]))
+    if entry.group_id is not None:
+        fields.append(("group", f"{entry.group_id}  (celery-ledger show {entry.group_id})"))
+    if entry.parent_id is not None and view["parent"] is None:
+        fields.append(("published by", f"task {entry.parent_id}"))
     if view["parent"]:
         p = view["parent"]
         fields.append(("parent", f"{p['key']}  (sent by step {p['step']} #{p['occurrence']})"))
@@ -298,6 +317,10 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
             ],
             lambda i, v: "yellow" if i == 3 and v == "pending" else None,
         )
+    if view["members"]:
+        echo(ctx)
+        echo(ctx, click.style("members", bold=True) + "  (the entries this task published)")
+        _print_members(ctx, view["members"])
     echo(ctx)
     echo(ctx, click.style("events", bold=True))
     print_table(
@@ -658,3 +681,40 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
 
 
 COMMANDS = [list_cmd, show_cmd, release_cmd, resume_cmd, sweep_cmd, stats_cmd]
+
+
+def _member_view(m: Member) -> dict[str, Any]:
+    return {
+        "key": m.key,
+        "task": m.task_name,
+        "task_id": m.task_id,
+        "status": m.status.value,
+        "group_id": m.group_id,
+        "parent_id": m.parent_id,
+    }
+
+
+def _print_members(ctx: click.Context, members: list[dict[str, Any]]) -> None:
+    print_table(
+        ctx,
+        ["KEY", "TASK", "TASK ID", "STATUS"],
+        [
+            [m["key"][:16], printable(m["task"], limit=SHOWN_CHARS), m["task_id"], m["status"]]
+            for m in members
+        ],
+        status_colour(3),
+    )
+
+
+def _show_members(ctx: click.Context, ref: str, members: list[Member], as_json: bool) -> None:
+    """``show GROUP_ID``: a Celery group (or a parent task without an entry of its own)."""
+    views = [_member_view(m) for m in members]
+    counts: dict[str, int] = {}
+    for m in views:
+        counts[m["status"]] = counts.get(m["status"], 0) + 1
+    if as_json:
+        emit_json({"group": ref, "members": views, "counts": counts})
+        return
+    summary = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    echo(ctx, f"{printable(ref, limit=SHOWN_CHARS)}: {len(views)} member(s): {summary}")
+    _print_members(ctx, views)

@@ -214,8 +214,12 @@ class Process:
         if not self.alive:
             return []
         try:
-            text = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text()
-            return [int(p) for p in text.split()]
+            # Every thread's list: billiard re-forks a lost pool process from its supervisor
+            # thread, and /proc lists a child under the thread that forked it.
+            pids: list[int] = []
+            for thread in Path(f"/proc/{self.pid}/task").iterdir():
+                pids += [int(p) for p in (thread / "children").read_text().split()]
+            return sorted(set(pids))
         except OSError:
             pass
         try:  # no /proc (macOS): pgrep knows

@@ -62,7 +62,8 @@ from typing import Any
 import click
 from sqlalchemy.engine import make_url
 
-from celery_ledger.harness import demo_app
+from celery_ledger.harness import canvas_load, demo_app
+from celery_ledger.harness.canvas_load import CanvasReport
 from celery_ledger.harness.demo_app import RunReport
 from celery_ledger.harness.orchestrate import (
     LEASE_SECONDS,
@@ -475,6 +476,8 @@ class VerifyReport:
     seconds: float
     runs: dict[str, RunReport]
     chaos: dict[str, Any]
+    #: The ledgered run's chains and chord (``canvas_load``).
+    canvas: CanvasReport | None = None
     kept: bool = False
     data_dir: str = ""
     #: The ledgered workers' ``ledger_durability`` ("" : their default).
@@ -606,9 +609,19 @@ def _run_verify(
                     procs.append(w.start_beat())
             phases.update(f"starting {len(procs)} processes ...")
             wait_ready(procs)
+            chains = canvas_load.chains_for(tasks)
             for w in works:
                 w.enqueue(gaps)
-            phases.done(f"{len(procs)} processes up; {tasks} orders sent to each run")
+                if w.kind.ledgered:
+                    canvas_keys = _enqueue_canvas(w, chains)
+                    if not keep and not box.owns_ledger:
+                        stage.cleanups.append(
+                            lambda keys=canvas_keys: canvas_load.drop(stage.ledger_engine, keys)
+                        )
+            phases.done(
+                f"{len(procs)} processes up; {tasks} orders sent to each run, "
+                f"{chains} chain(s) and a chord of {canvas_load.CHORD_SIZE} to the ledgered one"
+            )
         with phases.phase("chaos"):
             chaos = Chaos(works, rng, outage, chaos_log, broker_restart, crash, crashes)
             deadline = time.monotonic() + duration
@@ -638,6 +651,13 @@ def _run_verify(
         stage.orch.stop_all()
         with phases.phase("count"):
             reports = stage.tally()
+            ledgered = next(w for w in works if w.kind.ledgered)
+            canvas = canvas_load.tally(
+                demo_app.effect_counts(ledgered.db, ledgered.run),
+                ledgered.run,
+                chains,
+                strict=box.broker_url is not None and not box.broker_url.startswith("filesystem"),
+            )
             phases.done("effects and ledger entries counted")
     led = reports["ledgered"]
     ok = (
@@ -646,6 +666,7 @@ def _run_verify(
         and led.charged_twice == 0
         and led.ledger_duplicate_executions == 0
         and led.children_lost == 0
+        and canvas.ok
     )
     return VerifyReport(
         ok=ok,
@@ -657,6 +678,7 @@ def _run_verify(
         ledger=safe_url(box.ledger_url),
         seconds=round(time.monotonic() - started, 1),
         runs=reports,
+        canvas=canvas,
         chaos={
             "actions": chaos_log.actions,
             "counts": chaos_log.counts(),
@@ -667,6 +689,14 @@ def _run_verify(
         durability=durability or "",
         ledger_crashes=server.crashes if server is not None else 0,
     )
+
+
+def _enqueue_canvas(work: Workload, chains: int) -> list[str]:
+    app = demo_app.build_app(work.env)
+    try:
+        return canvas_load.enqueue(app, work.run, chains)
+    finally:
+        app.close()
 
 
 def _drained(works: list[Workload], ledger_engine: Any) -> bool:
@@ -741,6 +771,10 @@ def render(report: VerifyReport) -> str:
             "which the sweep re-sends once ledger_publish_intent_seconds pass (after this "
             "run); the others have no entry, which no task-side ledger can see"
         )
+    if report.canvas is not None:
+        lines.append(report.canvas.line())
+        if report.canvas.incomplete:
+            lines.append("  incomplete: " + ", ".join(report.canvas.incomplete[:10]))
     lines.append("")
     verdict = (
         click.style("PASS", fg="green", bold=True)

@@ -13,14 +13,14 @@ existing ``status`` column; scheduled and sleeping entries wait on the existing 
 (0002).
 
 Revision ID: 0004_time
-Revises: 0005_operators (re-chained after issue 19 merged; written against 0002)
+Revises: 0003_operators
 """
 
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0004_time"
-down_revision = "0005_operators"
+down_revision = "0003_operators"
 branch_labels = None
 depends_on = None
 

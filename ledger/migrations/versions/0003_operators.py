@@ -11,14 +11,14 @@
 
 No index: they are read with the entry by its key.
 
-Revision ID: 0005_operators
+Revision ID: 0003_operators
 Revises: 0002
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0005_operators"
+revision = "0003_operators"
 down_revision = "0002"
 branch_labels = None
 depends_on = None

@@ -5,14 +5,14 @@ A child task a step sends is recorded here in the same transaction as the step's
 broker confirmed it. The sweep publishes the rows still unpublished (index on
 ``created_at`` while ``published_at IS NULL``).
 
-Revision ID: 0003_outbox
-Revises: 0004_time (re-chained after main's 0005_operators and 0004_time when main was merged)
+Revision ID: 0005_outbox
+Revises: 0004_time
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0003_outbox"
+revision = "0005_outbox"
 down_revision = "0004_time"
 branch_labels = None
 depends_on = None

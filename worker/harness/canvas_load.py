@@ -1,0 +1,184 @@
+"""The canvas workload of ``verify`` (issue 17): chains and a chord of ledgered tasks.
+
+Sent into the ledgered run beside its orders, so the same chaos hits it: ``CHAINS`` chains of
+three links (each link one effect, the chain's result the list of the links' numbers) and one
+chord of ``CHORD_SIZE`` members with a callback (each member one effect, the callback one).
+Counted from the effects table at the end: every link, member and callback effect exactly
+once, every chain and the chord complete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import chain, chord
+from sqlalchemy import delete
+
+from celery_ledger.ledger import BODY_STEP, entry_key
+from celery_ledger.ledger.schema import entries, events, outbox, steps
+from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciled
+
+#: A chain link, a chord member too (ledgered, one effect).
+LINK = "celery_ledger.demo.canvas_link"
+#: The chord's callback (ledgered, one effect).
+JOIN = "celery_ledger.demo.canvas_join"
+#: Links per chain.
+CHAIN_LENGTH = 3
+#: Members of the chord.
+CHORD_SIZE = 10
+
+
+def chains_for(tasks: int) -> int:
+    """One chain per 50 orders, at least one, at most 20: the orders stay the main load."""
+    return max(1, min(20, tasks // 50))
+
+
+def register(app: Any, db: Any) -> None:
+    """Register the canvas tasks on ``app`` (``shared=False``, like the orders)."""
+    from celery_ledger.task import LedgerTask
+
+    # Results are stored for these two (the demo app ignores results): a chord's join on a
+    # database result backend polls its members' results.
+    @app.task(
+        base=LedgerTask,
+        bind=True,
+        name=LINK,
+        shared=False,
+        ignore_result=False,
+        reconciler=_reconciler(db, lambda step: (step.args[2], f"link{step.args[3]}")),
+    )
+    def canvas_link(self: Any, acc: list[int], run: str, order_id: str, n: int) -> list[int]:
+        self.step("effect", db.record, run, order_id, f"link{n}")
+        return [*acc, n]
+
+    @app.task(
+        base=LedgerTask,
+        bind=True,
+        name=JOIN,
+        shared=False,
+        ignore_result=False,
+        reconciler=_reconciler(db, lambda step: (step.args[2], "join")),
+    )
+    def canvas_join(self: Any, results: list[list[int]], run: str, order_id: str) -> list[int]:
+        self.step("effect", db.record, run, order_id, "join")
+        return sorted(n for r in results for n in r)
+
+
+def _reconciler(
+    db: Any, effect_of: Callable[[AmbiguousStep], tuple[str, str]]
+) -> Callable[[AmbiguousStep], Reconciled]:
+    """The orders' argument (``demo_app.make_reconciler``): a row is the effect; no row is
+    unknown (a paused attempt may still write it); no step row at all is not executed."""
+
+    def reconcile(step: AmbiguousStep) -> Reconciled:
+        if step.step == BODY_STEP:
+            return Reconciled.not_executed("every effect is a fenced step, and no step row exists")
+        order_id, effect = effect_of(step)
+        if db.count(order_id, effect) >= 1:
+            return Reconciled.completed(f"{effect}:{order_id}", note="the effect row exists")
+        return Reconciled.unknown("no effect row yet; a paused attempt may still write it")
+
+    return reconcile
+
+
+def chain_id(run: str, i: int) -> str:
+    return f"{run}-chain-{i:03d}"
+
+
+def chord_id(run: str) -> str:
+    return f"{run}-chord"
+
+
+def enqueue(app: Any, run: str, chains: int) -> list[str]:
+    """Apply ``chains`` chains and the chord through ``app`` (the run's own). Returns the
+    ledger keys their tasks will have (for the cleanup)."""
+    keys: list[str] = []
+    for i in range(chains):
+        cid = chain_id(run, i)
+        res = chain(
+            app.signature(LINK, args=([], run, cid, 1)),
+            *(app.signature(LINK, args=(run, cid, n)) for n in range(2, CHAIN_LENGTH + 1)),
+        ).apply_async()
+        while res is not None:
+            keys.append(entry_key(LINK, res.id))
+            res = res.parent
+    hid = chord_id(run)
+    res = chord(
+        [app.signature(LINK, args=([], run, hid, n)) for n in range(CHORD_SIZE)],
+        app.signature(JOIN, args=(run, hid)),
+    ).apply_async()
+    keys.append(entry_key(JOIN, res.id))
+    keys += [entry_key(LINK, r.id) for r in res.parent.results]
+    return keys
+
+
+def drop(ledger_engine: Any, keys: list[str]) -> None:
+    """Remove the canvas's ledger entries, their steps, events and recorded links."""
+    with ledger_engine.begin() as conn:
+        for i in range(0, len(keys), 500):
+            chunk = keys[i : i + 500]
+            conn.execute(delete(outbox).where(outbox.c.parent_key.in_(chunk)))
+            conn.execute(delete(steps).where(steps.c.key.in_(chunk)))
+            conn.execute(delete(events).where(events.c.key.in_(chunk)))
+            conn.execute(delete(entries).where(entries.c.key.in_(chunk)))
+
+
+@dataclass
+class CanvasReport:
+    chains: int = 0
+    chains_complete: int = 0
+    chord_members: int = CHORD_SIZE
+    chord_members_done: int = 0
+    chord_callbacks: int = 0
+    duplicate_effects: int = 0
+    incomplete: list[str] = field(default_factory=list)
+    #: Whether an incomplete chain or chord fails the run. Not on ``filesystem://``, which
+    #: forgets what a SIGKILLed worker had fetched: a link or member it dropped before any
+    #: claim is the orders' "never claimed" (its publish intent is re-sent by the sweep
+    #: after ``ledger_publish_intent_seconds``), not a loss the ledger made.
+    strict: bool = True
+
+    @property
+    def ok(self) -> bool:
+        if self.duplicate_effects or self.chord_callbacks > 1:
+            return False
+        if self.chord_members_done == self.chord_members and self.chord_callbacks == 0:
+            return False  # every member done and no callback: the join was lost
+        return not (self.strict and self.incomplete)
+
+    def line(self) -> str:
+        line = (
+            f"canvas: {self.chains_complete}/{self.chains} chains of {CHAIN_LENGTH} complete, "
+            f"chord {self.chord_members_done}/{self.chord_members} members and "
+            f"{self.chord_callbacks} callback(s), {self.duplicate_effects} duplicated effect(s)"
+        )
+        if self.incomplete and not self.strict:
+            line += (
+                " (on filesystem:// a link or member the broker dropped before any claim is "
+                "never claimed, like an order: not counted as lost)"
+            )
+        return line
+
+
+def tally(snapshot: Any, run: str, chains: int, *, strict: bool = True) -> CanvasReport:
+    """Count the canvas from an ``EffectsSnapshot`` of the run."""
+    r = CanvasReport(chains=chains, strict=strict)
+    links = [f"link{n}" for n in range(1, CHAIN_LENGTH + 1)]
+    for i in range(chains):
+        cid = chain_id(run, i)
+        counts = snapshot.orders[cid].counts if cid in snapshot.orders else {}
+        r.duplicate_effects += sum(max(0, n - 1) for n in counts.values())
+        if all(counts.get(e, 0) >= 1 for e in links):
+            r.chains_complete += 1
+        else:
+            r.incomplete.append(cid)
+    hid = chord_id(run)
+    counts = snapshot.orders[hid].counts if hid in snapshot.orders else {}
+    r.duplicate_effects += sum(max(0, n - 1) for n in counts.values())
+    r.chord_members_done = sum(1 for n in range(CHORD_SIZE) if counts.get(f"link{n}", 0) >= 1)
+    r.chord_callbacks = counts.get("join", 0)
+    if r.chord_callbacks != 1 or r.chord_members_done != CHORD_SIZE:
+        r.incomplete.append(hid)
+    return r
