@@ -455,6 +455,8 @@ class OrderEffects:
     counts: dict[str, int] = field(default_factory=dict)
     #: pid of the process that performed each effect last.
     pids: dict[str, int] = field(default_factory=dict)
+    #: When each effect was performed last (``time.time()`` of the process that did it).
+    at: dict[str, float] = field(default_factory=dict)
 
     def has(self, effect: str) -> bool:
         return self.counts.get(effect, 0) > 0
@@ -495,6 +497,7 @@ def effect_counts(db: EffectsDb, run: str) -> EffectsSnapshot:
             o = orders.setdefault(order_id, OrderEffects())
             o.counts[effect] = int(n)
             o.pids[effect] = int(pid)
+            o.at[effect] = float(at)
             rows += int(n)
             last = at if last is None else max(last, at)
     return EffectsSnapshot(orders, rows, last)

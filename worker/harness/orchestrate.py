@@ -35,7 +35,7 @@ from typing import Any, NoReturn, TextIO
 import click
 from sqlalchemy.engine import make_url
 
-from celery_ledger.harness import demo_app
+from celery_ledger.harness import canvas_load, demo_app
 from celery_ledger.harness.processes import Process, ProcessFailed, ProcessGroup
 from celery_ledger.ledger.engine import make_engine
 
@@ -297,6 +297,9 @@ class Workload:
             task=kind.task, title=f"{kind.title} {kind.subtitle}", ledgered=kind.ledgered
         )
         self.snapshot = demo_app.EffectsSnapshot({}, 0, None)
+        #: Chains sent beside the orders (with a chord: ``verify``'s canvas workload), or
+        #: None: the run is over only once the canvas is complete too (or nothing moves).
+        self.canvas_chains: int | None = None
         self.enqueued_at = 0.0
         self.finished = False
         self.ledger_idle = ledger_idle
@@ -402,6 +405,11 @@ class Workload:
                 ]
                 children = demo_app.child_statuses(ledger_engine, sent)
                 done = all(children.get(o) in final for o in sent)
+            if done and self.canvas_chains is not None:
+                # A chord's callback is published after its last member settles: the orders
+                # can all be done while it is still queued.
+                canvas = canvas_load.tally(self.snapshot, self.run, self.canvas_chains)
+                done = not canvas.incomplete
             if any(o.status not in final for o in outcomes.values()):
                 self.mark_progress()
             idle = self.ledger_idle

@@ -614,6 +614,7 @@ def _run_verify(
                 w.enqueue(gaps)
                 if w.kind.ledgered:
                     canvas_keys = _enqueue_canvas(w, chains)
+                    w.canvas_chains = chains
                     if not keep and not box.owns_ledger:
                         stage.cleanups.append(
                             lambda keys=canvas_keys: canvas_load.drop(stage.ledger_engine, keys)
