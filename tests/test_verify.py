@@ -69,7 +69,7 @@ def verify(*args: str, timeout: float = 170) -> dict[str, Any]:
             indent=1,
         )
     )
-    print(report["chaos"]["counts"], report["chaos"]["skipped"])
+    print(report["chaos"]["counts"], report["chaos"]["skipped"], report["chaos"]["settle_restarts"])
     return report
 
 

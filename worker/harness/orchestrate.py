@@ -305,6 +305,11 @@ class Workload:
         self.ledger_idle = ledger_idle
         self._rows = -1
         self._progress_at = time.monotonic()
+        #: When the effects table last changed (``mark_progress`` also counts entries that
+        #: are not final yet: a ledgered run never goes idle while the ledger owns work).
+        self._rows_at = time.monotonic()
+        #: Workers restarted because the run stalled (``restart_stalled``).
+        self.unstuck = 0
 
     def node(self, name: str) -> str:
         return f"{name}-{self.run}@127.0.0.1"
@@ -372,11 +377,32 @@ class Workload:
         self.snapshot = demo_app.effect_counts(self.db, self.run)
         if self.snapshot.rows != self._rows:
             self._rows = self.snapshot.rows
+            self._rows_at = time.monotonic()
             self.mark_progress()
         return self.snapshot
 
     def completed(self) -> int:
         return len(self.snapshot.with_effect("receipt") & set(self.order_ids))
+
+    def restart_stalled(self, after: float) -> list[str]:
+        """Restart every worker of this run if no effect was recorded for ``after`` seconds
+        while work is left (the names restarted; at most once per stall).
+
+        After a broker connection is cut, kombu 5.x can leave a Redis worker alive and
+        connected that never consumes again ("Couldn't ack ... ConnectionError"): a
+        supervisor that restarts a stuck worker is what a deployment has, and what
+        ``tests/test_broker_faults.py`` does after a Redis restart.
+        """
+        if self.finished or time.monotonic() - self._rows_at < after:
+            return []
+        names = list(self.workers)
+        for name in names:
+            self.workers[name].kill()
+            self.restart(name)
+        self._rows_at = time.monotonic()
+        self.mark_progress()  # idle counts from here: the new workers, and the sweep, get time
+        self.unstuck += 1
+        return names
 
     def settle_tick(self, ledger_engine: Any) -> bool:
         """Whether the run is over: every order accounted for, or nothing moves any more.
@@ -472,13 +498,27 @@ class Stage:
         self.works.append(work)
         return work
 
-    def settle(self, seconds: float, *, interval: float, update: Callable[[], None]) -> None:
-        """Tick every run until each is finished (or idle), for at most ``seconds``."""
+    def settle(
+        self,
+        seconds: float,
+        *,
+        interval: float,
+        update: Callable[[], None],
+        restart_stalled: float | None = None,
+        restarted: Callable[[Workload, list[str]], None] | None = None,
+    ) -> None:
+        """Tick every run until each is finished (or idle), for at most ``seconds``; with
+        ``restart_stalled``, restart the workers of a ledgered run that recorded no effect
+        for that long while the ledger still owns work (``Workload.restart_stalled``)."""
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and not all(w.finished for w in self.works):
             for w in self.works:
                 if not w.finished:
                     w.settle_tick(self.ledger_engine)
+                if restart_stalled is not None and w.kind.ledgered and not w.finished:
+                    names = w.restart_stalled(restart_stalled)
+                    if names and restarted is not None:
+                        restarted(w, names)
             update()
             time.sleep(interval)
 

@@ -104,6 +104,9 @@ BROKER_RESTART_SECONDS = 3.0
 BROKER_PORTS = {"redis": 6379, "rediss": 6379, "amqp": 5672, "pyamqp": 5672}
 #: After the chaos, how long the runs get to finish.
 SETTLE_SECONDS = 120.0
+#: A ledgered run that records no effect for this long while the ledger owns work has a
+#: worker that stopped consuming (kombu, after a broker cut): its workers are restarted.
+STALL_SECONDS = 20.0
 
 KINDS = (
     RunKind("ledgered", demo_app.LEDGERED, "celery-ledger", "(LedgerTask)", ledgered=True),
@@ -304,9 +307,16 @@ class BrokerRestart:
 class ChaosLog:
     actions: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    #: Workers restarted in the settle phase because their run stalled (not chaos: the
+    #: supervisor's answer to a worker that stopped consuming).
+    settle_restarts: list[str] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         return dict(Counter(a["action"] for a in self.actions))
+
+    def settle_restart(self, run: str, names: list[str]) -> None:
+        stalled = f"no effect for {STALL_SECONDS:.0f}s with work left"
+        self.settle_restarts.append(f"{run}: {stalled}; restarted {', '.join(names)}")
 
 
 class Chaos:
@@ -647,6 +657,8 @@ def _run_verify(
                 SETTLE_SECONDS,
                 interval=0.25,
                 update=lambda: phases.update(_status(works, chaos_log)),
+                restart_stalled=STALL_SECONDS,
+                restarted=lambda w, names: chaos_log.settle_restart(w.kind.id, names),
             )
             phases.done("every run finished or went idle")
         stage.orch.stop_all()
@@ -684,6 +696,7 @@ def _run_verify(
             "actions": chaos_log.actions,
             "counts": chaos_log.counts(),
             "skipped": chaos_log.skipped,
+            "settle_restarts": chaos_log.settle_restarts,
         },
         kept=keep,
         data_dir=str(box.data_dir),
