@@ -127,13 +127,18 @@ def test_flower_task_list_shows_blocked_and_the_ledger_badges(
             )
             button.click()
 
+            from selenium.common.exceptions import StaleElementReferenceException
+
             def only_blocked() -> bool:
-                rows = find_all(driver, "#tasks-table tbody tr")
-                states = {
-                    b.text
-                    for r in rows
-                    for b in r.find_elements("css selector", ".badge:not(.ledger-marks)")
-                }
+                try:
+                    rows = find_all(driver, "#tasks-table tbody tr")
+                    states = {
+                        b.text
+                        for r in rows
+                        for b in r.find_elements("css selector", ".badge:not(.ledger-marks)")
+                    }
+                except StaleElementReferenceException:
+                    return False  # Flower redrew the table between two reads: read it again
                 return bool(rows) and states == {"LEDGER-BLOCKED"}
 
             wait_for(only_blocked, timeout=30, what="the Blocked filter to list blocked tasks only")
