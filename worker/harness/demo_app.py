@@ -23,7 +23,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -341,6 +341,10 @@ def build_app(env: Mapping[str, str] | None = None) -> Celery:
         result_backend=cfg.result_backend,
         ledger_url=cfg.ledger_url,
     )
+    # The process that publishes a run's orders (the demo's and verify's own) builds its app
+    # from the run's environment, not its own: its publish intents must take the run's
+    # settings, as its workers and beat do (they read their environment themselves).
+    app.conf.update(ledger_conf_from_env(env if env is not None else os.environ))
     app.conf.update(
         task_default_queue=cfg.queue,
         # The commands count effects and ledger rows; Celery results would only be clutter.
@@ -374,6 +378,19 @@ def build_app(env: Mapping[str, str] | None = None) -> Celery:
     shared = cfg.ledger_url is not None and cfg.effects_url == cfg.ledger_url
     register(app, EffectsDb(cfg.effects_url, cfg.namespace), transactions=shared)
     return app
+
+
+def ledger_conf_from_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The ``ledger_*`` Celery settings that ``CELERY_LEDGER_*`` variables in ``env`` name
+    (the ledger's URL and data directory excepted: ``create_app`` takes those)."""
+    from celery_ledger.settings import LedgerSettings
+
+    names = {f.name for f in fields(LedgerSettings)} - {"url"}
+    return {
+        f"ledger_{name}": env[f"CELERY_LEDGER_{name.upper()}"]
+        for name in sorted(names)
+        if f"CELERY_LEDGER_{name.upper()}" in env
+    }
 
 
 def register(app: Celery, db: EffectsDb, *, transactions: bool = False) -> None:

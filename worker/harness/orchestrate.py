@@ -460,6 +460,10 @@ class Workload:
 #: A short lease and sweep: a cut order is found within seconds, not minutes.
 LEASE_SECONDS = 3.0
 SWEEP_INTERVAL = 1.0
+#: An order whose message the broker lost before any claim (a connection cut mid-fetch, a
+#: worker killed with it prefetched) is re-sent this long after it was published. A queue
+#: backlog longer than this costs a duplicate message, which the claim deduplicates.
+PUBLISH_INTENT_SECONDS = 20.0
 #: The ledgered run is idle only after a lease could expire and a sweep pass.
 LEDGER_IDLE_SECONDS = LEASE_SECONDS + 3 * SWEEP_INTERVAL + 2.0
 #: The demo app every process of a run is.
@@ -485,6 +489,7 @@ class Stage:
         settings = {
             "CELERY_LEDGER_LEASE_SECONDS": str(LEASE_SECONDS),
             "CELERY_LEDGER_SWEEP_INTERVAL": str(SWEEP_INTERVAL),
+            "CELERY_LEDGER_PUBLISH_INTENT_SECONDS": str(PUBLISH_INTENT_SECONDS),
         }
         work = Workload(
             kind,
