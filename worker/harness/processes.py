@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -97,6 +97,45 @@ def child_env(
     return env
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is alive (a zombie is not). False without /proc."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return False
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses.
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def signals_deferred(signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """Hold ``signums`` back for the block, then deliver the first that came to the handler
+    in place before. Only the main thread can install handlers: elsewhere, a plain block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {s: signal.getsignal(s) for s in signums}
+    for s in signums:
+        signal.signal(s, lambda signum, _frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            # None: a handler not installed from Python, which cannot be put back.
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        if caught:
+            signal.raise_signal(caught[0])
+
+
 class Process:
     """One command started in a session of its own, its output in ``log_path``."""
 
@@ -125,15 +164,18 @@ class Process:
     def start(self) -> Process:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            self.argv,
-            cwd=self.cwd,
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        # A Ctrl-C raised inside Popen, after the fork, would leave a child that nothing
+        # holds: it waits until the child is held here, so that stopping reaches it.
+        with signals_deferred():
+            self.proc = subprocess.Popen(
+                self.argv,
+                cwd=self.cwd,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         log.debug("started %s pid=%s: %s", self.name, self.proc.pid, " ".join(self.argv))
         return self
 
@@ -260,8 +302,13 @@ class Process:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
+        deadline = time.monotonic() + KILL_WAIT
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=KILL_WAIT)
+        # The pool processes die with their parent's group, but not always before it is
+        # reaped: one still exiting is a process the caller was told is gone.
+        while group_alive(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.paused = False
 
     def terminate(self) -> None:
