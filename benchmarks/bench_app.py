@@ -23,7 +23,10 @@ steps) and ``BENCH_FLOOR_SETTLE_ASYNC=1`` (the floor's settle ``UPDATE`` commits
 connection with ``synchronous_commit = off``: the floor of a task whose claim is its intent and
 whose settle need not wait, one synchronous and one asynchronous commit). The floor with every
 commit asynchronous is the floor run with ``PGOPTIONS='-c synchronous_commit=off'``; the
-ledger's mode is ``CELERY_LEDGER_DURABILITY``.
+ledger's mode is ``CELERY_LEDGER_DURABILITY``. ``BENCH_FLOOR_AUDIT=1`` makes each of the floor's
+two writes also append one row to an audit table (``bench_floor_events``: id, task id, event,
+time; one index on task id and id), in the same statement: the floor of a design that keeps the
+contract's audit trail ("every transition is also appended to an events table").
 
 Both get the same broker, result backend, serializer, ``acks_late``, prefetch and
 ``result_extended`` settings, so a ratio of the two isolates what the ledger costs.
@@ -84,13 +87,16 @@ def make_app(
             raise ValueError("BENCH_MODE=floor needs BENCH_LEDGER_URL (a PostgreSQL database)")
         floor = FloorWrites(ledger_url)
         settle = FloorWrites(ledger_url, lazy=True) if os.environ.get(ENV_FLOOR_ASYNC) else floor
+        audit = os.environ.get(ENV_FLOOR_AUDIT) == "1"
+        claim_sql = FLOOR_CLAIM_AUDIT if audit else FLOOR_CLAIM
+        settle_sql = FLOOR_SETTLE_AUDIT if audit else FLOOR_SETTLE
 
         @app.task(name="bench_app.noop", shared=False, acks_late=True, reject_on_worker_lost=True)
         def noop_floor(i: int) -> int:
             task_id = noop_floor.request.id
-            floor.write(FLOOR_CLAIM, task_id)
+            floor.write(claim_sql, task_id)
             result = body(i)
-            settle.write(FLOOR_SETTLE, task_id)
+            settle.write(settle_sql, task_id)
             return result
 
         return app
@@ -118,6 +124,7 @@ def make_app(
 ENV_BODY_MS = "BENCH_BODY_MS"
 ENV_SIDE_EFFECT = "BENCH_SIDE_EFFECT"
 ENV_FLOOR_ASYNC = "BENCH_FLOOR_SETTLE_ASYNC"
+ENV_FLOOR_AUDIT = "BENCH_FLOOR_AUDIT"
 _BODY_SECONDS = float(os.environ.get(ENV_BODY_MS, "0") or 0) / 1000
 
 
@@ -136,6 +143,20 @@ FLOOR_DDL = (
 )
 FLOOR_CLAIM = f"INSERT INTO {FLOOR_TABLE} (task_id, done) VALUES (%s, false)"
 FLOOR_SETTLE = f"UPDATE {FLOOR_TABLE} SET done = true WHERE task_id = %s"
+FLOOR_EVENTS = "bench_floor_events"
+FLOOR_EVENTS_DDL = (
+    f"CREATE TABLE IF NOT EXISTS {FLOOR_EVENTS} (id bigserial PRIMARY KEY, task_id text NOT NULL,"
+    " event text NOT NULL, at double precision NOT NULL);"
+    f" CREATE INDEX IF NOT EXISTS ix_{FLOOR_EVENTS}_task ON {FLOOR_EVENTS} (task_id, id)"
+)
+_AUDIT = (
+    f" INSERT INTO {FLOOR_EVENTS} (task_id, event, at)"
+    " SELECT task_id, '{event}', extract(epoch FROM statement_timestamp()) FROM w"
+)
+FLOOR_CLAIM_AUDIT = f"WITH w AS ({FLOOR_CLAIM} RETURNING task_id)" + _AUDIT.format(event="claimed")
+FLOOR_SETTLE_AUDIT = f"WITH w AS ({FLOOR_SETTLE} RETURNING task_id)" + _AUDIT.format(
+    event="settled"
+)
 
 
 def create_floor_table(url: str) -> None:
@@ -144,6 +165,7 @@ def create_floor_table(url: str) -> None:
 
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(FLOOR_DDL)
+        conn.execute(FLOOR_EVENTS_DDL)
 
 
 class FloorWrites:

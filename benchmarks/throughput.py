@@ -22,7 +22,9 @@ reach on this machine whatever the ledger's own code does; ``ledger/floor`` is w
 plain; the floor with synchronous commits, with asynchronous ones (``PGOPTIONS``), and with one
 of each (``floor-intent``: a synchronous claim, an asynchronous settle, what a task whose claim
 is its intent needs); the ledger with ``ledger_durability`` ``every-write`` and ``effects``
-(default class ``non_idempotent``, no steps) and ``effects`` for an ``idempotent`` task.
+(default class ``non_idempotent``, no steps) and ``effects`` for an ``idempotent`` task; and
+the asynchronous and intent floors with the contract's audit row on each write
+(``floor-audit-async``, ``floor-audit-intent``). ``--variants a,b,...`` drains only those.
 
 Then, in this process (no worker), ``task.apply()`` of the ledgered task with SQLAlchemy
 ``before_cursor_execute`` counting: statements and round trips per task on the hot path. The
@@ -259,6 +261,12 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "floor-sync": ("floor", {}),
     "floor-async": ("floor", {"PGOPTIONS": "-c synchronous_commit=off"}),
     "floor-intent": ("floor", {"BENCH_FLOOR_SETTLE_ASYNC": "1"}),
+    # The floors with the contract's audit row on each write (bench_app, BENCH_FLOOR_AUDIT).
+    "floor-audit-async": (
+        "floor",
+        {"PGOPTIONS": "-c synchronous_commit=off", "BENCH_FLOOR_AUDIT": "1"},
+    ),
+    "floor-audit-intent": ("floor", {"BENCH_FLOOR_SETTLE_ASYNC": "1", "BENCH_FLOOR_AUDIT": "1"}),
     "ledger-every-write": ("ledger", {"CELERY_LEDGER_DURABILITY": "every-write"}),
     "ledger-effects": ("ledger", {"CELERY_LEDGER_DURABILITY": "effects"}),
     "ledger-effects-idempotent": (
@@ -277,14 +285,25 @@ MATRIX_RATIOS = (
     ("ledger-every-write", "floor-sync", ">= 0.95"),
     ("ledger-effects", "floor-intent", ">= 0.95"),
     ("ledger-effects-idempotent", "floor-async", ">= 0.95"),
+    ("floor-audit-async", "floor-async", ""),
+    ("ledger-effects", "floor-audit-intent", ""),
+    ("ledger-effects-idempotent", "floor-audit-async", ""),
 )
 
 
-def run_matrix(tasks: int, rounds: int, broker: str, concurrency: int, body_ms: float) -> Report:
-    """Issue 20's table: every variant drained in one invocation, rounds alternating order."""
+def run_matrix(
+    tasks: int,
+    rounds: int,
+    broker: str,
+    concurrency: int,
+    body_ms: float,
+    variants: list[str] | None = None,
+) -> Report:
+    """Issue 20's table: every variant (or ``variants``) drained in one invocation, rounds
+    alternating order."""
     report = Report()
-    rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    names = list(VARIANTS)
+    names = variants or list(VARIANTS)
+    rates: dict[str, list[float]] = {v: [] for v in names}
     with pg_database() as ledger_url, tempfile.TemporaryDirectory(prefix="cl_tp_") as tmp:
         from bench_app import create_floor_table
 
@@ -317,6 +336,8 @@ def run_matrix(tasks: int, rounds: int, broker: str, concurrency: int, body_ms: 
     for variant, rate in got.items():
         report.add(BENCH, variant, rate, "tasks/s", note=note)
     for top, bottom, target in MATRIX_RATIOS:
+        if top not in got or bottom not in got:
+            continue
         report.add(BENCH, f"{top} / {bottom}", got[top] / got[bottom], "x", target=target)
     return report
 
@@ -488,9 +509,18 @@ def main() -> None:
         "--matrix", action="store_true", help="issue 20's variants side by side (see above)"
     )
     parser.add_argument("--body-ms", type=float, default=0.0, help="--matrix: the body's sleep")
+    parser.add_argument(
+        "--variants", help=f"--matrix: only these, comma-separated ({', '.join(VARIANTS)})"
+    )
     args = parser.parse_args()
+    variants = [v.strip() for v in args.variants.split(",")] if args.variants else None
+    unknown = sorted(set(variants or ()) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variant(s): {', '.join(unknown)}")
     if args.matrix:
-        report = run_matrix(args.tasks, args.rounds, args.broker, args.concurrency, args.body_ms)
+        report = run_matrix(
+            args.tasks, args.rounds, args.broker, args.concurrency, args.body_ms, variants
+        )
     else:
         report = run(
             args.tasks, args.rounds, args.broker, args.profile, args.concurrency, amqp=args.amqp
