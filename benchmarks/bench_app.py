@@ -27,6 +27,12 @@ ledger's mode is ``CELERY_LEDGER_DURABILITY``. ``BENCH_FLOOR_AUDIT=1`` makes eac
 two writes also append one row to an audit table (``bench_floor_events``: id, task id, event,
 time; one index on task id and id), in the same statement: the floor of a design that keeps the
 contract's audit trail ("every transition is also appended to an events table").
+``BENCH_FLOOR_SQL=ledger`` makes the floor's two writes the ledger's own claim and settle
+statements (compiled by ``celery_ledger.ledger`` once, in the parent), with the row the ledger
+writes (key, task id, a 64-character arguments hash, the arguments' snapshot, owner, lease) and
+their audit events, sent on the same bare psycopg connection: what the ledger's schema costs
+with none of its Python around it. The ledger's gap to this floor is its own code; this
+floor's gap to the two-write floor is the schema (the wide row, its indexes, the events).
 
 Both get the same broker, result backend, serializer, ``acks_late``, prefetch and
 ``result_extended`` settings, so a ratio of the two isolates what the ledger costs.
@@ -35,6 +41,7 @@ Both get the same broker, result backend, serializer, ``acks_late``, prefetch an
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery, Task
@@ -87,6 +94,20 @@ def make_app(
             raise ValueError("BENCH_MODE=floor needs BENCH_LEDGER_URL (a PostgreSQL database)")
         floor = FloorWrites(ledger_url)
         settle = FloorWrites(ledger_url, lazy=True) if os.environ.get(ENV_FLOOR_ASYNC) else floor
+        if os.environ.get(ENV_FLOOR_SQL) == "ledger":
+            claim_row, settle_row = ledger_statements(ledger_url)
+
+            @app.task(
+                name="bench_app.noop", shared=False, acks_late=True, reject_on_worker_lost=True
+            )
+            def noop_ledger_sql(i: int) -> int:
+                req = noop_ledger_sql.request
+                floor.write(*claim_row(req.id, req.hostname, [i]))
+                result = body(i)
+                settle.write(*settle_row(req.id, str(result), req.hostname))
+                return result
+
+            return app
         audit = os.environ.get(ENV_FLOOR_AUDIT) == "1"
         claim_sql = FLOOR_CLAIM_AUDIT if audit else FLOOR_CLAIM
         settle_sql = FLOOR_SETTLE_AUDIT if audit else FLOOR_SETTLE
@@ -94,9 +115,9 @@ def make_app(
         @app.task(name="bench_app.noop", shared=False, acks_late=True, reject_on_worker_lost=True)
         def noop_floor(i: int) -> int:
             task_id = noop_floor.request.id
-            floor.write(claim_sql, task_id)
+            floor.write(claim_sql, (task_id,))
             result = body(i)
-            settle.write(settle_sql, task_id)
+            settle.write(settle_sql, (task_id,))
             return result
 
         return app
@@ -125,6 +146,7 @@ ENV_BODY_MS = "BENCH_BODY_MS"
 ENV_SIDE_EFFECT = "BENCH_SIDE_EFFECT"
 ENV_FLOOR_ASYNC = "BENCH_FLOOR_SETTLE_ASYNC"
 ENV_FLOOR_AUDIT = "BENCH_FLOOR_AUDIT"
+ENV_FLOOR_SQL = "BENCH_FLOOR_SQL"
 _BODY_SECONDS = float(os.environ.get(ENV_BODY_MS, "0") or 0) / 1000
 
 
@@ -178,7 +200,7 @@ class FloorWrites:
         self._conn: Any = None
         self._pid = -1
 
-    def write(self, statement: str, task_id: str) -> None:
+    def write(self, statement: str, params: Any) -> None:
         if self._pid != os.getpid():
             import psycopg
 
@@ -186,7 +208,58 @@ class FloorWrites:
             if self.lazy:
                 self._conn.execute("SET synchronous_commit = off")
             self._pid = os.getpid()
-        self._conn.execute(statement, (task_id,))
+        self._conn.execute(statement, params)
+
+
+def ledger_statements(url: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``BENCH_FLOOR_SQL=ledger``: builders of (SQL, parameters) for the ledger's claim of a
+    new key and its settle ``completed``, as ``celery_ledger.ledger`` compiles them, with every
+    constant bound once here so that a call costs a dict of the row's values and no more."""
+    import json
+
+    from celery_ledger.ledger import LedgerStore
+    from celery_ledger.ledger import statements as sql
+
+    store = LedgerStore(url)
+    claim = store.fast.compiled("claim", lambda: sql.claim_insert(store.dialect))
+    settle = store.fast.compiled(("settle", True), lambda: sql.settle_update(store.dialect, True))
+    claim_const = claim.params({})
+    settle_const = settle.params({})
+    store.dispose()
+    args_hash = "0" * 64  # the size of the ledger's sha256 hex digest
+    boot = "0" * 32
+    pid = os.getpid()
+
+    def claim_row(task_id: str, hostname: str, args: list[Any]) -> tuple[str, dict[str, Any]]:
+        return claim.sql, {
+            **claim_const,
+            "key": task_id,
+            "task_name": "bench_app.noop",
+            "task_id": task_id,
+            "side_effect": "idempotent",
+            "args_hash": args_hash,
+            "snapshot": json.dumps({"args": args, "kwargs": {}, "queue": "bench"}),
+            "owner": hostname,
+            "owner_boot": boot,
+            "owner_pid": pid,
+            "lease": 300.0,
+            "executions": 1,
+            "ev_event": "claimed",
+            "ev_actor": hostname,
+        }
+
+    def settle_row(task_id: str, result: str, hostname: str) -> tuple[str, dict[str, Any]]:
+        return settle.sql, {
+            **settle_const,
+            "k": task_id,
+            "f": 1,
+            "to_status": "completed",
+            "new_result": result,
+            "ev_event": "settled",
+            "ev_actor": hostname,
+        }
+
+    return claim_row, settle_row
 
 
 def freeze_before_fork() -> None:

@@ -267,6 +267,16 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
         {"PGOPTIONS": "-c synchronous_commit=off", "BENCH_FLOOR_AUDIT": "1"},
     ),
     "floor-audit-intent": ("floor", {"BENCH_FLOOR_SETTLE_ASYNC": "1", "BENCH_FLOOR_AUDIT": "1"}),
+    # The ledger's own two statements on the floor's bare connection (BENCH_FLOOR_SQL): the
+    # schema's cost without the ledger's Python.
+    "floor-ledger-sql-async": (
+        "floor",
+        {"PGOPTIONS": "-c synchronous_commit=off", "BENCH_FLOOR_SQL": "ledger"},
+    ),
+    "floor-ledger-sql-intent": (
+        "floor",
+        {"BENCH_FLOOR_SETTLE_ASYNC": "1", "BENCH_FLOOR_SQL": "ledger"},
+    ),
     "ledger-every-write": ("ledger", {"CELERY_LEDGER_DURABILITY": "every-write"}),
     "ledger-effects": ("ledger", {"CELERY_LEDGER_DURABILITY": "effects"}),
     "ledger-effects-idempotent": (
@@ -288,6 +298,10 @@ MATRIX_RATIOS = (
     ("floor-audit-async", "floor-async", ""),
     ("ledger-effects", "floor-audit-intent", ""),
     ("ledger-effects-idempotent", "floor-audit-async", ""),
+    ("floor-ledger-sql-async", "floor-async", "(the schema's cost)"),
+    ("floor-ledger-sql-intent", "floor-intent", "(the schema's cost)"),
+    ("ledger-effects-idempotent", "floor-ledger-sql-async", "(the ledger's Python)"),
+    ("ledger-effects", "floor-ledger-sql-intent", "(the ledger's Python)"),
 )
 
 
