@@ -8,7 +8,10 @@ import hashlib
 import json
 
 import pytest
+from celery import Celery
 
+from celery_ledger import LedgerTask
+from celery_ledger.codec import arguments_hash
 from celery_ledger.ledger import IdentityError, canonical_json, entry_key, input_hash, provider_key
 
 # -- canonical_json -----------------------------------------------------------------------
@@ -117,3 +120,55 @@ def test_provider_key_is_stable_and_distinguishes_step_and_occurrence() -> None:
     assert first != provider_key(key, "charge", 1)
     assert first != provider_key(key, "refund", 0)
     assert first != provider_key(entry_key("shop.charge", [43]), "charge", 0)
+
+
+# -- the worker parent's key (LedgerTask.entry_key_of) --------------------------------------
+
+
+def _keyed_tasks():
+    app = Celery("keys", broker="memory://", set_as_current=False)
+
+    def charge(order_id, amount, note=None):
+        return order_id
+
+    by_id = app.task(base=LedgerTask, name="keys.by_id", shared=False)(charge)
+    by_names = app.task(
+        base=LedgerTask, name="keys.by_names", key_from=("order_id",), shared=False
+    )(charge)
+    by_call = app.task(
+        base=LedgerTask,
+        name="keys.by_call",
+        key_from=lambda order_id, amount, note=None: [order_id, amount],
+        shared=False,
+    )(charge)
+    return by_id, by_names, by_call
+
+
+@pytest.mark.parametrize("header_key", [None, "shop-key-7", {"order": 7}])
+def test_the_parents_key_is_the_claims_key_without_hashing_the_arguments(header_key) -> None:
+    """The worker's parent holds and interrupts entries by ``entry_key_of``; the pool's claim
+    keys them by ``ledger_key``. The two must name the same entry in every keying mode, or a
+    receipt hold and a worker-lost interrupt would miss the entry the claim wrote."""
+    for task in _keyed_tasks():
+        for args, kwargs in ((("o-1", 5), {}), (("o-2",), {"amount": 9, "note": "x"})):
+            key, args_hash = task.ledger_key(args, kwargs, "task-id-1", header_key)
+            assert task.entry_key_of(args, kwargs, "task-id-1", header_key) == key
+            assert args_hash == arguments_hash([list(args), dict(kwargs)])
+    by_id, by_names, _ = _keyed_tasks()
+    assert by_id.entry_key_of(("o-1", 5), {}, "t-1") == entry_key("keys.by_id", "t-1")
+    assert by_names.entry_key_of(("o-1", 5), {}, "t-1") == entry_key(
+        "keys.by_names", {"order_id": "o-1"}
+    )
+
+
+def test_the_parents_key_needs_no_json_arguments() -> None:
+    """A key that does not read the arguments does not hash them in the parent: an argument
+    that is not JSON is the claim's to refuse, in the pool, with the ledger's error."""
+    by_id, by_names, _ = _keyed_tasks()
+    not_json = object()
+    assert by_id.entry_key_of(("o-1", not_json), {}, "t-1") == entry_key("keys.by_id", "t-1")
+    assert by_names.entry_key_of(("o-1", not_json), {}, "t-1") == entry_key(
+        "keys.by_names", {"order_id": "o-1"}
+    )
+    with pytest.raises(IdentityError):
+        by_id.ledger_key(("o-1", not_json), {}, "t-1")

@@ -62,7 +62,7 @@ class LedgerRequest(Request):
         try:
             if not runtime.publish_intent_enabled(task.app):
                 return
-            key, _ = task.ledger_key(
+            key = task.entry_key_of(
                 self.args, self.kwargs, self.id, self._request_dict.get("ledger_key")
             )
             settings = runtime.settings_for(task.app)
@@ -110,7 +110,7 @@ class LedgerRequest(Request):
     def _interrupt_now(self, exc: BaseException) -> None:
         task = self.task
         try:
-            key, _ = task.ledger_key(
+            key = task.entry_key_of(
                 self.args, self.kwargs, self.id, self._request_dict.get("ledger_key")
             )
             store = runtime.store_for(task.app)

@@ -277,8 +277,19 @@ class LedgerTask(Task):
             IdentityError: key material or arguments are not JSON.
         """
         args_hash = arguments_hash([list(args), dict(kwargs)])
+        return self.entry_key_of(args, kwargs, task_id, header_key), args_hash
+
+    def entry_key_of(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any], task_id: str, header_key: Any = None
+    ) -> str:
+        """The entry key of a delivery (``ledger_key`` without hashing the arguments): what
+        the worker's parent needs to hold or interrupt an entry.
+
+        Raises:
+            IdentityError: key material is not JSON.
+        """
         if header_key is None and self.key_from is None:
-            return entry_key(self.name, task_id), args_hash
+            return entry_key(self.name, task_id)
         if header_key is not None:
             material = header_key
         elif callable(self.key_from):
@@ -286,7 +297,7 @@ class LedgerTask(Task):
         else:
             bound = self._signature().bind_partial(*args, **kwargs).arguments
             material = {n: bound.get(n) for n in (self.key_from or ())}
-        return entry_key(self.name, material), args_hash
+        return entry_key(self.name, material)
 
     def keyed_by_task_id(self, header_key: Any = None) -> bool:
         """Whether a delivery's entry is keyed by its task id (no business key)."""
