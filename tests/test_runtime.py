@@ -311,3 +311,21 @@ def test_a_retry_is_due_at_its_eta_plus_the_grace_with_its_own_arguments(tmp_pat
         later.pop_request()
     with pytest.raises(ValueError, match="ledger_retry_grace_seconds must be >= 0"):
         LedgerSettings.from_mapping({"ledger_url": "sqlite://", "ledger_retry_grace_seconds": -1})
+
+
+def test_events_follow_the_setting_and_are_fixed_when_a_worker_starts() -> None:
+    """``events_enabled`` reads ``ledger_send_events``, else ``worker_send_task_events``; a
+    worker fixes it at start (``fix_events``, after ``-E`` is copied into the configuration),
+    so the pool does not look the setting up for every event."""
+    app = Celery("events", broker="memory://", set_as_current=False)
+    assert runtime.events_enabled(app) is False
+    app.conf.worker_send_task_events = True
+    assert runtime.events_enabled(app) is True
+    runtime.fix_events(app)
+    app.conf.worker_send_task_events = False
+    assert runtime.events_enabled(app) is True  # fixed for this worker's life
+    explicit = Celery("events-off", broker="memory://", set_as_current=False)
+    explicit.conf.worker_send_task_events = True
+    explicit.conf.ledger_send_events = False
+    runtime.fix_events(explicit)
+    assert runtime.events_enabled(explicit) is False

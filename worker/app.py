@@ -248,6 +248,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
             # `celery worker -E` sets the worker's attribute, not the app setting that the
             # pool processes read to decide whether to send task-ledger-* events.
             sender.app.conf.worker_send_task_events = True
+        runtime.fix_events(sender.app)
         try:
             # Open the ledger here, before the pool forks: the schema is checked (or migrated)
             # once, an unreachable ledger is reported at start, and the database driver is
