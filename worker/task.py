@@ -567,7 +567,9 @@ class LedgerTask(Task):
             except PayloadError as exc:
                 attempt.settle(EntryStatus.FAILED, error=self._dump_exc(exc, settings))
                 raise
-            links = self._links(attempt.key, decode(encoded))
+            # The next link receives the result as stored (decoded), if there is a next link.
+            retval = decode(encoded) if req.chain or req.callbacks else None
+            links = self._links(attempt.key, retval)
             crash_point(settings, "before-settle")
             if attempt.replayed:
                 self._emit("replayed", attempt.key, attempt.fence, steps=attempt.replayed)
