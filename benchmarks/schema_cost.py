@@ -1,0 +1,166 @@
+"""What the ledger's schema costs per task, part by part (issue 20): its secondary indexes, the
+audit event in each statement, and the rest of its row.
+
+    python benchmarks/schema_cost.py                 # 4,000 tasks per case, median of 3 rounds
+    python benchmarks/schema_cost.py --tasks 300 --rounds 1
+
+One process, one bare psycopg connection in autocommit with every commit asynchronous, one
+scratch PostgreSQL database migrated to the ledger's schema. Each case makes the two writes of
+a task (a claim of a new key, then its settle) and no more:
+
+- ``floor``: ``bench_app``'s two-write floor (a one-column row, its primary key);
+- ``schema``: the ledger's own claim and settle statements with their audit events
+  (``bench_app.ledger_statements``, the ``floor-ledger-sql`` variants' statements);
+- ``schema, no event``: the same two writes without the event each appends (the entries
+  statement alone, cut out of its CTE).
+
+Each case runs three times over: with every index of the schema, with the six indexes a claim
+and a settle of an entry that completes at once write to dropped (``task_status``, ``task_id``,
+``running_owner``, ``running_lease``, events ``event`` and ``key``), then with every secondary
+index dropped. The differences are what each part of the schema costs a task in wall time
+(the server's work: CPU that a saturated worker host does not have).
+
+The indexes are not optional: every sweep, operator query and page reads by one of them ("no
+scans", ``docs/design.md``). This measures what a design that wanted them elsewhere would win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import Report, format_rows, median, pg_database  # noqa: E402
+
+#: Every connection of this process commits without waiting for the flush (set before any).
+os.environ["PGOPTIONS"] = "-c synchronous_commit=off"
+
+WARMUP = 300
+HOT_INDEXES = (
+    "ix_ledger_entries_task_status",
+    "ix_ledger_entries_task_id",
+    "ix_ledger_entries_running_owner",
+    "ix_ledger_entries_running_lease",
+    "ix_ledger_events_event",
+    "ix_ledger_events_key",
+)
+STAGES = ("every index", "six hot-path indexes dropped", "every secondary index dropped")
+
+
+def _entries_write_alone(sql: str) -> str:
+    """The entries statement of a ``WITH written AS (...) , logged AS (...) SELECT`` write,
+    without its ``RETURNING`` and the event it appends."""
+    inner = sql.split("RETURNING", 1)[0]
+    return inner.replace("WITH written AS \n(", "", 1)
+
+
+def cases(url: str) -> dict[str, Callable[[Any, int], None]]:
+    import bench_app
+
+    claim_row, settle_row = bench_app.ledger_statements(
+        url.replace("postgresql://", "postgresql+psycopg://", 1)
+    )
+
+    def floor(cur: Any, i: int) -> None:
+        task_id = str(uuid.uuid4())
+        cur.execute(bench_app.FLOOR_CLAIM, (task_id,), prepare=True)
+        cur.execute(bench_app.FLOOR_SETTLE, (task_id,), prepare=True)
+
+    def schema(cur: Any, i: int) -> None:
+        key = uuid.uuid4().hex * 2  # 64 characters, as an entry key
+        sql, params = claim_row(key, "schema@bench", [i])
+        cur.execute(sql, params, prepare=True)
+        cur.fetchall()
+        sql, params = settle_row(key, str(i), "schema@bench")
+        cur.execute(sql, params, prepare=True)
+        cur.fetchall()
+
+    def schema_no_event(cur: Any, i: int) -> None:
+        key = uuid.uuid4().hex * 2
+        sql, params = claim_row(key, "schema@bench", [i])
+        cur.execute(_entries_write_alone(sql), params, prepare=True)
+        sql, params = settle_row(key, str(i), "schema@bench")
+        cur.execute(_entries_write_alone(sql), params, prepare=True)
+
+    return {"floor": floor, "schema": schema, "schema, no event": schema_no_event}
+
+
+def per_task_ms(cur: Any, fn: Callable[[Any, int], None], tasks: int) -> float:
+    for i in range(WARMUP):
+        fn(cur, i)
+    started = time.perf_counter()
+    for i in range(tasks):
+        fn(cur, i)
+    return (time.perf_counter() - started) / tasks * 1e3
+
+
+def measure(tasks: int, rounds: int) -> Report:
+    import bench_app
+    import psycopg
+
+    from celery_ledger.ledger import LedgerStore
+
+    report = Report()
+    with pg_database() as url:
+        store = LedgerStore(url.replace("postgresql://", "postgresql+psycopg://", 1))
+        store.ensure_ready()
+        store.dispose()
+        bench_app.create_floor_table(url)
+        runs = cases(url)
+        with psycopg.connect(url, autocommit=True) as conn:
+            cur = conn.cursor()
+            figures: dict[tuple[str, str], float] = {}
+            for stage in STAGES:
+                if stage == STAGES[1]:
+                    for name in HOT_INDEXES:
+                        conn.execute(f"DROP INDEX {name}")
+                elif stage == STAGES[2]:
+                    for (name,) in conn.execute(
+                        "SELECT indexname FROM pg_indexes WHERE tablename IN"
+                        " ('ledger_entries', 'ledger_events') AND indexname NOT LIKE '%pkey'"
+                    ).fetchall():
+                        conn.execute(f'DROP INDEX "{name}"')
+                for case, fn in runs.items():
+                    value = median([per_task_ms(cur, fn, tasks) for _ in range(rounds)])
+                    figures[(stage, case)] = value
+                    report.add("schema_cost", f"{case}, {stage}", value, "ms wall")
+    full = figures[(STAGES[0], "schema")]
+    report.add("schema_cost", "schema over floor", full - figures[(STAGES[0], "floor")], "ms wall")
+    report.add(
+        "schema_cost",
+        "the events (schema minus schema, no event)",
+        full - figures[(STAGES[0], "schema, no event")],
+        "ms wall",
+    )
+    report.add(
+        "schema_cost",
+        "the secondary indexes (every index minus none)",
+        full - figures[(STAGES[2], "schema")],
+        "ms wall",
+    )
+    report.add(
+        "schema_cost",
+        "the row without indexes or events, over the floor",
+        figures[(STAGES[2], "schema, no event")] - figures[(STAGES[2], "floor")],
+        "ms wall",
+    )
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=4_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    opts = parser.parse_args()
+    print(format_rows(measure(opts.tasks, opts.rounds).rows))
+
+
+if __name__ == "__main__":
+    main()
