@@ -23,7 +23,7 @@ from sqlalchemy import (
 metadata = MetaData()
 
 #: Bumped with every Alembic revision; the migration head must equal it.
-SCHEMA_REVISION = "0006_canvas"
+SCHEMA_REVISION = "0007_events_index"
 
 KEY = String(64)
 
@@ -205,8 +205,9 @@ Index(
     sqlite_where=entries.c.parent_id.is_not(None),
 )
 
+# Events are read by key (``show``, the Ledger page, retention), never by type: every task
+# appends two, so an index by type would be paid by every task for no reader (0007).
 Index("ix_ledger_events_key", events.c.key, events.c.id)
-Index("ix_ledger_events_event", events.c.event, events.c.key)
 
 # The transactional outbox (0005_outbox): a child task a step sends, recorded in the same
 # transaction as the step's ``completed`` row and published after it commits. ``child_id`` is

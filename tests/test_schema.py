@@ -84,7 +84,7 @@ def partial_index_clauses(engine: Engine) -> dict[str, str]:
 
 
 def test_head_revision_matches_schema_module() -> None:
-    assert head_revision() == SCHEMA_REVISION == "0006_canvas"
+    assert head_revision() == SCHEMA_REVISION == "0007_events_index"
 
 
 def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine) -> None:
@@ -97,6 +97,7 @@ def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine)
             "0004_time",
             "0005_outbox",
             "0006_canvas",
+            "0007_events_index",
         ]
         assert current_revision(conn) is None
     store = LedgerStore(ledger_url)
@@ -140,6 +141,22 @@ def test_partial_indexes_exist(ledger_url: str, raw_engine: Engine) -> None:
         where = definition[definition.upper().index(" WHERE ") :]
         assert fragment in where, definition
     assert " WHERE " not in clauses["ix_ledger_entries_task_status"].upper()
+
+
+def test_audit_events_feed_only_the_index_their_readers_use(
+    ledger_url: str, raw_engine: Engine
+) -> None:
+    """Every transition appends an event (two per task on the hot path), so each index on
+    ``ledger_events`` is paid for by every task. Its readers (``show``, the Ledger page,
+    retention) find events by key; nothing reads them by type, so no index by type is kept
+    (issue 20: ``ix_ledger_events_event`` cost 0.02 ms of server time per task)."""
+    store = LedgerStore(ledger_url)
+    store.now()
+    store.dispose()
+    indexes = {
+        ix["name"]: ix["column_names"] for ix in inspect(raw_engine).get_indexes("ledger_events")
+    }
+    assert indexes == {"ix_ledger_events_key": ["key", "id"]}
 
 
 def test_newer_schema_is_refused_and_nothing_is_written(
@@ -240,3 +257,37 @@ def test_0002_keeps_a_pending_release_one_shot(ledger_url: str, raw_engine: Engi
         store.dispose()
     with raw_engine.connect() as conn:
         assert current_revision(conn) == head_revision()
+
+
+def test_0007_drops_the_events_type_index_and_keeps_every_event(
+    ledger_url: str, raw_engine: Engine
+) -> None:
+    """Upgrading a 0006 ledger drops ``ix_ledger_events_event`` and keeps the audit trail; the
+    downgrade puts the index back."""
+    from alembic import command
+
+    from celery_ledger.ledger.migrate import _config
+
+    with raw_engine.begin() as conn:
+        command.upgrade(_config(conn), "0006_canvas")
+        conn.execute(
+            text(
+                "INSERT INTO ledger_events (key, task_id, fence, event, status, at) "
+                "VALUES ('k', 'tid', 1, 'claimed', 'running', 1)"
+            )
+        )
+    assert "ix_ledger_events_event" in {
+        i["name"] for i in inspect(raw_engine).get_indexes("ledger_events")
+    }
+    store = LedgerStore(ledger_url)  # migrates to head
+    try:
+        assert [e.event for e in store.entry_events("k")] == ["claimed"]
+    finally:
+        store.dispose()
+    names = {i["name"] for i in inspect(raw_engine).get_indexes("ledger_events")}
+    assert names == {"ix_ledger_events_key"}
+    with raw_engine.begin() as conn:
+        command.downgrade(_config(conn), "0006_canvas")
+    assert "ix_ledger_events_event" in {
+        i["name"] for i in inspect(raw_engine).get_indexes("ledger_events")
+    }
