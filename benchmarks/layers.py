@@ -44,8 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import Report, format_rows, median, pg_database  # noqa: E402
 
-#: Every connection of this process commits without waiting for the flush (set before any).
-os.environ["PGOPTIONS"] = "-c synchronous_commit=off"
+#: Every connection of this run commits without waiting for the flush (``measure`` sets it
+#: before any connection opens; libpq reads it at connect).
+ASYNC_COMMITS = "-c synchronous_commit=off"
 
 BROKER = "memory://"
 BACKEND = "cache+memory://"
@@ -138,6 +139,7 @@ def per_task_ms(run: Callable[[int], Any], tasks: int) -> tuple[float, float]:
 
 
 def measure(tasks: int, rounds: int) -> Report:
+    os.environ["PGOPTIONS"] = ASYNC_COMMITS
     report = Report()
     with pg_database() as url:
         import bench_app
