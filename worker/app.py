@@ -23,7 +23,7 @@ from typing import Any
 
 from celery import Celery, Task, current_app, signals
 
-from celery_ledger import canvas, intents, runtime, timing
+from celery_ledger import canvas, fsbroker, intents, runtime, timing
 from celery_ledger.backoff import retry_while_unavailable
 from celery_ledger.ledger import LedgerError, LedgerUnavailable
 from celery_ledger.recovery import SweepReport, boot_sweep, run_sweep
@@ -76,6 +76,9 @@ def create_app(
         broker_connection_retry_on_startup=True,
     )
     if broker.startswith("filesystem"):
+        # kombu's own filesystem transport lets a consumer read a message its producer has
+        # created and not written yet, and the worker dies of it (``celery_ledger.fsbroker``).
+        app.conf.broker_transport = fsbroker.TRANSPORT
         queue_dir = data / "broker"
         queue_dir.mkdir(parents=True, exist_ok=True)
         (data / "broker-processed").mkdir(parents=True, exist_ok=True)
