@@ -37,7 +37,7 @@ from kombu.utils.encoding import bytes_to_str, str_to_bytes
 from kombu.utils.json import dumps, loads
 
 try:  # kombu defines it for Windows only
-    from kombu.transport.filesystem import LOCK_NB  # type: ignore[attr-defined]
+    from kombu.transport.filesystem import LOCK_NB
 except ImportError:
     from fcntl import LOCK_NB
 
@@ -48,7 +48,9 @@ PARTIAL = ".part"
 
 
 class Channel(filesystem.Channel):
-    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
+    # kombu's own filesystem Channel names the argument ``payload`` where its base names it
+    # ``message``; this keeps the parent's name, as Celery's callers pass it by position.
+    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
         """Put ``payload`` onto ``queue``: written aside, then renamed into place (atomic)."""
         body = str_to_bytes(dumps(payload))
         name = f"{int(round(monotonic() * 1000))}_{uuid.uuid4()}.{queue}.msg"
@@ -63,7 +65,7 @@ class Channel(filesystem.Channel):
                 os.remove(partial)
             raise ChannelError(f"Cannot add file {final!r} to directory") from exc
 
-    def _get(self, queue: str) -> Any:
+    def _get(self, queue: str, timeout: float | None = None) -> Any:
         """The oldest whole message of ``queue``, moved out of it.
 
         Raises:
