@@ -91,6 +91,20 @@ def median(values: list[float]) -> float:
     return float(statistics.median(values))
 
 
+def per_task_ms(run: Callable[[int], Any], tasks: int, *, warmup: int) -> tuple[float, float]:
+    """(CPU, wall) milliseconds per call of ``run(i)`` in this process over ``tasks`` calls,
+    after ``warmup`` calls that are not timed (prepared statements, caches)."""
+    for i in range(warmup):
+        run(i)
+    cpu, wall = time.process_time(), time.perf_counter()
+    for i in range(tasks):
+        run(i)
+    return (
+        (time.process_time() - cpu) / tasks * 1e3,
+        (time.perf_counter() - wall) / tasks * 1e3,
+    )
+
+
 def timed(fn: Callable[[], Any]) -> float:
     started = time.perf_counter()
     fn()

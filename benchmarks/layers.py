@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Report, format_rows, median, pg_database  # noqa: E402
+from common import Report, format_rows, median, per_task_ms, pg_database  # noqa: E402
 
 #: Every connection of this run commits without waiting for the flush (``measure`` sets it
 #: before any connection opens; libpq reads it at connect).
@@ -125,19 +124,6 @@ def store_only(url: str) -> Callable[[int], Any]:
     return run
 
 
-def per_task_ms(run: Callable[[int], Any], tasks: int) -> tuple[float, float]:
-    """(CPU, wall) milliseconds per task of this process over ``tasks`` runs."""
-    for i in range(WARMUP):
-        run(i)
-    cpu, wall = time.process_time(), time.perf_counter()
-    for i in range(tasks):
-        run(i)
-    return (
-        (time.process_time() - cpu) / tasks * 1e3,
-        (time.perf_counter() - wall) / tasks * 1e3,
-    )
-
-
 def measure(tasks: int, rounds: int) -> Report:
     os.environ["PGOPTIONS"] = ASYNC_COMMITS
     report = Report()
@@ -161,7 +147,7 @@ def measure(tasks: int, rounds: int) -> Report:
         samples: dict[str, list[tuple[float, float]]] = {name: [] for name in layers}
         for _ in range(rounds):
             for name, run in layers.items():
-                samples[name].append(per_task_ms(run, tasks))
+                samples[name].append(per_task_ms(run, tasks, warmup=WARMUP))
     cpu = {name: median([s[0] for s in found]) for name, found in samples.items()}
     wall = {name: median([s[1] for s in found]) for name, found in samples.items()}
     for name in layers:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Report, format_rows, median, pg_database  # noqa: E402
+from common import Report, format_rows, median, per_task_ms, pg_database  # noqa: E402
 
 #: Every connection of this run commits without waiting for the flush (``measure`` sets it
 #: before any connection opens; libpq reads it at connect).
@@ -92,15 +91,6 @@ def cases(url: str) -> dict[str, Callable[[Any, int], None]]:
     return {"floor": floor, "schema": schema, "schema, no event": schema_no_event}
 
 
-def per_task_ms(cur: Any, fn: Callable[[Any, int], None], tasks: int) -> float:
-    for i in range(WARMUP):
-        fn(cur, i)
-    started = time.perf_counter()
-    for i in range(tasks):
-        fn(cur, i)
-    return (time.perf_counter() - started) / tasks * 1e3
-
-
 def measure(tasks: int, rounds: int) -> Report:
     import bench_app
     import psycopg
@@ -130,7 +120,12 @@ def measure(tasks: int, rounds: int) -> Report:
                     ).fetchall():
                         conn.execute(f'DROP INDEX "{name}"')
                 for case, fn in runs.items():
-                    value = median([per_task_ms(cur, fn, tasks) for _ in range(rounds)])
+                    value = median(
+                        [
+                            per_task_ms(lambda i, fn=fn: fn(cur, i), tasks, warmup=WARMUP)[1]
+                            for _ in range(rounds)
+                        ]
+                    )
                     figures[(stage, case)] = value
                     report.add("schema_cost", f"{case}, {stage}", value, "ms wall")
     full = figures[(STAGES[0], "schema")]
