@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Integer, String, Text, literal
 
@@ -90,6 +90,20 @@ def _marker_insert(dialect: Any) -> Any:
 
 class TransactionSteps(StoreCore):
     """A step's completed row written in a transaction: the transaction step, the outbox."""
+
+    if TYPE_CHECKING:  # from ``HotPath``, with which ``LedgerStore`` combines this class
+
+        def write_step(
+            self,
+            key: str,
+            fence: int,
+            ident: tuple[str, str, int],
+            *,
+            seq: int,
+            status: StepStatus,
+            output: str | None = None,
+            error: str | None = None,
+        ) -> bool: ...
 
     def write_transaction_marker(
         self, key: str, fence: int, ident: tuple[str, str, int], *, seq: int

@@ -158,7 +158,8 @@ class Attempt:
         self.replaced_by: str | None = None
         #: The children the running step sends (``send``), recorded with its completed row.
         self._sends: Sends | None = None
-        self._snapshot_cipher: SnapshotCipher | None | bool = False
+        self._snapshot_cipher: SnapshotCipher | None = None
+        self._cipher_read = False
 
     def __repr__(self) -> str:
         return f"<Attempt key={self.key} task_id={self.task_id} fence={self.fence}>"
@@ -407,8 +408,9 @@ class Attempt:
 
     def _cipher(self) -> SnapshotCipher | None:
         """The snapshot cipher (``ledger_snapshot_keys``) that seals the children's payloads."""
-        if self._snapshot_cipher is False:
+        if not self._cipher_read:
             self._snapshot_cipher = cipher_from(self.settings.snapshot_keys)
+            self._cipher_read = True
         return self._snapshot_cipher
 
     # -- transaction steps ----------------------------------------------------------------

@@ -72,10 +72,10 @@ def store_for(app: Any) -> LedgerStore:
 
 def snapshot_cipher(app: Any) -> SnapshotCipher | None:
     """The app's snapshot cipher (``ledger_snapshot_keys``), or None when no key is set."""
-    cipher = getattr(app, "_ledger_snapshot_cipher", False)
-    if cipher is False:
-        cipher = cipher_from(settings_for(app).snapshot_keys)
-        app._ledger_snapshot_cipher = cipher
+    try:
+        cipher: SnapshotCipher | None = app._ledger_snapshot_cipher
+    except AttributeError:
+        cipher = app._ledger_snapshot_cipher = cipher_from(settings_for(app).snapshot_keys)
     return cipher
 
 

@@ -388,7 +388,8 @@ def key_window_passed(attempt: Attempt, ident: tuple[str, str, int]) -> bool:
     if row is None:
         return False  # first started by this very attempt: just now
     store = runtime.store_for(attempt.task.app)
-    since = row.started_at if row.attempts <= 1 else store.get_entry(attempt.key).created_at
+    first_start = row.started_at if row.attempts <= 1 else None
+    since = first_start if first_start is not None else store.get_entry(attempt.key).created_at
     passed = store.now() - since > float(ttl)
     if passed:
         log.warning(

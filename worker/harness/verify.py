@@ -626,9 +626,11 @@ def _run_verify(
                     canvas_keys = _enqueue_canvas(w, chains)
                     w.canvas_chains = chains
                     if not keep and not box.owns_ledger:
-                        stage.cleanups.append(
-                            lambda keys=canvas_keys: canvas_load.drop(stage.ledger_engine, keys)
-                        )
+
+                        def drop_canvas(keys: list[str] = canvas_keys) -> None:
+                            canvas_load.drop(stage.ledger_engine, keys)
+
+                        stage.cleanups.append(drop_canvas)
             phases.done(
                 f"{len(procs)} processes up; {tasks} orders sent to each run, "
                 f"{chains} chain(s) and a chord of {canvas_load.CHORD_SIZE} to the ledgered one"
