@@ -22,11 +22,20 @@ CPU that a saturated worker host does not have).
 
 The indexes are not optional: every sweep, operator query and page reads by one of them ("no
 scans", ``docs/design.md``). This measures what a design that wanted them elsewhere would win.
+
+    python benchmarks/schema_cost.py --events-pk     # the events' primary key on (key, id)
+
+``--events-pk`` measures the one change to the schema's indexes that keeps every reader: the
+events' primary key on ``(key, id)`` instead of ``id`` (no query reads an event by ``id``
+alone), so that each event feeds one index instead of two. The ``schema`` case on two scratch
+databases, one as migrated and one with that key (its ``ix_ledger_events_key`` dropped),
+rounds alternating between them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import uuid
@@ -151,12 +160,68 @@ def measure(tasks: int, rounds: int) -> Report:
     return report
 
 
+#: The events' primary key on (key, id): the key index's columns, so that index goes.
+EVENTS_KEY_PK = (
+    "ALTER TABLE ledger_events DROP CONSTRAINT ledger_events_pkey",
+    "ALTER TABLE ledger_events ADD CONSTRAINT ledger_events_pkey PRIMARY KEY (key, id)",
+    "DROP INDEX ix_ledger_events_key",
+)
+
+
+def measure_events_pk(tasks: int, rounds: int) -> Report:
+    """The ``schema`` case with the events' primary key on ``id`` (as migrated) and on
+    ``(key, id)``, each on its own scratch database, rounds alternating."""
+    import bench_app
+    import psycopg
+
+    from celery_ledger.ledger import LedgerStore
+
+    os.environ["PGOPTIONS"] = ASYNC_COMMITS
+    report = Report()
+    layouts = ("primary key id, index (key, id)", "primary key (key, id)")
+    with pg_database() as as_migrated, pg_database() as keyed:
+        runs: dict[str, tuple[Any, Callable[[Any, int], None]]] = {}
+        with contextlib.ExitStack() as stack:
+            for layout, url in zip(layouts, (as_migrated, keyed), strict=True):
+                store = LedgerStore(url.replace("postgresql://", "postgresql+psycopg://", 1))
+                store.ensure_ready()
+                store.dispose()
+                bench_app.create_floor_table(url)
+                conn = stack.enter_context(psycopg.connect(url, autocommit=True))
+                if url == keyed:
+                    for ddl in EVENTS_KEY_PK:
+                        conn.execute(ddl)
+                runs[layout] = (conn.cursor(), cases(url)["schema"])
+            got: dict[str, list[float]] = {layout: [] for layout in layouts}
+            for r in range(rounds):
+                for layout in layouts if r % 2 == 0 else layouts[::-1]:
+                    cur, fn = runs[layout]
+                    got[layout].append(
+                        per_task_ms(lambda i, cur=cur, fn=fn: fn(cur, i), tasks, warmup=WARMUP)[1]
+                    )
+    for layout in layouts:
+        report.add("schema_cost", f"schema, events {layout}", median(got[layout]), "ms wall")
+    report.add(
+        "schema_cost",
+        "events primary key (key, id) saves",
+        median(got[layouts[0]]) - median(got[layouts[1]]),
+        "ms wall",
+    )
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=4_000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--events-pk",
+        action="store_true",
+        help="compare the events' primary key on id (as migrated) with one on (key, id)",
+    )
     opts = parser.parse_args()
-    print(format_rows(measure(opts.tasks, opts.rounds).rows))
+    run = measure_events_pk if opts.events_pk else measure
+    print(format_rows(run(opts.tasks, opts.rounds).rows))
 
 
 if __name__ == "__main__":

@@ -152,3 +152,14 @@ def test_schema_cost_runs_every_case_at_every_stage(pg_url: str) -> None:
     for stage in ("every index", "five hot-path indexes dropped", "every secondary index dropped"):
         for case in ("floor", "schema", "schema, no event"):
             assert values[f"{case}, {stage}"] > 0, (case, stage, values)
+
+
+@pytest.mark.postgres
+def test_schema_cost_compares_the_events_primary_keys(pg_url: str) -> None:
+    """``schema_cost.py --events-pk`` rebuilds the events' primary key on ``(key, id)`` in one
+    scratch database (a constraint or index name the schema no longer has fails it) and runs
+    the ledger's statements on both layouts."""
+    values = run_table("schema_cost.py", "--events-pk", "--tasks", "20", "--rounds", "2")
+    for layout in ("primary key id, index (key, id)", "primary key (key, id)"):
+        assert values[f"schema, events {layout}"] > 0, (layout, values)
+    assert math.isfinite(values["events primary key (key, id) saves"]), values
