@@ -171,6 +171,27 @@ def _snapshot_at(
         return f"argument snapshot cannot be read: {exc}; release it once you know what it was"
 
 
+def _snapshot_to_send(
+    store: LedgerStore,
+    entry: Interrupted | Overdue,
+    status: EntryStatus,
+    *,
+    cipher: SnapshotCipher | None,
+    actor: str,
+) -> ArgumentSnapshot | ResumeOutcome:
+    """The snapshot to re-send ``entry`` with, read while it is still ``status`` at its fence;
+    or, instead, LOST_RACE (it moved on, or this process cannot unseal it) or what parking an
+    unreadable one for an operator returned."""
+    snapshot = _snapshot_at(store, entry.key, entry.fence, status, cipher)
+    if snapshot is None:
+        return ResumeOutcome.LOST_RACE
+    if isinstance(snapshot, str):
+        return _park_unreadable(
+            store, entry.key, entry.task_id, entry.fence, snapshot, status=status, actor=actor
+        )
+    return snapshot
+
+
 def _park_unreadable(
     store: LedgerStore,
     key: str,
@@ -276,19 +297,9 @@ def resume_entry(
         return screened
     # Decode before the resume begins: an entry whose snapshot no process can read is parked
     # where an operator sees it, not hidden under a resume lease that lapses again and again.
-    snapshot = _snapshot_at(store, entry.key, entry.fence, EntryStatus.INTERRUPTED, cipher)
-    if snapshot is None:
-        return ResumeOutcome.LOST_RACE
-    if isinstance(snapshot, str):
-        return _park_unreadable(
-            store,
-            entry.key,
-            entry.task_id,
-            entry.fence,
-            snapshot,
-            status=EntryStatus.INTERRUPTED,
-            actor=actor,
-        )
+    snapshot = _snapshot_to_send(store, entry, EntryStatus.INTERRUPTED, cipher=cipher, actor=actor)
+    if isinstance(snapshot, ResumeOutcome):
+        return snapshot
     # The CAS re-checks the fence the snapshot was read at, so what is sent is that snapshot.
     won = store.begin_resume(entry.key, entry.fence, lease_seconds=lease_seconds, actor=actor)
     if won is None:
@@ -539,19 +550,9 @@ def resend_retry(
     delivery claims first RUNs it; the other finds it running (WAIT) or settled (RETURN).
     Returns RESUMED (re-sent), BLOCKED (its snapshot cannot be read) or LOST_RACE.
     """
-    snapshot = _snapshot_at(store, entry.key, entry.fence, EntryStatus.RETRYING, cipher)
-    if snapshot is None:
-        return ResumeOutcome.LOST_RACE
-    if isinstance(snapshot, str):
-        return _park_unreadable(
-            store,
-            entry.key,
-            entry.task_id,
-            entry.fence,
-            snapshot,
-            status=EntryStatus.RETRYING,
-            actor=actor,
-        )
+    snapshot = _snapshot_to_send(store, entry, EntryStatus.RETRYING, cipher=cipher, actor=actor)
+    if isinstance(snapshot, ResumeOutcome):
+        return snapshot
     won = store.begin_resend(entry.key, entry.fence, resend_after=resend_after, actor=actor)
     if won is None:
         return ResumeOutcome.LOST_RACE
