@@ -83,7 +83,7 @@ class FastPath:
         #: production, where the cursor is handed out as it is.
         self.listeners: list[Callable[[str], None]] = []
         #: The driver module, whose raw errors ``translate_db_errors`` classifies.
-        self.dbapi: Any = engine.dialect.dbapi  # the driver's module (``translate_db_errors``)
+        self.dbapi: Any = engine.dialect.dbapi
 
     def compiled(self, key: Any, build: Callable[[], Any]) -> Compiled:
         found = self._compiled.get(key)
