@@ -89,6 +89,23 @@ def time_app_messages(url: str) -> list[dict[str, Any]]:
     return [m for m in redis_messages(url) if str(m["headers"].get("task")).startswith("time_app")]
 
 
+def first_delivery_acked(url: str, task_id: str) -> None:
+    """Wait until the worker acks the first delivery of ``task_id`` (no ETA, no retry): the
+    entry is settled (held, sleeping) inside the task, and the message stays in kombu's
+    ``unacked`` hash until the task returns, a moment later. Any other message of the task
+    (a published retry or countdown carries an ETA) is not waited for."""
+
+    def first(m: dict[str, Any]) -> bool:
+        h = m["headers"]
+        return h.get("id") == task_id and not h.get("retries") and h.get("eta") is None
+
+    wait_for(
+        lambda: not [m for m in time_app_messages(url) if first(m)],
+        timeout=30,
+        what=f"the first delivery of {task_id} to be acked",
+    )
+
+
 def entry_status(store: LedgerStore, key: str) -> EntryStatus | None:
     try:
         return store.get_entry(key).status
@@ -204,6 +221,7 @@ def test_a_long_retry_countdown_is_held_by_the_ledger_and_replays_completed_step
             timeout=60,
             what="the retry to be held (scheduled)",
         )
+        first_delivery_acked(redis, result.id)
         assert time_app_messages(redis) == [], "the held retry was published"
         procs.beat()
         value = result.get(timeout=90)
@@ -256,6 +274,7 @@ def test_sleep_ends_the_attempt_frees_the_slot_and_resumes_after_a_worker_kill(
             what="the task to sleep",
         )
         assert effects_of(pg_url, "sl") == {"before": 1}
+        first_delivery_acked(redis, result.id)
         assert time_app_messages(redis) == [], "a message is held for the sleeping task"
         other = app.send_task("time_app.once", args=("during-sleep",))
         assert other.get(timeout=30) == "run:during-sleep"
