@@ -100,20 +100,26 @@ def cases(url: str) -> dict[str, Callable[[Any, int], None]]:
     return {"floor": floor, "schema": schema, "schema, no event": schema_no_event}
 
 
-def measure(tasks: int, rounds: int) -> Report:
+def prepare(url: str) -> None:
+    """Migrate a scratch database to the ledger's schema and add the floor's table."""
     import bench_app
-    import psycopg
 
     from celery_ledger.ledger import LedgerStore
+
+    store = LedgerStore(url.replace("postgresql://", "postgresql+psycopg://", 1))
+    store.ensure_ready()
+    store.dispose()
+    bench_app.create_floor_table(url)
+
+
+def measure(tasks: int, rounds: int) -> Report:
+    import psycopg
 
     os.environ["PGOPTIONS"] = ASYNC_COMMITS
 
     report = Report()
     with pg_database() as url:
-        store = LedgerStore(url.replace("postgresql://", "postgresql+psycopg://", 1))
-        store.ensure_ready()
-        store.dispose()
-        bench_app.create_floor_table(url)
+        prepare(url)
         runs = cases(url)
         with psycopg.connect(url, autocommit=True) as conn:
             cur = conn.cursor()
@@ -171,10 +177,7 @@ EVENTS_KEY_PK = (
 def measure_events_pk(tasks: int, rounds: int) -> Report:
     """The ``schema`` case with the events' primary key on ``id`` (as migrated) and on
     ``(key, id)``, each on its own scratch database, rounds alternating."""
-    import bench_app
     import psycopg
-
-    from celery_ledger.ledger import LedgerStore
 
     os.environ["PGOPTIONS"] = ASYNC_COMMITS
     report = Report()
@@ -183,10 +186,7 @@ def measure_events_pk(tasks: int, rounds: int) -> Report:
         runs: dict[str, tuple[Any, Callable[[Any, int], None]]] = {}
         with contextlib.ExitStack() as stack:
             for layout, url in zip(layouts, (as_migrated, keyed), strict=True):
-                store = LedgerStore(url.replace("postgresql://", "postgresql+psycopg://", 1))
-                store.ensure_ready()
-                store.dispose()
-                bench_app.create_floor_table(url)
+                prepare(url)
                 conn = stack.enter_context(psycopg.connect(url, autocommit=True))
                 if url == keyed:
                     for ddl in EVENTS_KEY_PK:
