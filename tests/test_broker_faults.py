@@ -112,9 +112,10 @@ def rabbitmq_timeouts(consumer_timeout_ms: int, tick_ms: int) -> Iterator[Any]:
     """Shorten RabbitMQ's ``consumer_timeout`` and the channel tick that checks it (60 s).
 
     A channel reads ``consumer_timeout`` when it opens, so the caller restores it (``yield``ed
-    ``restore_timeout``) as soon as its workers are connected: only channels opened inside
-    that window get it. The tick interval is read at every tick, so it stays short until the
-    block ends. Both are restored to exactly what they were, however the block ends.
+    ``restore_timeout``) before it opens any channel that must keep its deliveries: only
+    channels opened inside that window get it. The tick interval is read at every tick, so
+    it stays short until the block ends. Both are restored to exactly what they were,
+    however the block ends.
     """
     saved_timeout = _erlang_env("consumer_timeout")
     saved_tick = _erlang_env("channel_tick_interval")
@@ -138,6 +139,12 @@ def rabbitmq_timeouts(consumer_timeout_ms: int, tick_ms: int) -> Iterator[Any]:
         finally:
             _restore("channel_tick_interval", saved_tick)
     assert _erlang_env("consumer_timeout") == saved_timeout
+
+
+def consumer_timed_out(worker: Any) -> bool:
+    """Whether RabbitMQ closed this worker's channel for an unacknowledged delivery (Celery
+    logs the channel error, then shuts the worker down warmly)."""
+    return "PRECONDITION_FAILED" in worker.log_text()
 
 
 def start_runs(
@@ -170,23 +177,34 @@ def settle(stage: Stage, seconds: float = 90.0) -> None:
 
 def test_redelivery_while_the_first_run_goes_on(broker, pg_url, tmp_path):
     """RabbitMQ: the first worker of each run opens its channel with a 1 s
-    ``consumer_timeout`` (checked every second). RabbitMQ closes that channel while its tasks
-    run and requeues them; Celery calls that an unrecoverable error and shuts the worker down
-    warmly (the first runs go on to their end), a supervisor starts it again, and the copies
-    go to the second worker meanwhile. Redis: a 1 s ``visibility_timeout``. Each redelivered
-    copy of a ledgered order meets WAIT (the first run still holds the lease) or RETURN (it
-    finished); no effect runs twice. Plain Celery runs the copies again."""
+    ``consumer_timeout`` (checked every second) and is the only consumer when the orders are
+    sent. RabbitMQ closes that channel while its tasks run and requeues them; Celery calls that
+    an unrecoverable error and shuts the worker down warmly (the first runs go on to their
+    end). Only then does the server's timeout go back and the second worker start: the copies
+    go to it, and to the first worker once a supervisor has started it again. Redis: a 1 s
+    ``visibility_timeout``. Each redelivered copy of a ledgered order meets WAIT (the first run
+    still holds the lease) or RETURN (it finished); no effect runs twice. Plain Celery runs
+    the copies again."""
     orders, gaps = 6, [2.5] * 6
     with staged(
         "faults", broker=broker, ledger=pg_url, keep=False, phases=Phases(4, quiet=True)
     ) as stage:
         if broker.startswith("amqp"):
-            with rabbitmq_timeouts(1000, 1000) as connected:
+            with rabbitmq_timeouts(1000, 1000) as restore_timeout:
                 start_runs(stage, orders)
-                connected()
-                wait_ready([w.start_worker("w2") for w in stage.works])
                 for w in stage.works:
                     w.enqueue(gaps)
+                # Every first worker held its orders past the timeout (and no other consumer
+                # could take them) before any channel opens with the server's own timeout.
+                firsts = [w.workers["w1"] for w in stage.works]
+                wait_for(
+                    lambda: all(consumer_timed_out(p) for p in firsts),
+                    timeout=60,
+                    interval=0.25,
+                    what="RabbitMQ's 1 s consumer timeout on each first worker's channel",
+                )
+                restore_timeout()
+                wait_ready([w.start_worker("w2") for w in stage.works])
                 settle(stage)
         else:
             start_runs(stage, orders, {demo_app.ENV_VISIBILITY: "1"})

@@ -283,17 +283,22 @@ def test_flower_task_list_tells_what_the_ledger_did(
                 kwargs={"order_id": "o-blk", "amount": 5},
                 queue=env["TEST_QUEUE"],
             )
+            # The pool process sends task-ledger-blocked itself; the worker's parent buffers
+            # the task-failed that carries the exception and sends it a moment later.
             wait_for(
-                lambda: flower.state(sent.id) == "LEDGER-BLOCKED",
+                lambda: (
+                    flower.state(sent.id) == "LEDGER-BLOCKED"
+                    and "LedgerBlocked" in (flower.tasks()[sent.id].get("exception") or "")
+                ),
                 timeout=90,
                 interval=0.3,
-                what="the order as LEDGER-BLOCKED in Flower's task list",
+                what="the order as LEDGER-BLOCKED in Flower's task list, with its exception",
             )
             assert store.get_entry(key).status is EntryStatus.BLOCKED
             task = flower.tasks()[sent.id]
+            assert task["state"] == "LEDGER-BLOCKED", task
             assert "interrupted" in task["ledger"], task["ledger"]
             assert task["ledger"][-1] == "blocked", task["ledger"]
-            assert "LedgerBlocked" in (task.get("exception") or "")
             # Flower's own search finds it by its state
             status, body = flower.get("/api/tasks?state=LEDGER-BLOCKED")
             assert status == 200 and sent.id in json.loads(body)
