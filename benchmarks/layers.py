@@ -17,12 +17,14 @@ runs for each message; the result backend's store is left out of every layer ali
   writes and their audit events, on that bare connection (``BENCH_FLOOR_SQL=ledger``): what the
   contract's schema costs with none of the ledger's Python;
 - ``LedgerTask``: the task on ``LedgerTask`` (``side_effect="idempotent"``, no steps), the
-  whole ledger;
+  whole ledger; ``LedgerTask, default class``: the same task as ``non_idempotent`` (the
+  default: its claim is its intent and goes on the durable connection, here asynchronous too);
 
-and, without the tracer, ``store: claim + settle``: ``LedgerStore.claim`` and
-``LedgerStore.settle`` called directly, the store layer alone. The ``LedgerTask`` minus the
-store is the task layer (key, arguments hash, snapshot, attempt, heartbeat, result encoding);
-the store minus the schema floor's statements is the store's own Python.
+and, without the tracer, ``store: claim + settle`` (and ``store, default class``):
+``LedgerStore.claim`` and ``LedgerStore.settle`` called directly, the store layer alone. The
+``LedgerTask`` minus the store is the task layer (key, arguments hash, snapshot, attempt,
+heartbeat, result encoding); the store minus the schema floor's statements is the store's own
+Python.
 
 A worker spends more than this per task (the parent's receive, ack and result; the pool's
 result pipe): ``throughput.py --matrix`` measures the whole, this splits the ledger's part.
@@ -97,7 +99,7 @@ def traced(mode: str, url: str, env: dict[str, str]) -> Callable[[int], Any]:
     return run
 
 
-def store_only(url: str) -> Callable[[int], Any]:
+def store_only(url: str, side_effect: str = "idempotent") -> Callable[[int], Any]:
     """``LedgerStore.claim`` + ``settle`` of a new key, as a ``LedgerTask`` makes them."""
     from celery_ledger.ledger import ClaimRequest, EntryStatus, LedgerStore, Owner
 
@@ -113,7 +115,7 @@ def store_only(url: str) -> Callable[[int], Any]:
                 task_id=task_id,
                 args_hash="0" * 64,
                 snapshot=json.dumps({"args": [i], "kwargs": {}, "queue": "layers"}),
-                side_effect="idempotent",
+                side_effect=side_effect,
                 owner=owner,
                 lease_seconds=300.0,
             )
@@ -143,6 +145,10 @@ def measure(tasks: int, rounds: int) -> Report:
             "schema floor": traced("floor", url, {"BENCH_FLOOR_SQL": "ledger"}),
             "store: claim + settle": store_only(sa_url),
             "LedgerTask": traced("ledger", sa_url, {"BENCH_SIDE_EFFECT": "idempotent"}),
+            "store, default class": store_only(sa_url, "non_idempotent"),
+            "LedgerTask, default class": traced(
+                "ledger", sa_url, {"BENCH_SIDE_EFFECT": "non_idempotent"}
+            ),
         }
         samples: dict[str, list[tuple[float, float]]] = {name: [] for name in layers}
         for _ in range(rounds):
@@ -169,6 +175,18 @@ def measure(tasks: int, rounds: int) -> Report:
         "layers",
         "the task layer over the store",
         cpu["LedgerTask"] - cpu["plain"] - cpu["store: claim + settle"],
+        "ms CPU",
+    )
+    report.add(
+        "layers",
+        "the task layer over the store, default class",
+        cpu["LedgerTask, default class"] - cpu["plain"] - cpu["store, default class"],
+        "ms CPU",
+    )
+    report.add(
+        "layers",
+        "the default class over idempotent (whole task)",
+        cpu["LedgerTask, default class"] - cpu["LedgerTask"],
         "ms CPU",
     )
     return report

@@ -133,13 +133,16 @@ def test_layers_reports_each_layer_and_the_splits(pg_url: str) -> None:
     """``benchmarks/layers.py`` runs every layer for real (the traced LedgerTask claims and
     settles in a scratch database; a failed trace stops it) and prints each figure."""
     values = run_table("layers.py", "--tasks", "30", "--rounds", "1")
-    for layer in ("plain", "floor", "schema floor", "store: claim + settle", "LedgerTask"):
+    layers = ("plain", "floor", "schema floor", "store: claim + settle", "LedgerTask")
+    for layer in (*layers, "store, default class", "LedgerTask, default class"):
         for what in ("CPU", "wall"):
             assert values[f"{layer}: {what} per task"] > 0, (layer, what, values)
     for split in (
         "the schema's statements over the floor's",
         "the store's Python over the schema floor",
         "the task layer over the store",
+        "the task layer over the store, default class",
+        "the default class over idempotent (whole task)",
     ):
         assert math.isfinite(values[split]), (split, values)
 
