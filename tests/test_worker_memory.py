@@ -80,3 +80,17 @@ def test_pool_processes_are_forked_with_the_gc_frozen(
         procs.worker("w1", concurrency=1)
         count = app.send_task("tests_app.gc_frozen").get(timeout=60)
     assert (count > 1000) is frozen, count
+
+
+@pytest.mark.processes
+def test_pool_processes_do_not_load_the_orm(tmp_path: Path, redis: str) -> None:
+    """A ledgered task and its steps run on SQLAlchemy Core: the ORM (6 MiB of modules, shared
+    by every process forked from the worker) is loaded only by a transaction step that asks
+    for a ``Session``. A real prefork worker on Redis, the ledger on SQLite."""
+    env = test_env(tmp_path, broker=redis, ledger_url=f"sqlite:///{tmp_path / 'ledger.db'}")
+    app = client_app(env)
+    with processes(tmp_path, env) as procs:
+        procs.worker("w1", concurrency=1)
+        loaded = app.send_task("tests_app.modules_loaded", args=["sqlalchemy"]).get(timeout=60)
+    assert "sqlalchemy.engine" in loaded, loaded
+    assert not [m for m in loaded if m.startswith("sqlalchemy.orm")], loaded

@@ -166,6 +166,16 @@ def gc_frozen() -> int:
     return gc.get_freeze_count()
 
 
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.modules_loaded")
+def modules_loaded(self: LedgerTask, prefix: str) -> list[str]:
+    """The modules under ``prefix`` this pool process has loaded, after a ledgered task with a
+    step ran in it (this one: claimed, a step, then the answer)."""
+    import sys
+
+    self.step("touch", effect, f"modules-{self.request.id}", "touch")
+    return sorted(m for m in sys.modules if m == prefix or m.startswith(prefix + "."))
+
+
 @app.task(
     shared=False, base=LedgerTask, bind=True, name="tests_app.slow_charge", key_from=("order_id",)
 )
