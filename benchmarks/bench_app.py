@@ -279,7 +279,10 @@ def freeze_before_fork() -> None:
             hub.call_soon(gc.unfreeze)
 
 
-if os.environ.get("BENCH_MODE", "plain") == "plain" and os.environ.get("BENCH_FREEZE") == "1":
+if (
+    os.environ.get("BENCH_MODE", "plain") in ("plain", "floor")
+    and os.environ.get("BENCH_FREEZE") == "1"
+):
     freeze_before_fork()
 
 app = make_app(

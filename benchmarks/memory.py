@@ -11,7 +11,7 @@ each pool process while the worker is still up:
 - PSS: RSS with each shared page divided among the processes that share it;
 - USS: the pages only this process has, i.e. what one more pool process costs.
 
-Four variants, because a ledger app by default freezes the garbage collector before each fork
+Six variants, because a ledger app by default freezes the garbage collector before each fork
 (``ledger_freeze_gc_before_fork``), which also saves memory of Celery's own:
 
 - ``plain``: plain Celery as shipped. It imports nothing of celery-ledger
@@ -22,7 +22,9 @@ Four variants, because a ledger app by default freezes the garbage collector bef
 - ``ledger-nofreeze``: ``LedgerTask`` with ``ledger_freeze_gc_before_fork`` off;
 - ``floor``: plain Celery whose task writes to PostgreSQL through bare psycopg (``bench_app``'s
   ``floor`` mode): what a pool process pays for a PostgreSQL driver alone, with no SQLAlchemy
-  and no ledger.
+  and no ledger;
+- ``floor+freeze``: the same, with the same ``gc.freeze()`` idiom: the floor the ledger's
+  defaults are measured against (any design may freeze before it forks).
 
 ``ledger / plain`` is what a Celery user sees when adopting the ledger; ``ledger /
 plain+freeze`` is what the ledger's own modules (SQLAlchemy, psycopg, the ledger) cost.
@@ -49,6 +51,7 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "ledger": ("ledger", {}),
     "ledger-nofreeze": ("ledger", {"CELERY_LEDGER_FREEZE_GC_BEFORE_FORK": "0"}),
     "floor": ("floor", {}),
+    "floor+freeze": ("floor", {"BENCH_FREEZE": "1"}),
 }
 KINDS = ("rss", "pss", "uss")
 
@@ -120,6 +123,20 @@ def run(tasks: int = 2000, broker: str = REDIS_URL) -> Report:
             measured["floor"][kind] / measured["plain"][kind],
             "x",
             note="a bare psycopg connection, no SQLAlchemy, no ledger",
+        )
+        report.add(
+            BENCH,
+            f"{label} ratio floor+freeze/plain",
+            measured["floor+freeze"][kind] / measured["plain"][kind],
+            "x",
+            note="the floor with the ledger's gc.freeze() before fork",
+        )
+        report.add(
+            BENCH,
+            f"{label} ratio ledger/floor+freeze",
+            ledger / measured["floor+freeze"][kind],
+            "x",
+            note="what the ledger costs over its floor",
         )
     for variant in ("plain", "ledger"):
         report.add(
