@@ -27,14 +27,15 @@ effect runs on one of those in ``effects`` mode; every other write on the durabl
 separate set of connections costs nothing per write, where a ``SET LOCAL`` would need a
 transaction block (two more round trips in autocommit) on every one.
 
-After ``fork()`` the store builds a new fast path and forgets the old one without closing its
-connections (they are the parent's sessions; psycopg does not end a session from a process that
-did not open it).
+After ``fork()`` the store keeps the fast path's engine and compiled statements (``forked``)
+and forgets its connections without closing them (they are the parent's sessions; psycopg does
+not end a session from a process that did not open it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -84,6 +85,15 @@ class FastPath:
         self.listeners: list[Callable[[str], None]] = []
         #: The driver module, whose raw errors ``translate_db_errors`` classifies.
         self.dbapi: Any = engine.dialect.dbapi
+
+    def forked(self) -> FastPath:
+        """This fast path in a child process: the same engine and compiled statements, none
+        of the parent's connections (forgotten, not closed: they are the parent's sessions)."""
+        child = copy.copy(self)  # the compiled statements: the same objects, shared
+        child._idle, child._idle_lazy = [], []
+        child._pid = os.getpid()
+        child.listeners = list(self.listeners)
+        return child
 
     def compiled(self, key: Any, build: Callable[[], Any]) -> Compiled:
         found = self._compiled.get(key)
