@@ -35,6 +35,31 @@ class HotPath(StoreCore):
 
     # -- claim ----------------------------------------------------------------------------
 
+    def prepare_for_fork(self) -> None:
+        """Before a worker forks its pool: compile the hot path's statements and open (then
+        close) one connection of its engine, which initializes the engine's dialect. Every
+        pool process keeps them (``StoreCore._open_engine``), shared copy-on-write, instead
+        of building its own (measured: about 5 MiB of private memory per pool process).
+
+        Raises:
+            LedgerUnavailable: the database cannot be reached.
+        """
+        fast = self.fast
+        fast.compiled("claim", lambda: sql.claim_insert(self.dialect))
+        fast.compiled("renew", sql.renew_update)
+        for flag in (True, False):
+            fast.compiled(("settle", flag), lambda f=flag: sql.settle_update(self.dialect, f))
+            for at_position in (True, False):
+                fast.compiled(
+                    ("step", flag, at_position),
+                    lambda f=flag, a=at_position: sql.step_upsert(self.dialect, f, at_position=a),
+                )
+        if not self.dialect.event_in_statement:
+            fast.compiled("event", sql.event_insert)
+        with fast.cursor():
+            pass
+        fast.close()  # the parent runs no task: no session of its own stays open for it
+
     def claim(self, req: ClaimRequest) -> Claim:
         """Atomically create the entry, or decide what the existing entry means for this delivery.
 

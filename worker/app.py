@@ -254,9 +254,12 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         runtime.fix_events(sender.app)
         try:
             # Open the ledger here, before the pool forks: the schema is checked (or migrated)
-            # once, an unreachable ledger is reported at start, and the database driver is
-            # imported once and shared copy-on-write by every pool process.
-            runtime.store_for(sender.app).ensure_ready()
+            # once, an unreachable ledger is reported at start, and the database driver, the
+            # engines and the hot path's statements are built once and shared copy-on-write
+            # by every pool process.
+            store = runtime.store_for(sender.app)
+            store.ensure_ready()
+            store.prepare_for_fork()
         except LedgerError as exc:
             log.error(
                 "ledger not reachable at worker start (%s); tasks are redelivered until it is", exc
