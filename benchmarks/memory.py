@@ -54,6 +54,14 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "floor+freeze": ("floor", {"BENCH_FREEZE": "1"}),
 }
 KINDS = ("rss", "pss", "uss")
+#: (variant, over variant, target, what the ratio says), reported for each of ``KINDS``.
+RATIOS = (
+    ("ledger", "plain", "<= 1.10", "ledger defaults vs plain Celery as shipped"),
+    ("ledger", "plain+freeze", "", "what the ledger's own modules cost"),
+    ("floor", "plain", "", "a bare psycopg connection, no SQLAlchemy, no ledger"),
+    ("floor+freeze", "plain", "", "the floor with the ledger's gc.freeze() before fork"),
+    ("ledger", "floor+freeze", "", "what the ledger costs over its floor"),
+)
 
 
 def _children_memory(worker: Process) -> dict[str, Any]:
@@ -101,43 +109,15 @@ def run(tasks: int = 2000, broker: str = REDIS_URL) -> Report:
                 "MiB",
                 note=note,
             )
-        ledger = measured["ledger"][kind]
-        report.add(
-            BENCH,
-            f"{label} ratio ledger/plain",
-            ledger / measured["plain"][kind],
-            "x",
-            target="<= 1.10",
-            note="ledger defaults vs plain Celery as shipped",
-        )
-        report.add(
-            BENCH,
-            f"{label} ratio ledger/plain+freeze",
-            ledger / measured["plain+freeze"][kind],
-            "x",
-            note="what the ledger's own modules cost",
-        )
-        report.add(
-            BENCH,
-            f"{label} ratio floor/plain",
-            measured["floor"][kind] / measured["plain"][kind],
-            "x",
-            note="a bare psycopg connection, no SQLAlchemy, no ledger",
-        )
-        report.add(
-            BENCH,
-            f"{label} ratio floor+freeze/plain",
-            measured["floor+freeze"][kind] / measured["plain"][kind],
-            "x",
-            note="the floor with the ledger's gc.freeze() before fork",
-        )
-        report.add(
-            BENCH,
-            f"{label} ratio ledger/floor+freeze",
-            ledger / measured["floor+freeze"][kind],
-            "x",
-            note="what the ledger costs over its floor",
-        )
+        for top, bottom, target, why in RATIOS:
+            report.add(
+                BENCH,
+                f"{label} ratio {top}/{bottom}",
+                measured[top][kind] / measured[bottom][kind],
+                "x",
+                target=target,
+                note=why,
+            )
     for variant in ("plain", "ledger"):
         report.add(
             BENCH, f"RSS worker parent, {variant}", measured[variant]["parent_rss"] / 1024, "MiB"
