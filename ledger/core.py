@@ -144,6 +144,10 @@ class StoreCore:
         self._lock = threading.Lock()
         self._schema_ready = False
         self._fast: FastPath | None = None
+        #: Set by ``prepare_for_fork`` once both engines have connected (their dialects are
+        #: initialized, so no first-connect lock can be held by a thread at a fork): only
+        #: then does a forked child keep them.
+        self._forkable = False
 
     def __repr__(self) -> str:
         url = self.engine.url.render_as_string(hide_password=True)
@@ -169,7 +173,7 @@ class StoreCore:
         return self._engine
 
     def _open_engine(self) -> None:
-        if self._engine is not None and self._fast is not None:
+        if self._engine is not None and self._fast is not None and self._forkable:
             # Inherited through fork(): SQLAlchemy's pattern for a child process. Each engine
             # forgets the parent's pooled connections without closing them (closing would
             # end the parent's sessions on its sockets) and keeps the rest, its dialect
@@ -237,6 +241,7 @@ class StoreCore:
             self._engine.dispose()
         self._fast = None
         self._engine = None
+        self._forkable = False
         self._pid = -1
 
     # -- transactions ---------------------------------------------------------------------

@@ -39,7 +39,9 @@ class HotPath(StoreCore):
         """Before a worker forks its pool: compile the hot path's statements and open (then
         close) one connection of its engine, which initializes the engine's dialect. Every
         pool process keeps them (``StoreCore._open_engine``), shared copy-on-write, instead
-        of building its own (measured: about 5 MiB of private memory per pool process).
+        of building its own (measured: about 5 MiB of private memory per pool process). A
+        store never prepared (a client, or a worker whose ledger was down at start) keeps
+        building fresh engines in each child.
 
         Raises:
             LedgerUnavailable: the database cannot be reached.
@@ -59,6 +61,7 @@ class HotPath(StoreCore):
         with fast.cursor():
             pass
         fast.close()  # the parent runs no task: no session of its own stays open for it
+        self._forkable = True
 
     def claim(self, req: ClaimRequest) -> Claim:
         """Atomically create the entry, or decide what the existing entry means for this delivery.

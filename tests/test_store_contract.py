@@ -1436,10 +1436,12 @@ def test_forked_child_opens_its_own_connection_and_leaves_the_parents(store: Led
 def test_forked_child_keeps_the_parents_engines_and_compiled_statements(
     store: LedgerStore,
 ) -> None:
-    """SQLAlchemy's fork pattern (``Engine.dispose(close=False)`` in the child): the child
-    keeps the parent's engines, with their dialects initialized, and the hot path's compiled
-    statements, shared copy-on-write, instead of building and initializing its own (about 5
-    MiB of private memory per pool process); only the connections are its own."""
+    """SQLAlchemy's fork pattern (``Engine.dispose(close=False)`` in the child): after the
+    worker parent's ``prepare_for_fork``, the child keeps the parent's engines, with their
+    dialects initialized, and the hot path's compiled statements, shared copy-on-write,
+    instead of building and initializing its own (about 5 MiB of private memory per pool
+    process); only the connections are its own."""
+    store.prepare_for_fork()
     first = store.claim(request("parent-2", task_id="tid-p2"))
     assert store.settle(first.key, first.fence, EntryStatus.COMPLETED, result="1")
     engine, fast_engine = store.engine, store.fast.engine
@@ -1463,6 +1465,27 @@ def test_forked_child_keeps_the_parents_engines_and_compiled_statements(
         3: "the child compiled its statements again",
     }.get(os.waitstatus_to_exitcode(status))
     assert store.get_entry("child-2").status is EntryStatus.COMPLETED
+
+
+def test_forked_child_of_an_unprepared_store_builds_its_own_engines(store: LedgerStore) -> None:
+    """Without ``prepare_for_fork`` (a client process, or a worker whose ledger was down when
+    it started) nothing says the engines finished their first connect, whose lock a thread
+    could hold at the fork: the child builds engines of its own, as before."""
+    first = store.claim(request("parent-3", task_id="tid-p3"))
+    assert store.settle(first.key, first.fence, EntryStatus.COMPLETED, result="1")
+    engine = store.engine
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            child = store.claim(request("child-3", task_id="tid-c3"))
+            ok = store.settle(child.key, child.fence, EntryStatus.COMPLETED, result="2")
+            code = 0 if ok and store.engine is not engine else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert store.get_entry("child-3").status is EntryStatus.COMPLETED
 
 
 def test_prepare_for_fork_compiles_the_hot_path_and_keeps_no_connection(
