@@ -1414,20 +1414,30 @@ def test_hot_path_connection_ended_by_the_server_fails_once_and_loses_nothing(
         store.dispose()
 
 
-def test_forked_child_opens_its_own_connection_and_leaves_the_parents(store: LedgerStore) -> None:
-    first = store.claim(request("parent-1", task_id="tid-p1"))
-    assert first.gate is Gate.RUN  # the parent's hot-path connection now waits, idle
+def exit_code_of_child(body: Callable[[], int]) -> int:
+    """Run ``body`` in a forked child and return its exit code: what ``body`` returns, 1 if
+    it raised. The child exits without running the atexit hooks it inherited."""
     pid = os.fork()
-    if pid == 0:  # the child: its own connection, then exit without running atexit hooks
+    if pid == 0:
         code = 1
         try:
-            child = store.claim(request("child-1", task_id="tid-c1"))
-            ok = store.settle(child.key, child.fence, EntryStatus.COMPLETED, result="2")
-            code = 0 if child.gate is Gate.RUN and ok else 1
+            code = body()
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    return os.waitstatus_to_exitcode(status)
+
+
+def claim_and_settle(store: LedgerStore, key: str) -> bool:
+    claim = store.claim(request(key, task_id=f"tid-{key}"))
+    ok = store.settle(claim.key, claim.fence, EntryStatus.COMPLETED, result="1")
+    return claim.gate is Gate.RUN and ok
+
+
+def test_forked_child_opens_its_own_connection_and_leaves_the_parents(store: LedgerStore) -> None:
+    first = store.claim(request("parent-1", task_id="tid-p1"))
+    assert first.gate is Gate.RUN  # the parent's hot-path connection now waits, idle
+    assert exit_code_of_child(lambda: 0 if claim_and_settle(store, "child-1") else 1) == 0
     # The parent's connection still works: the child neither used nor ended it.
     assert store.settle("parent-1", first.fence, EntryStatus.COMPLETED, result="1")
     assert store.get_entry("child-1").status is EntryStatus.COMPLETED
@@ -1442,28 +1452,24 @@ def test_forked_child_keeps_the_parents_engines_and_compiled_statements(
     instead of building and initializing its own (about 5 MiB of private memory per pool
     process); only the connections are its own."""
     store.prepare_for_fork()
-    first = store.claim(request("parent-2", task_id="tid-p2"))
-    assert store.settle(first.key, first.fence, EntryStatus.COMPLETED, result="1")
+    assert claim_and_settle(store, "parent-2")
     engine, fast_engine = store.engine, store.fast.engine
     compiled = dict(store.fast._compiled)
     assert compiled, "the parent's claim and settle compiled their statements"
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            child = store.claim(request("child-2", task_id="tid-c2"))
-            ok = store.settle(child.key, child.fence, EntryStatus.COMPLETED, result="2")
-            same = store.engine is engine and store.fast.engine is fast_engine
-            reused = all(store.fast._compiled.get(k) is c for k, c in compiled.items())
-            code = 0 if ok and same and reused else 2 if not same else 3 if not reused else 1
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, {
+
+    def child() -> int:
+        if not claim_and_settle(store, "child-2"):
+            return 1
+        if store.engine is not engine or store.fast.engine is not fast_engine:
+            return 2
+        return 0 if all(store.fast._compiled.get(k) is c for k, c in compiled.items()) else 3
+
+    code = exit_code_of_child(child)
+    assert code == 0, {
         1: "the child's claim or settle failed",
         2: "the child built engines of its own",
         3: "the child compiled its statements again",
-    }.get(os.waitstatus_to_exitcode(status))
+    }.get(code)
     assert store.get_entry("child-2").status is EntryStatus.COMPLETED
 
 
@@ -1471,20 +1477,15 @@ def test_forked_child_of_an_unprepared_store_builds_its_own_engines(store: Ledge
     """Without ``prepare_for_fork`` (a client process, or a worker whose ledger was down when
     it started) nothing says the engines finished their first connect, whose lock a thread
     could hold at the fork: the child builds engines of its own, as before."""
-    first = store.claim(request("parent-3", task_id="tid-p3"))
-    assert store.settle(first.key, first.fence, EntryStatus.COMPLETED, result="1")
+    assert claim_and_settle(store, "parent-3")
     engine = store.engine
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            child = store.claim(request("child-3", task_id="tid-c3"))
-            ok = store.settle(child.key, child.fence, EntryStatus.COMPLETED, result="2")
-            code = 0 if ok and store.engine is not engine else 2
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+
+    def child() -> int:
+        if not claim_and_settle(store, "child-3"):
+            return 1
+        return 0 if store.engine is not engine else 2
+
+    assert exit_code_of_child(child) == 0
     assert store.get_entry("child-3").status is EntryStatus.COMPLETED
 
 
