@@ -7,6 +7,7 @@ the slower ``SELECT … FOR UPDATE`` transaction.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from sqlalchemy import Connection, String, delete, literal, select, update
@@ -50,11 +51,11 @@ class HotPath(StoreCore):
         fast.compiled("claim", lambda: sql.claim_insert(self.dialect))
         fast.compiled("renew", sql.renew_update)
         for flag in (True, False):
-            fast.compiled(("settle", flag), lambda f=flag: sql.settle_update(self.dialect, f))
+            fast.compiled(("settle", flag), partial(sql.settle_update, self.dialect, flag))
             for at_position in (True, False):
                 fast.compiled(
                     ("step", flag, at_position),
-                    lambda f=flag, a=at_position: sql.step_upsert(self.dialect, f, at_position=a),
+                    partial(sql.step_upsert, self.dialect, flag, at_position=at_position),
                 )
         if not self.dialect.event_in_statement:
             fast.compiled("event", sql.event_insert)
