@@ -34,6 +34,13 @@ their audit events, sent on the same bare psycopg connection: what the ledger's 
 with none of its Python around it. The ledger's gap to this floor is its own code; this
 floor's gap to the two-write floor is the schema (the wide row, its indexes, the events).
 
+Two floors fewer waits or fewer round trips would reach (2026-12-02): ``BENCH_FLOOR_PIPELINE=1``
+sends each settle in pipeline mode and reads its answer with the next claim (the pool process
+never waits for a settle); ``BENCH_FLOOR_COMBINED=1`` folds each settle into the same pool
+process's next claim, one statement (``WITH s AS (UPDATE ...) INSERT ...``): one round trip and
+one commit per task, the least a design that claims each task before its body can send (the
+last task's settle is never written; it is a floor, not a ledger).
+
 Both get the same broker, result backend, serializer, ``acks_late``, prefetch and
 ``result_extended`` settings, so a ratio of the two isolates what the ledger costs.
 """
@@ -96,6 +103,7 @@ def make_app(
         settle = FloorWrites(ledger_url, lazy=True) if os.environ.get(ENV_FLOOR_ASYNC) else floor
         if os.environ.get(ENV_FLOOR_SQL) == "ledger":
             claim_row, settle_row = ledger_statements(ledger_url)
+            settle_write = settle.send if os.environ.get(ENV_FLOOR_PIPELINE) else settle.write
 
             @app.task(
                 name="bench_app.noop", shared=False, acks_late=True, reject_on_worker_lost=True
@@ -104,7 +112,7 @@ def make_app(
                 req = noop_ledger_sql.request
                 floor.write(*claim_row(req.id, req.hostname, [i]))
                 result = body(i)
-                settle.write(*settle_row(req.id, str(result), req.hostname))
+                settle_write(*settle_row(req.id, str(result), req.hostname))
                 return result
 
             return app
@@ -112,12 +120,32 @@ def make_app(
         claim_sql = FLOOR_CLAIM_AUDIT if audit else FLOOR_CLAIM
         settle_sql = FLOOR_SETTLE_AUDIT if audit else FLOOR_SETTLE
 
+        floor_settle = settle.send if os.environ.get(ENV_FLOOR_PIPELINE) else settle.write
+        if os.environ.get(ENV_FLOOR_COMBINED):
+            pending: list[str] = []
+            combined = f"WITH s AS ({FLOOR_SETTLE}) {FLOOR_CLAIM}"
+
+            @app.task(
+                name="bench_app.noop", shared=False, acks_late=True, reject_on_worker_lost=True
+            )
+            def noop_combined(i: int) -> int:
+                task_id = noop_combined.request.id
+                if pending:
+                    floor.write(combined, (pending.pop(), task_id))
+                else:
+                    floor.write(claim_sql, (task_id,))
+                result = body(i)
+                pending.append(task_id)
+                return result
+
+            return app
+
         @app.task(name="bench_app.noop", shared=False, acks_late=True, reject_on_worker_lost=True)
         def noop_floor(i: int) -> int:
             task_id = noop_floor.request.id
             floor.write(claim_sql, (task_id,))
             result = body(i)
-            settle.write(settle_sql, (task_id,))
+            floor_settle(settle_sql, (task_id,))
             return result
 
         return app
@@ -147,6 +175,8 @@ ENV_SIDE_EFFECT = "BENCH_SIDE_EFFECT"
 ENV_FLOOR_ASYNC = "BENCH_FLOOR_SETTLE_ASYNC"
 ENV_FLOOR_AUDIT = "BENCH_FLOOR_AUDIT"
 ENV_FLOOR_SQL = "BENCH_FLOOR_SQL"
+ENV_FLOOR_PIPELINE = "BENCH_FLOOR_PIPELINE"
+ENV_FLOOR_COMBINED = "BENCH_FLOOR_COMBINED"
 _BODY_SECONDS = float(os.environ.get(ENV_BODY_MS, "0") or 0) / 1000
 
 
@@ -199,8 +229,9 @@ class FloorWrites:
         self.lazy = lazy
         self._conn: Any = None
         self._pid = -1
+        self._pipe: Any = None
 
-    def write(self, statement: str, params: Any) -> None:
+    def _connection(self) -> Any:
         if self._pid != os.getpid():
             import psycopg
 
@@ -208,7 +239,28 @@ class FloorWrites:
             if self.lazy:
                 self._conn.execute("SET synchronous_commit = off")
             self._pid = os.getpid()
-        self._conn.execute(statement, params)
+            self._pipe = None
+        return self._conn
+
+    def write(self, statement: str, params: Any) -> None:
+        self._connection().execute(statement, params)
+        if self._pipe is not None:
+            self._pipe.sync()  # this write's answer, and those of the settles sent before it
+
+    def send(self, statement: str, params: Any) -> None:
+        """The write sent and committed, its result read by the next ``write`` (pipeline
+        mode, ``BENCH_FLOOR_PIPELINE``): no wait for the server's answer.
+
+        psycopg's public ``Pipeline.sync()`` waits for every answer; sending the Sync without
+        waiting takes its two private steps (psycopg 3.3).
+        """
+        conn = self._connection()
+        if self._pipe is None:
+            self._pipe_cm = conn.pipeline()
+            self._pipe = self._pipe_cm.__enter__()
+        conn.execute(statement, params)
+        self._pipe._enqueue_sync()
+        conn.wait(self._pipe._communicate_gen())
 
 
 def ledger_statements(url: str) -> tuple[Callable[..., Any], Callable[..., Any]]:

@@ -307,23 +307,24 @@ def _cpu_seconds(pid: int) -> tuple[str, int, int, float] | None:
 
 
 class CpuTally:
-    """CPU seconds spent between ``start()`` and ``stop()`` by the worker's session, the
-    PostgreSQL server processes and Redis, read from ``/proc/<pid>/stat``.
+    """CPU seconds spent between ``start()`` and ``stop()`` by the worker's parent, the rest of
+    its session (the pool processes), the PostgreSQL server processes and Redis, read from
+    ``/proc/<pid>/stat``.
 
     A process that starts after ``start()`` counts from zero; one that exits before ``stop()``
     is not counted (the worker, its pool and its database connections all live through the
     drain, which is what this measures).
     """
 
-    GROUPS = ("worker", "postgres", "redis")
+    GROUPS = ("parent", "pool", "postgres", "redis")
 
     def __init__(self, worker_session: int) -> None:
         self.session = worker_session
         self._start: dict[int, float] = {}
 
-    def _group(self, name: str, session: int) -> str | None:
+    def _group(self, pid: int, name: str, session: int) -> str | None:
         if session == self.session:
-            return "worker"
+            return "parent" if pid == self.session else "pool"
         if name == "postgres":
             return "postgres"
         if name.startswith("redis-server"):
@@ -336,7 +337,7 @@ class CpuTally:
             if entry.isdigit():
                 found = _cpu_seconds(int(entry))
                 if found is not None:
-                    group = self._group(found[0], found[2])
+                    group = self._group(int(entry), found[0], found[2])
                     if group is not None:
                         out[int(entry)] = (group, found[3])
         return out

@@ -24,7 +24,11 @@ of each (``floor-intent``: a synchronous claim, an asynchronous settle, what a t
 is its intent needs); the ledger with ``ledger_durability`` ``every-write`` and ``effects``
 (default class ``non_idempotent``, no steps) and ``effects`` for an ``idempotent`` task; and
 the asynchronous and intent floors with the contract's audit row on each write
-(``floor-audit-async``, ``floor-audit-intent``). ``--variants a,b,...`` drains only those.
+(``floor-audit-async``, ``floor-audit-intent``); the asynchronous floor with each settle sent
+without waiting for its answer (``floor-async-pipelined``) or folded into the next claim
+(``floor-async-combined``: one round trip per task). ``--variants a,b,...`` drains only those.
+Each round prints the CPU per task of the worker's parent, its pool processes, PostgreSQL and
+Redis.
 
 Then, in this process (no worker), ``task.apply()`` of the ledgered task with SQLAlchemy
 ``before_cursor_execute`` counting: statements and round trips per task on the hot path. The
@@ -273,6 +277,25 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
         "floor",
         {"PGOPTIONS": "-c synchronous_commit=off", "BENCH_FLOOR_SQL": "ledger"},
     ),
+    # The asynchronous floors with each settle sent in pipeline mode, its answer read with the
+    # next claim (no wait for it); and with each settle folded into the next claim (one round
+    # trip per task). See bench_app.
+    "floor-async-pipelined": (
+        "floor",
+        {"PGOPTIONS": "-c synchronous_commit=off", "BENCH_FLOOR_PIPELINE": "1"},
+    ),
+    "floor-async-combined": (
+        "floor",
+        {"PGOPTIONS": "-c synchronous_commit=off", "BENCH_FLOOR_COMBINED": "1"},
+    ),
+    "floor-ledger-sql-async-pipelined": (
+        "floor",
+        {
+            "PGOPTIONS": "-c synchronous_commit=off",
+            "BENCH_FLOOR_SQL": "ledger",
+            "BENCH_FLOOR_PIPELINE": "1",
+        },
+    ),
     "floor-ledger-sql-intent": (
         "floor",
         {"BENCH_FLOOR_SETTLE_ASYNC": "1", "BENCH_FLOOR_SQL": "ledger"},
@@ -298,6 +321,9 @@ MATRIX_RATIOS = (
     ("floor-audit-async", "floor-async", ""),
     ("ledger-effects", "floor-audit-intent", ""),
     ("ledger-effects-idempotent", "floor-audit-async", ""),
+    ("floor-async-pipelined", "floor-async", "(a settle not waited for)"),
+    ("floor-async-combined", "floor-async", "(one round trip per task)"),
+    ("floor-async-combined", "plain", ""),
     ("floor-ledger-sql-async", "floor-async", "(the schema's cost)"),
     ("floor-ledger-sql-intent", "floor-intent", "(the schema's cost)"),
     ("ledger-effects-idempotent", "floor-ledger-sql-async", "(the ledger's Python)"),
@@ -318,6 +344,7 @@ def run_matrix(
     report = Report()
     names = variants or list(VARIANTS)
     rates: dict[str, list[float]] = {v: [] for v in names}
+    cpu: dict[str, list[dict[str, float]]] = {v: [] for v in names}
     with pg_database() as ledger_url, tempfile.TemporaryDirectory(prefix="cl_tp_") as tmp:
         from bench_app import create_floor_table
 
@@ -340,9 +367,11 @@ def run_matrix(
                     extra_env={**env, "BENCH_BODY_MS": str(body_ms)},
                 )
                 rates[variant].append(out["rate"])
+                cpu[variant].append(out["cpu_ms"])
+                per_group = ", ".join(f"{k} {v:.2f}" for k, v in out["cpu_ms"].items())
                 print(
                     f"  round {r + 1} {variant}: {out['rate']:.0f} tasks/s "
-                    f"({tasks} in {out['span']:.2f}s)",
+                    f"({tasks} in {out['span']:.2f}s; CPU ms per task: {per_group})",
                     file=sys.stderr,
                 )
     note = f"-c {concurrency}, body {body_ms:g} ms, {tasks} tasks, median of {rounds}"
@@ -353,6 +382,15 @@ def run_matrix(
         if top not in got or bottom not in got:
             continue
         report.add(BENCH, f"{top} / {bottom}", got[top] / got[bottom], "x", target=target)
+    for variant in names:
+        for group in CpuTally.GROUPS:
+            report.add(
+                BENCH,
+                f"CPU per task, {variant}: {group}",
+                median([c[group] for c in cpu[variant]]),
+                "ms",
+                note="/proc/<pid>/stat over the drain, median of rounds",
+            )
     return report
 
 

@@ -106,10 +106,12 @@ def test_quick_run_reports_every_figure(redis: str, pg_url: str, tmp_path: Path)
     assert rows[("steps", "resume replay-row queries (SQLite)")]["value"] >= 1
 
 
-def run_table(script: str, *args: str) -> dict[str, float]:
-    """Run ``benchmarks/<script>`` (tiny sizes) on this machine's PostgreSQL and return its
-    printed table as metric -> value; the run must succeed."""
+def run_table(script: str, *args: str, redis: str | None = None) -> dict[str, float]:
+    """Run ``benchmarks/<script>`` (tiny sizes) on this machine's PostgreSQL (and ``redis``)
+    and return its printed table as metric -> value; the run must succeed."""
     env = {**os.environ, "CELERY_LEDGER_BENCH_PG": PG_ADMIN_URL}
+    if redis is not None:
+        env["CELERY_LEDGER_BENCH_REDIS"] = redis
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / script), *args],
         cwd=REPO,
@@ -166,3 +168,24 @@ def test_schema_cost_compares_the_events_primary_keys(pg_url: str) -> None:
     for layout in ("primary key id, index (key, id)", "primary key (key, id)"):
         assert values[f"schema, events {layout}"] > 0, (layout, values)
     assert math.isfinite(values["events primary key (key, id) saves"]), values
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+@pytest.mark.processes
+def test_matrix_runs_the_round_trip_floors(redis: str, pg_url: str) -> None:
+    """``throughput.py --matrix`` drains the floors with each settle sent without waiting
+    (pipeline mode, through psycopg's private steps) and folded into the next claim, with real
+    workers (a task whose write fails fails the drain), and reports each process group's CPU."""
+    variants = ("floor-async-pipelined", "floor-async-combined", "floor-ledger-sql-async-pipelined")
+    values = run_table(
+        "throughput.py",
+        *("--matrix", "--tasks", "20", "--rounds", "1"),
+        *("--variants", ",".join(("floor-async", *variants))),
+        redis=redis,
+    )
+    for variant in variants:
+        assert values[variant] > 0, (variant, values)
+        for group in ("parent", "pool", "postgres", "redis"):
+            assert math.isfinite(values[f"CPU per task, {variant}: {group}"]), (variant, values)
+    assert math.isfinite(values["floor-async-combined / floor-async"]), values
