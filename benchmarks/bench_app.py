@@ -270,11 +270,10 @@ def ledger_statements(url: str) -> tuple[Callable[..., Any], Callable[..., Any]]
     import json
 
     from celery_ledger.ledger import LedgerStore
-    from celery_ledger.ledger import statements as sql
 
     store = LedgerStore(url)
-    claim = store.fast.compiled("claim", lambda: sql.claim_insert(store.dialect))
-    settle = store.fast.compiled(("settle", True), lambda: sql.settle_update(store.dialect, True))
+    claim = store._hot("claim")
+    settle = store._hot(("settle", True))
     claim_const = claim.params({})
     settle_const = settle.params({})
     store.dispose()

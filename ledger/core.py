@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from sqlalchemy import Connection, Engine
@@ -82,10 +83,10 @@ class _OnConnection:
 class _OnCursor:
     """Runs the event writer's statements on a hot-path cursor (its unit of work)."""
 
-    __slots__ = ("cur", "fast")
+    __slots__ = ("cur", "hot")
 
-    def __init__(self, fast: FastPath, cur: Any) -> None:
-        self.fast = fast
+    def __init__(self, hot: Callable[[Any], Compiled], cur: Any) -> None:
+        self.hot = hot  # StoreCore._hot
         self.cur = cur
 
     def rows(self, stmt: Compiled, params: dict[str, Any]) -> Sequence[Any]:
@@ -93,7 +94,7 @@ class _OnCursor:
         return self.cur.fetchall()
 
     def append_events(self, rows: list[dict[str, Any]]) -> None:
-        ev = self.fast.compiled("event", sql.event_insert)
+        ev = self.hot("event")
         self.cur.executemany(ev.sql, [ev.params(r) for r in rows])
 
 
@@ -312,18 +313,16 @@ class StoreCore:
             run = _OnConnection(on) if isinstance(on, Connection) else on
             run.append_events([note.on(r) for r in rows])
 
+    def _hot(self, key: Any) -> Compiled:
+        """The hot-path statement ``sql.HOT[key]``, compiled once for this store's dialect."""
+        return self.fast.compiled(key, partial(sql.HOT[key], self.dialect))
+
     def _fast_write(
-        self,
-        key: Any,
-        build: Callable[[], Any],
-        params: dict[str, Any],
-        note: Note,
-        *,
-        lazy: bool = False,
+        self, key: Any, params: dict[str, Any], note: Note, *, lazy: bool = False
     ) -> list[Any]:
-        """``_write_with_event`` on the hot path: the statement ``build`` makes, compiled once
-        under ``key``, run in one unit of work on a raw cursor (``lazy``: see ``_lazy``)."""
+        """``_write_with_event`` on the hot path: the statement ``sql.HOT[key]`` run in one unit
+        of work on a raw cursor (``lazy``: see ``_lazy``)."""
         fast = self.fast
-        stmt = fast.compiled(key, build)
+        stmt = self._hot(key)
         with fast.cursor(lazy=lazy) as cur:
-            return self._write_with_event(_OnCursor(fast, cur), stmt, params, note)
+            return self._write_with_event(_OnCursor(self._hot, cur), stmt, params, note)

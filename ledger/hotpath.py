@@ -7,7 +7,6 @@ the slower ``SELECT … FOR UPDATE`` transaction.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 from sqlalchemy import Connection, String, delete, literal, select, update
@@ -48,17 +47,8 @@ class HotPath(StoreCore):
             LedgerUnavailable: the database cannot be reached.
         """
         fast = self.fast
-        fast.compiled("claim", lambda: sql.claim_insert(self.dialect))
-        fast.compiled("renew", sql.renew_update)
-        for flag in (True, False):
-            fast.compiled(("settle", flag), partial(sql.settle_update, self.dialect, flag))
-            for at_position in (True, False):
-                fast.compiled(
-                    ("step", flag, at_position),
-                    partial(sql.step_upsert, self.dialect, flag, at_position=at_position),
-                )
-        if not self.dialect.event_in_statement:
-            fast.compiled("event", sql.event_insert)
+        for key in sql.HOT:
+            self._hot(key)
         with fast.cursor():
             pass
         fast.close()  # the parent runs no task: no session of its own stays open for it
@@ -124,7 +114,6 @@ class HotPath(StoreCore):
         key exists. A claim owns it with one execution; a publish intent with none."""
         return self._fast_write(
             "claim",
-            lambda: sql.claim_insert(self.dialect),
             {
                 "key": req.key,
                 "task_name": req.task_name,
@@ -299,7 +288,7 @@ class HotPath(StoreCore):
         Returns False when the fence moved (superseded) or the entry is no longer running;
         nothing is written then.
         """
-        stmt = self.fast.compiled("renew", sql.renew_update)
+        stmt = self._hot("renew")
         with self.fast.cursor(lazy=self._lazy(False)) as cur:
             cur.execute(stmt.sql, stmt.params({"k": key, "f": fence, "lease": lease_seconds}))
             return bool(cur.rowcount == 1)
@@ -373,10 +362,7 @@ class HotPath(StoreCore):
             "authorized": 1 if status is StepStatus.NOT_EXECUTED else 0,
         }
         started = status is StepStatus.STARTED
-        stmt = self.fast.compiled(
-            ("step", started, at_position),
-            lambda: sql.step_upsert(self.dialect, started, at_position=at_position),
-        )
+        stmt = self._hot(("step", started, at_position))
         # A started row lets its effect begin: it waits for the flush (issue 20).
         with self.fast.cursor(lazy=self._lazy(started)) as cur:
             cur.execute(stmt.sql, stmt.params(params))
@@ -508,7 +494,6 @@ class HotPath(StoreCore):
         settled = status.settled
         rows = self._fast_write(
             ("settle", settled),
-            lambda: sql.settle_update(self.dialect, settled),
             params,
             Note("settled", actor, reason or error),
             # A settle lets no effect begin; a lost one is recovered by replay or blocks

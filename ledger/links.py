@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from sqlalchemy import or_, select
 
-from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.core import Note, StoreCore, _OnCursor
 from celery_ledger.ledger.outbox import Child, child_rows, insert_children
 from celery_ledger.ledger.schema import entries, outbox
@@ -83,7 +82,7 @@ class LinkQueries(StoreCore):
             "new_snapshot": None,
         }
         fast = self.fast
-        settle = fast.compiled(("settle", True), lambda: sql.settle_update(self.dialect, True))
+        settle = self._hot(("settle", True))
         record = fast.compiled("outbox-insert", lambda: insert_children(self.dialect))
         rows_params = [record.params(r) for r in child_rows(key, fence, LINKS_STEP, 0, links)]
         # The hot path's cursor, as the settle without links: one unit of work. It is a
@@ -94,7 +93,7 @@ class LinkQueries(StoreCore):
             if self.dialect.autocommit:
                 cur.execute("BEGIN")
             rows = self._write_with_event(
-                _OnCursor(fast, cur), settle, params, Note("settled", actor)
+                _OnCursor(self._hot, cur), settle, params, Note("settled", actor)
             )
             if rows:
                 cur.executemany(record.sql, rows_params)

@@ -8,7 +8,8 @@ compiled cache then hits every time, and psycopg prepares them server-side after
 
 from __future__ import annotations
 
-from functools import cache
+from collections.abc import Callable
+from functools import cache, partial
 from typing import Any
 
 from sqlalchemy import (
@@ -282,3 +283,21 @@ def step_upsert(dialect: Dialect, started: bool, *, at_position: bool = False) -
         },
         where=steps.c.status != StepStatus.COMPLETED.value,
     ).returning(steps.c.fence)  # rowcount is not reliable for INSERT; RETURNING is
+
+
+#: The hot path's statements (``FastPath``), by the key each is compiled under: the builder of
+#: each for a dialect. Every call site compiles its statement through ``StoreCore._hot`` by key,
+#: and ``HotPath.prepare_for_fork`` compiles them all before a worker forks its pool.
+HOT: dict[Any, Callable[[Dialect], Any]] = {
+    "claim": claim_insert,
+    "renew": lambda _dialect: renew_update(),
+    "event": lambda _dialect: event_insert(),
+    **{("settle", flag): partial(settle_update, settled=flag) for flag in (True, False)},
+    **{
+        ("step", started, at_position): partial(
+            step_upsert, started=started, at_position=at_position
+        )
+        for started in (True, False)
+        for at_position in (True, False)
+    },
+}

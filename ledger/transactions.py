@@ -217,9 +217,7 @@ class TransactionSteps(StoreCore):
         compiled statement on another cursor. Returns False when the fence moved or the row
         is completed already: the caller must roll back."""
         name, _, occurrence = ident
-        stmt = self.fast.compiled(
-            ("step", False, False), lambda: sql.step_upsert(self.dialect, False)
-        )
+        stmt = self._hot(("step", False, False))
         params = _completed_params(key, fence, ident, seq, output)
         cur = dbapi.cursor()
         try:

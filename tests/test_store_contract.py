@@ -41,6 +41,7 @@ from celery_ledger.ledger import (
     crash_loop_reason,
 )
 from celery_ledger.ledger import errors as ledger_errors
+from celery_ledger.ledger import statements as sql
 
 #: A lease that expires almost at once, so takeovers need no real waiting.
 LEASE_SHORT = 0.05
@@ -1498,6 +1499,7 @@ def test_prepare_for_fork_compiles_the_hot_path_and_keeps_no_connection(
     store.prepare_for_fork()
     assert not store.fast._idle and not store.fast._idle_lazy
     prepared = set(store.fast._compiled)
+    assert prepared == set(sql.HOT), prepared ^ set(sql.HOT)
     claim = store.claim(request("warm-1", task_id="tid-w1"))
     assert store.renew_lease("warm-1", claim.fence, 60.0)
     assert store.write_step("warm-1", claim.fence, STEP, seq=1, status=StepStatus.STARTED)
