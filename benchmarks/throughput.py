@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -200,6 +200,25 @@ def drain(
         after = pg_stat(ledger_url)
         out["pg"] = {k: (after[k] - before[k]) / n for k in after}
     return out
+
+
+def add_cpu_rows(
+    report: Report,
+    cpu: dict[str, list[dict[str, float]]],
+    skip: Collection[tuple[str, str]] = (),
+) -> None:
+    """One row per drained label and process group: the median over the rounds of the CPU
+    per task (``drain``'s ``cpu_ms``), except the (label, group) pairs in ``skip``."""
+    for label, rounds in cpu.items():
+        for group in CpuTally.GROUPS:
+            if (label, group) not in skip:
+                report.add(
+                    BENCH,
+                    f"CPU per task, {label}: {group}",
+                    median([c[group] for c in rounds]),
+                    "ms",
+                    note="/proc/<pid>/stat over the drain, median of rounds",
+                )
 
 
 def count_hot_path(ledger_url: str, broker: str, n: int = 200) -> dict[str, float]:
@@ -382,15 +401,7 @@ def run_matrix(
         if top not in got or bottom not in got:
             continue
         report.add(BENCH, f"{top} / {bottom}", got[top] / got[bottom], "x", target=target)
-    for variant in names:
-        for group in CpuTally.GROUPS:
-            report.add(
-                BENCH,
-                f"CPU per task, {variant}: {group}",
-                median([c[group] for c in cpu[variant]]),
-                "ms",
-                note="/proc/<pid>/stat over the drain, median of rounds",
-            )
+    add_cpu_rows(report, cpu)
     return report
 
 
@@ -485,17 +496,7 @@ def run(
         report.add(BENCH, "RabbitMQ: ratio ledger/plain", a_ledger / a_plain, "x")
         report.add(BENCH, "RabbitMQ: ratio floor/plain", a_floor / a_plain, "x")
         report.add(BENCH, "RabbitMQ: ratio ledger/floor", a_ledger / a_floor, "x")
-    for mode in MODES:
-        for group in CpuTally.GROUPS:
-            if mode == "plain" and group == "postgres":
-                continue
-            report.add(
-                BENCH,
-                f"CPU per task, {mode}: {group}",
-                median([c[group] for c in cpu[mode]]),
-                "ms",
-                note="/proc/<pid>/stat over the drain, median of rounds",
-            )
+    add_cpu_rows(report, cpu, skip={("plain", "postgres")})
     report.add(
         BENCH,
         "statements per task",
