@@ -102,8 +102,23 @@ def make_app(
         floor = FloorWrites(ledger_url)
         settle = FloorWrites(ledger_url, lazy=True) if os.environ.get(ENV_FLOOR_ASYNC) else floor
         if os.environ.get(ENV_FLOOR_SQL) == "ledger":
-            claim_row, settle_row = ledger_statements(ledger_url)
+            claim_row, settle_row, folded_row = ledger_statements(ledger_url)
             settle_write = settle.send if os.environ.get(ENV_FLOOR_PIPELINE) else settle.write
+            if os.environ.get(ENV_FLOOR_COMBINED):
+                unsettled: list[tuple[str, dict[str, Any]]] = []
+
+                @app.task(
+                    name="bench_app.noop", shared=False, acks_late=True, reject_on_worker_lost=True
+                )
+                def noop_ledger_sql_folded(i: int) -> int:
+                    req = noop_ledger_sql_folded.request
+                    claimed = claim_row(req.id, req.hostname, [i])
+                    floor.write(*(folded_row(unsettled.pop(), claimed) if unsettled else claimed))
+                    result = body(i)
+                    unsettled.append(settle_row(req.id, str(result), req.hostname))
+                    return result
+
+                return app
 
             @app.task(
                 name="bench_app.noop", shared=False, acks_late=True, reject_on_worker_lost=True
@@ -263,10 +278,13 @@ class FloorWrites:
         conn.wait(self._pipe._communicate_gen())
 
 
-def ledger_statements(url: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+def ledger_statements(
+    url: str,
+) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
     """``BENCH_FLOOR_SQL=ledger``: builders of (SQL, parameters) for the ledger's claim of a
     new key and its settle ``completed``, as ``celery_ledger.ledger`` compiles them, with every
-    constant bound once here so that a call costs a dict of the row's values and no more."""
+    constant bound once here so that a call costs a dict of the row's values and no more; and
+    of the two folded into one statement (``fold``, ``BENCH_FLOOR_COMBINED``)."""
     import json
 
     from celery_ledger.ledger import LedgerStore
@@ -310,7 +328,28 @@ def ledger_statements(url: str) -> tuple[Callable[..., Any], Callable[..., Any]]
             "ev_actor": hostname,
         }
 
-    return claim_row, settle_row
+    folded_sql = fold(settle.sql, claim.sql)
+
+    def folded_row(
+        settled: tuple[str, dict[str, Any]], claimed: tuple[str, dict[str, Any]]
+    ) -> tuple[str, dict[str, Any]]:
+        return folded_sql, {**claimed[1], **{f"s_{k}": v for k, v in settled[1].items()}}
+
+    return claim_row, settle_row, folded_row
+
+
+def fold(settle_sql: str, claim_sql: str) -> str:
+    """One statement that settles one task and claims the next: the settle's CTEs (renamed,
+    their parameters prefixed ``s_``) before the claim's, the claim's rows returned. The data
+    modifying CTEs of a statement all run, referenced or not."""
+    import re
+
+    head = "WITH "
+    assert settle_sql.startswith(head) and claim_sql.startswith(head), (settle_sql, claim_sql)
+    ctes = settle_sql[len(head) : settle_sql.rindex("\n SELECT ")]
+    ctes = re.sub(r"\b(written|logged)\b", r"s_\1", ctes)
+    ctes = re.sub(r"%\((\w+)\)s", r"%(s_\1)s", ctes)
+    return f"{head}{ctes}, \n{claim_sql[len(head) :]}"
 
 
 def freeze_before_fork() -> None:

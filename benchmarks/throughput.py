@@ -307,6 +307,14 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
         "floor",
         {"PGOPTIONS": "-c synchronous_commit=off", "BENCH_FLOOR_COMBINED": "1"},
     ),
+    "floor-ledger-sql-async-combined": (
+        "floor",
+        {
+            "PGOPTIONS": "-c synchronous_commit=off",
+            "BENCH_FLOOR_SQL": "ledger",
+            "BENCH_FLOOR_COMBINED": "1",
+        },
+    ),
     "floor-ledger-sql-async-pipelined": (
         "floor",
         {
@@ -344,6 +352,7 @@ MATRIX_RATIOS = (
     ("floor-async-combined", "floor-async", "(one round trip per task)"),
     ("floor-async-combined", "plain", ""),
     ("floor-ledger-sql-async", "floor-async", "(the schema's cost)"),
+    ("floor-ledger-sql-async-combined", "floor-ledger-sql-async", "(one round trip per task)"),
     ("floor-ledger-sql-intent", "floor-intent", "(the schema's cost)"),
     ("ledger-effects-idempotent", "floor-ledger-sql-async", "(the ledger's Python)"),
     ("ledger-effects", "floor-ledger-sql-intent", "(the ledger's Python)"),

@@ -175,9 +175,15 @@ def test_schema_cost_compares_the_events_primary_keys(pg_url: str) -> None:
 @pytest.mark.processes
 def test_matrix_runs_the_round_trip_floors(redis: str, pg_url: str) -> None:
     """``throughput.py --matrix`` drains the floors with each settle sent without waiting
-    (pipeline mode, through psycopg's private steps) and folded into the next claim, with real
+    (pipeline mode, through psycopg's private steps) and folded into the next claim (the
+    ledger's own statements folded into one too), with real
     workers (a task whose write fails fails the drain), and reports each process group's CPU."""
-    variants = ("floor-async-pipelined", "floor-async-combined", "floor-ledger-sql-async-pipelined")
+    variants = (
+        "floor-async-pipelined",
+        "floor-async-combined",
+        "floor-ledger-sql-async-pipelined",
+        "floor-ledger-sql-async-combined",
+    )
     values = run_table(
         "throughput.py",
         *("--matrix", "--tasks", "20", "--rounds", "1"),
