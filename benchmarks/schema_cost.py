@@ -72,7 +72,7 @@ def _entries_write_alone(sql: str) -> str:
 def cases(url: str) -> dict[str, Callable[[Any, int], None]]:
     import bench_app
 
-    claim_row, settle_row = bench_app.ledger_statements(
+    claim_row, settle_row, _folded = bench_app.ledger_statements(
         url.replace("postgresql://", "postgresql+psycopg://", 1)
     )
 
