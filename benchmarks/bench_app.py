@@ -103,64 +103,33 @@ def make_app(
         settle = FloorWrites(ledger_url, lazy=True) if os.environ.get(ENV_FLOOR_ASYNC) else floor
         if os.environ.get(ENV_FLOOR_SQL) == "ledger":
             claim_row, settle_row, folded_row = ledger_statements(ledger_url)
-            settle_write = settle.send if os.environ.get(ENV_FLOOR_PIPELINE) else settle.write
-            if os.environ.get(ENV_FLOOR_COMBINED):
-                unsettled: list[tuple[str, dict[str, Any]]] = []
-
-                @app.task(
-                    name="bench_app.noop", shared=False, acks_late=True, reject_on_worker_lost=True
-                )
-                def noop_ledger_sql_folded(i: int) -> int:
-                    req = noop_ledger_sql_folded.request
-                    claimed = claim_row(req.id, req.hostname, [i])
-                    floor.write(*(folded_row(unsettled.pop(), claimed) if unsettled else claimed))
-                    result = body(i)
-                    unsettled.append(settle_row(req.id, str(result), req.hostname))
-                    return result
-
-                return app
-
-            @app.task(
-                name="bench_app.noop", shared=False, acks_late=True, reject_on_worker_lost=True
+        else:
+            claim_row, settle_row, folded_row = floor_statements(
+                audit=os.environ.get(ENV_FLOOR_AUDIT) == "1"
             )
-            def noop_ledger_sql(i: int) -> int:
-                req = noop_ledger_sql.request
-                floor.write(*claim_row(req.id, req.hostname, [i]))
-                result = body(i)
-                settle_write(*settle_row(req.id, str(result), req.hostname))
-                return result
-
-            return app
-        audit = os.environ.get(ENV_FLOOR_AUDIT) == "1"
-        claim_sql = FLOOR_CLAIM_AUDIT if audit else FLOOR_CLAIM
-        settle_sql = FLOOR_SETTLE_AUDIT if audit else FLOOR_SETTLE
-
-        floor_settle = settle.send if os.environ.get(ENV_FLOOR_PIPELINE) else settle.write
+        settle_write = settle.send if os.environ.get(ENV_FLOOR_PIPELINE) else settle.write
         if os.environ.get(ENV_FLOOR_COMBINED):
-            pending: list[str] = []
-            combined = f"WITH s AS ({FLOOR_SETTLE}) {FLOOR_CLAIM}"
+            unsettled: list[tuple[str, Any]] = []
 
             @app.task(
                 name="bench_app.noop", shared=False, acks_late=True, reject_on_worker_lost=True
             )
-            def noop_combined(i: int) -> int:
-                task_id = noop_combined.request.id
-                if pending:
-                    floor.write(combined, (pending.pop(), task_id))
-                else:
-                    floor.write(claim_sql, (task_id,))
+            def noop_folded(i: int) -> int:
+                req = noop_folded.request
+                claimed = claim_row(req.id, req.hostname, [i])
+                floor.write(*(folded_row(unsettled.pop(), claimed) if unsettled else claimed))
                 result = body(i)
-                pending.append(task_id)
+                unsettled.append(settle_row(req.id, str(result), req.hostname))
                 return result
 
             return app
 
         @app.task(name="bench_app.noop", shared=False, acks_late=True, reject_on_worker_lost=True)
         def noop_floor(i: int) -> int:
-            task_id = noop_floor.request.id
-            floor.write(claim_sql, (task_id,))
+            req = noop_floor.request
+            floor.write(*claim_row(req.id, req.hostname, [i]))
             result = body(i)
-            floor_settle(settle_sql, (task_id,))
+            settle_write(*settle_row(req.id, str(result), req.hostname))
             return result
 
         return app
@@ -276,6 +245,32 @@ class FloorWrites:
         conn.execute(statement, params)
         self._pipe._enqueue_sync()
         conn.wait(self._pipe._communicate_gen())
+
+
+def floor_statements(
+    *, audit: bool
+) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """The two-write floor's builders of (SQL, parameters), with the signatures of
+    ``ledger_statements``': its claim, its settle, and the two folded into one statement
+    (``BENCH_FLOOR_COMBINED``; not for the audit floors)."""
+    claim_sql = FLOOR_CLAIM_AUDIT if audit else FLOOR_CLAIM
+    settle_sql = FLOOR_SETTLE_AUDIT if audit else FLOOR_SETTLE
+    folded_sql = f"WITH s AS ({FLOOR_SETTLE}) {FLOOR_CLAIM}"
+
+    def claim_row(task_id: str, _hostname: str, _args: list[Any]) -> tuple[str, tuple[str]]:
+        return claim_sql, (task_id,)
+
+    def settle_row(task_id: str, _result: str, _hostname: str) -> tuple[str, tuple[str]]:
+        return settle_sql, (task_id,)
+
+    def folded_row(
+        settled: tuple[str, tuple[str]], claimed: tuple[str, tuple[str]]
+    ) -> tuple[str, tuple[str, ...]]:
+        if audit:
+            raise ValueError(f"{ENV_FLOOR_COMBINED} does not fold the audit floors")
+        return folded_sql, settled[1] + claimed[1]
+
+    return claim_row, settle_row, folded_row
 
 
 def ledger_statements(
