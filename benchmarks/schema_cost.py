@@ -24,12 +24,19 @@ The indexes are not optional: every sweep, operator query and page reads by one 
 scans", ``docs/design.md``). This measures what a design that wanted them elsewhere would win.
 
     python benchmarks/schema_cost.py --events-pk     # the events' primary key on (key, id)
+    python benchmarks/schema_cost.py --narrow-row    # the entries without their rare columns
 
 ``--events-pk`` measures the one change to the schema's indexes that keeps every reader: the
 events' primary key on ``(key, id)`` instead of ``id`` (no query reads an event by ``id``
 alone), so that each event feeds one index instead of two. The ``schema`` case on two scratch
 databases, one as migrated and one with that key (its ``ix_ledger_events_key`` dropped),
 rounds alternating between them.
+
+``--narrow-row`` measures the other change the contract allows: a narrow hot row. The
+entries table is rebuilt without the columns a claim and a settle never write (release,
+mark-dead, seen-alive, cancellation, deadline and tombstone stamps; a design that wanted
+this would keep them in a side table written only on those paths), against the table as
+migrated, rounds alternating the same way.
 """
 
 from __future__ import annotations
@@ -174,23 +181,98 @@ EVENTS_KEY_PK = (
 )
 
 
-def measure_events_pk(tasks: int, rounds: int) -> Report:
-    """The ``schema`` case with the events' primary key on ``id`` (as migrated) and on
-    ``(key, id)``, each on its own scratch database, rounds alternating."""
+def rebuild_events_pk(conn: Any) -> None:
+    for ddl in EVENTS_KEY_PK:
+        conn.execute(ddl)
+
+
+#: The entry columns that a claim and a settle never write: the release, mark-dead, seen-alive,
+#: cancellation, deadline and tombstone stamps. A narrow hot row would keep them in a side
+#: table keyed by the entry, written only on those rare paths.
+RARE_COLUMNS = (
+    "released_by",
+    "released_reason",
+    "released_at",
+    "released_from",
+    "released_executions",
+    "dead_fence",
+    "dead_by",
+    "dead_reason",
+    "dead_at",
+    "seen_alive_at",
+    "seen_alive_fence",
+    "seen_alive_owner",
+    "cancel_requested_at",
+    "cancel_by",
+    "cancel_reason",
+    "deadline_at",
+    "tombstone_at",
+)
+
+
+def narrow_entries(conn: Any) -> None:
+    """Rebuild ``ledger_entries`` without :data:`RARE_COLUMNS` (a new table, so that no dropped
+    column stays in its rows), with its primary key and every index that names none of them
+    (the two that do would live on the side table)."""
+    import re
+
+    from celery_ledger.ledger.schema import entries
+
+    rare = re.compile(r"\b(" + "|".join(RARE_COLUMNS) + r")\b")
+    kept = [c.name for c in entries.columns if c.name not in RARE_COLUMNS]
+    missing = set(RARE_COLUMNS) - {c.name for c in entries.columns}
+    if missing:
+        raise SystemExit(f"schema_cost: the entries table has no column {sorted(missing)}")
+    indexes = [
+        d
+        for (d,) in conn.execute(
+            "SELECT indexdef FROM pg_indexes WHERE tablename = 'ledger_entries'"
+            " AND indexname <> 'ledger_entries_pkey'"
+        ).fetchall()
+    ]
+    conn.execute(
+        f"CREATE TABLE ledger_entries_narrow AS SELECT {', '.join(kept)}"
+        " FROM ledger_entries WITH NO DATA"
+    )
+    conn.execute("DROP TABLE ledger_entries CASCADE")
+    conn.execute("ALTER TABLE ledger_entries_narrow RENAME TO ledger_entries")
+    conn.execute("ALTER TABLE ledger_entries ADD PRIMARY KEY (key)")
+    for ddl in indexes:
+        if not rare.search(ddl):
+            conn.execute(ddl)
+
+
+#: ``--events-pk`` and ``--narrow-row``: the schema as migrated against one change to it.
+LAYOUTS: dict[str, tuple[tuple[str, str], Callable[[Any], None], str]] = {
+    "events-pk": (
+        ("events primary key id, index (key, id)", "events primary key (key, id)"),
+        rebuild_events_pk,
+        "events primary key (key, id) saves",
+    ),
+    "narrow-row": (
+        ("entries as migrated", "entries without the rare columns"),
+        narrow_entries,
+        "a narrow hot row saves",
+    ),
+}
+
+
+def measure_layouts(which: str, tasks: int, rounds: int) -> Report:
+    """The ``schema`` case on two scratch databases, one as migrated and one changed by
+    ``LAYOUTS[which]``, rounds alternating between them."""
     import psycopg
 
     os.environ["PGOPTIONS"] = ASYNC_COMMITS
     report = Report()
-    layouts = ("primary key id, index (key, id)", "primary key (key, id)")
-    with pg_database() as as_migrated, pg_database() as keyed:
+    layouts, change, saves = LAYOUTS[which]
+    with pg_database() as as_migrated, pg_database() as changed:
         runs: dict[str, tuple[Any, Callable[[Any, int], None]]] = {}
         with contextlib.ExitStack() as stack:
-            for layout, url in zip(layouts, (as_migrated, keyed), strict=True):
+            for layout, url in zip(layouts, (as_migrated, changed), strict=True):
                 prepare(url)
                 conn = stack.enter_context(psycopg.connect(url, autocommit=True))
-                if url == keyed:
-                    for ddl in EVENTS_KEY_PK:
-                        conn.execute(ddl)
+                if url == changed:
+                    change(conn)
                 runs[layout] = (conn.cursor(), cases(url)["schema"])
             got: dict[str, list[float]] = {layout: [] for layout in layouts}
             for r in range(rounds):
@@ -200,13 +282,8 @@ def measure_events_pk(tasks: int, rounds: int) -> Report:
                         per_task_ms(lambda i, cur=cur, fn=fn: fn(cur, i), tasks, warmup=WARMUP)[1]
                     )
     for layout in layouts:
-        report.add("schema_cost", f"schema, events {layout}", median(got[layout]), "ms wall")
-    report.add(
-        "schema_cost",
-        "events primary key (key, id) saves",
-        median(got[layouts[0]]) - median(got[layouts[1]]),
-        "ms wall",
-    )
+        report.add("schema_cost", f"schema, {layout}", median(got[layout]), "ms wall")
+    report.add("schema_cost", saves, median(got[layouts[0]]) - median(got[layouts[1]]), "ms wall")
     return report
 
 
@@ -219,9 +296,18 @@ def main() -> None:
         action="store_true",
         help="compare the events' primary key on id (as migrated) with one on (key, id)",
     )
+    parser.add_argument(
+        "--narrow-row",
+        action="store_true",
+        help="compare the entries table as migrated with one without the rare columns",
+    )
     opts = parser.parse_args()
-    run = measure_events_pk if opts.events_pk else measure
-    print(format_rows(run(opts.tasks, opts.rounds).rows))
+    if opts.events_pk or opts.narrow_row:
+        which = "events-pk" if opts.events_pk else "narrow-row"
+        report = measure_layouts(which, opts.tasks, opts.rounds)
+    else:
+        report = measure(opts.tasks, opts.rounds)
+    print(format_rows(report.rows))
 
 
 if __name__ == "__main__":

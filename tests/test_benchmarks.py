@@ -171,6 +171,17 @@ def test_schema_cost_compares_the_events_primary_keys(pg_url: str) -> None:
 
 
 @pytest.mark.postgres
+def test_schema_cost_compares_a_narrow_hot_row(pg_url: str) -> None:
+    """``schema_cost.py --narrow-row`` rebuilds the entries table without the columns a claim
+    and a settle never write (a column the schema no longer has fails it, and so does a claim
+    or settle that writes one of them) and runs the ledger's statements on both tables."""
+    values = run_table("schema_cost.py", "--narrow-row", "--tasks", "20", "--rounds", "2")
+    for layout in ("entries as migrated", "entries without the rare columns"):
+        assert values[f"schema, {layout}"] > 0, (layout, values)
+    assert math.isfinite(values["a narrow hot row saves"]), values
+
+
+@pytest.mark.postgres
 @pytest.mark.redis
 @pytest.mark.processes
 def test_matrix_runs_the_round_trip_floors(redis: str, pg_url: str) -> None:
