@@ -291,12 +291,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=4_000)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument(
+    layout = parser.add_mutually_exclusive_group()
+    layout.add_argument(
         "--events-pk",
         action="store_true",
         help="compare the events' primary key on id (as migrated) with one on (key, id)",
     )
-    parser.add_argument(
+    layout.add_argument(
         "--narrow-row",
         action="store_true",
         help="compare the entries table as migrated with one without the rare columns",
