@@ -33,6 +33,9 @@ writes (key, task id, a 64-character arguments hash, the arguments' snapshot, ow
 their audit events, sent on the same bare psycopg connection: what the ledger's schema costs
 with none of its Python around it. The ledger's gap to this floor is its own code; this
 floor's gap to the two-write floor is the schema (the wide row, its indexes, the events).
+``BENCH_FLOOR_SQL=ledger-no-events`` sends the same two statements without the audit event
+each appends: what the schema would cost with the hot path's events out of its statements, a
+change the contract does not allow today.
 
 Two floors fewer waits or fewer round trips would reach (2026-12-02): ``BENCH_FLOOR_PIPELINE=1``
 sends each settle in pipeline mode and reads its answer with the next claim (the pool process
@@ -101,8 +104,11 @@ def make_app(
             raise ValueError("BENCH_MODE=floor needs BENCH_LEDGER_URL (a PostgreSQL database)")
         floor = FloorWrites(ledger_url)
         settle = FloorWrites(ledger_url, lazy=True) if os.environ.get(ENV_FLOOR_ASYNC) else floor
-        if os.environ.get(ENV_FLOOR_SQL) == "ledger":
-            claim_row, settle_row, folded_row = ledger_statements(ledger_url)
+        floor_sql = os.environ.get(ENV_FLOOR_SQL)
+        if floor_sql in ("ledger", "ledger-no-events"):
+            claim_row, settle_row, folded_row = ledger_statements(
+                ledger_url, events=floor_sql == "ledger"
+            )
         else:
             claim_row, settle_row, folded_row = floor_statements(
                 audit=os.environ.get(ENV_FLOOR_AUDIT) == "1"
@@ -273,13 +279,24 @@ def floor_statements(
     return claim_row, settle_row, folded_row
 
 
+def without_event(sql: str) -> str:
+    """The entries statement of one of the ledger's ``WITH written AS (...), logged AS (...)
+    SELECT`` writes, without its ``RETURNING`` and the audit event it appends."""
+    inner = sql.split("RETURNING", 1)[0]
+    return inner.replace("WITH written AS \n(", "", 1)
+
+
 def ledger_statements(
-    url: str,
+    url: str, *, events: bool = True
 ) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
     """``BENCH_FLOOR_SQL=ledger``: builders of (SQL, parameters) for the ledger's claim of a
     new key and its settle ``completed``, as ``celery_ledger.ledger`` compiles them, with every
     constant bound once here so that a call costs a dict of the row's values and no more; and
-    of the two folded into one statement (``fold``, ``BENCH_FLOOR_COMBINED``)."""
+    of the two folded into one statement (``fold``, ``BENCH_FLOOR_COMBINED``).
+
+    ``events=False`` (``BENCH_FLOOR_SQL=ledger-no-events``): the same two writes without the
+    audit event each appends (``without_event``), what the schema would cost if the contract
+    let the hot path's events out of its statements; those are not folded."""
     import json
 
     from celery_ledger.ledger import LedgerStore
@@ -289,13 +306,16 @@ def ledger_statements(
     settle = store._hot(("settle", True))
     claim_const = claim.params({})
     settle_const = settle.params({})
+    claim_sql, settle_sql = claim.sql, settle.sql
+    if not events:
+        claim_sql, settle_sql = without_event(claim_sql), without_event(settle_sql)
     store.dispose()
     args_hash = "0" * 64  # the size of the ledger's sha256 hex digest
     boot = "0" * 32
     pid = os.getpid()
 
     def claim_row(task_id: str, hostname: str, args: list[Any]) -> tuple[str, dict[str, Any]]:
-        return claim.sql, {
+        return claim_sql, {
             **claim_const,
             "key": task_id,
             "task_name": "bench_app.noop",
@@ -313,7 +333,7 @@ def ledger_statements(
         }
 
     def settle_row(task_id: str, result: str, hostname: str) -> tuple[str, dict[str, Any]]:
-        return settle.sql, {
+        return settle_sql, {
             **settle_const,
             "k": task_id,
             "f": 1,
@@ -328,6 +348,8 @@ def ledger_statements(
     def folded_row(
         settled: tuple[str, dict[str, Any]], claimed: tuple[str, dict[str, Any]]
     ) -> tuple[str, dict[str, Any]]:
+        if not events:
+            raise ValueError(f"{ENV_FLOOR_COMBINED} does not fold the statements without events")
         return folded_sql, {**claimed[1], **{f"s_{k}": v for k, v in settled[1].items()}}
 
     return claim_row, settle_row, folded_row

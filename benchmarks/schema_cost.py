@@ -69,13 +69,6 @@ HOT_INDEXES = (
 STAGES = ("every index", "five hot-path indexes dropped", "every secondary index dropped")
 
 
-def _entries_write_alone(sql: str) -> str:
-    """The entries statement of a ``WITH written AS (...) , logged AS (...) SELECT`` write,
-    without its ``RETURNING`` and the event it appends."""
-    inner = sql.split("RETURNING", 1)[0]
-    return inner.replace("WITH written AS \n(", "", 1)
-
-
 def cases(url: str) -> dict[str, Callable[[Any, int], None]]:
     import bench_app
 
@@ -100,9 +93,9 @@ def cases(url: str) -> dict[str, Callable[[Any, int], None]]:
     def schema_no_event(cur: Any, i: int) -> None:
         key = uuid.uuid4().hex * 2
         sql, params = claim_row(key, "schema@bench", [i])
-        cur.execute(_entries_write_alone(sql), params, prepare=True)
+        cur.execute(bench_app.without_event(sql), params, prepare=True)
         sql, params = settle_row(key, str(i), "schema@bench")
-        cur.execute(_entries_write_alone(sql), params, prepare=True)
+        cur.execute(bench_app.without_event(sql), params, prepare=True)
 
     return {"floor": floor, "schema": schema, "schema, no event": schema_no_event}
 

@@ -187,18 +187,20 @@ def test_schema_cost_compares_a_narrow_hot_row(pg_url: str) -> None:
 def test_matrix_runs_the_round_trip_floors(redis: str, pg_url: str) -> None:
     """``throughput.py --matrix`` drains the floors with each settle sent without waiting
     (pipeline mode, through psycopg's private steps) and folded into the next claim (the
-    ledger's own statements folded into one too), with real
+    ledger's own statements folded into one too), and the schema floor without its audit
+    events, with real
     workers (a task whose write fails fails the drain), and reports each process group's CPU."""
     variants = (
         "floor-async-pipelined",
         "floor-async-combined",
         "floor-ledger-sql-async-pipelined",
         "floor-ledger-sql-async-combined",
+        "floor-ledger-sql-async-no-events",
     )
     values = run_table(
         "throughput.py",
         *("--matrix", "--tasks", "20", "--rounds", "1"),
-        *("--variants", ",".join(("floor-async", *variants))),
+        *("--variants", ",".join(("floor-async", "floor-ledger-sql-async", *variants))),
         redis=redis,
     )
     for variant in variants:
@@ -206,3 +208,5 @@ def test_matrix_runs_the_round_trip_floors(redis: str, pg_url: str) -> None:
         for group in ("parent", "pool", "postgres", "redis"):
             assert math.isfinite(values[f"CPU per task, {variant}: {group}"]), (variant, values)
     assert math.isfinite(values["floor-async-combined / floor-async"]), values
+    no_events = "floor-ledger-sql-async-no-events / floor-ledger-sql-async"
+    assert math.isfinite(values[no_events]), values
