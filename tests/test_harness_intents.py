@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from celery_ledger import runtime
-from celery_ledger.harness import demo_app
+from celery_ledger.harness import canvas_load, demo_app
 from celery_ledger.harness.orchestrate import PUBLISH_INTENT_SECONDS, Phases, Workload, staged
 from celery_ledger.harness.verify import KINDS, SETTLE_SECONDS
 from celery_ledger.ledger import EntryStatus
@@ -78,6 +78,49 @@ def test_orders_whose_messages_the_broker_lost_are_resent_and_complete(redis: st
         report = work.tally(stage.ledger_engine)
         assert report.completed == orders, report
         assert report.duplicate_effects == 0 and report.never_claimed == 0, report
+
+
+def test_a_canvas_whose_messages_the_broker_lost_is_resent_in_its_place(redis: str) -> None:
+    """Publish a chain and a chord of ledgered tasks (``apply_async``), and a chain's first
+    link by name with the rest of the chain (``send_task``, as the outbox publishes a settle's
+    next link), lose every message in the broker, then start a worker and beat. The sweep
+    re-sends each intent from its snapshot once it lapses; the snapshot must keep the task's
+    place in its canvas, or the chains stop after their first link and the chord never calls
+    back (verify on PostgreSQL + Redis found both: an outbox-published link whose message a
+    broker cut lost ended its chain; a chord's callback never ran)."""
+    with staged(
+        "celery-ledger-intents", broker=redis, ledger=None, keep=False, phases=Phases(1, quiet=True)
+    ) as stage:
+        # Redis results: the chord's members count in the backend (on a database backend a
+        # ``celery.chord_unlock`` message polls them, and losing it is Celery's own).
+        work = stage.workload(
+            LEDGERED, orders=0, concurrency=2, env={"CELERY_RESULT_BACKEND": redis}
+        )
+        app = demo_app.build_app(work.env)
+        try:
+            canvas_load.enqueue(app, work.run, 1)
+            cid = canvas_load.chain_id(work.run, 1)
+            app.send_task(
+                canvas_load.LINK,
+                args=([], work.run, cid, 1),
+                chain=[
+                    app.signature(canvas_load.LINK, args=(work.run, cid, n))
+                    for n in range(canvas_load.CHAIN_LENGTH, 1, -1)
+                ],
+            )
+        finally:
+            app.close()
+        lost = _drop_queue(redis, work)
+        assert lost == 2 + canvas_load.CHORD_SIZE
+        procs = [work.start_worker("w1"), work.start_beat()]
+        for p in procs:
+            p.wait_ready(60)
+        deadline = time.monotonic() + PUBLISH_INTENT_SECONDS + 40
+        report = canvas_load.tally(work.refresh(), work.run, 2)
+        while report.incomplete and time.monotonic() < deadline:
+            time.sleep(0.5)
+            report = canvas_load.tally(work.refresh(), work.run, 2)
+        assert not report.incomplete and report.ok, report
 
 
 def _drop_queue(broker_url: str, work: Workload) -> int:
