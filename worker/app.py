@@ -198,6 +198,7 @@ def on_task_published(
         task_id,
         ledger_key=headers.get("ledger_key"),
         queue=routing_key,
+        canvas=canvas.message_placement(headers, body[2] if len(body) > 2 else None),
     )
 
 

@@ -248,7 +248,8 @@ def on_task_prerun(sender: Any = None, **_: Any) -> None:
     crash_point(runtime.settings_for(sender.app), "chord-unlock")
 
 
-#: A request's canvas fields, and the publish option each is re-sent with.
+#: A request's canvas fields, and the publish option each is re-sent with. The fields are
+#: also the message's names: the first four travel in the body's embed, the rest in headers.
 _PLACEMENT = (
     ("chain", "chain"),
     ("callbacks", "link"),
@@ -259,17 +260,45 @@ _PLACEMENT = (
     ("parent_id", "parent_id"),
     ("root_id", "root_id"),
 )
+_EMBEDDED = frozenset(("chain", "callbacks", "errbacks", "chord"))
 
 
 def placement(request: Any) -> dict[str, Any]:
     """Where ``request`` sits in a canvas, as the publish options that put it back there: kept
     in the entry's argument snapshot, so that recovery's re-send continues its chain, keeps its
     callbacks and counts in its chord (``recovery.sweep._send``)."""
-    out: dict[str, Any] = {}
-    for field_, option in _PLACEMENT:
-        value = getattr(request, field_, None)
-        if value not in (None, [], ()):
-            out[option] = value
+    return _kept({option: getattr(request, field_, None) for field_, option in _PLACEMENT})
+
+
+def published_placement(options: dict[str, Any], link: Any, link_error: Any) -> dict[str, Any]:
+    """``placement`` of a task being published by ``apply_async`` (its publish intent's
+    snapshot): the options a chain, a group or a chord passes it, and its callbacks."""
+    found = {option: options.get(option) for _, option in _PLACEMENT}
+    found["link"] = _listed(link)
+    found["link_error"] = _listed(link_error)
+    return _kept(found)
+
+
+def message_placement(headers: dict[str, Any], embed: Any) -> dict[str, Any]:
+    """``placement`` of a published message (protocol 2: ``headers`` and the body's embed),
+    for the publish intent of a task sent by name (``app.send_task``, the outbox)."""
+    embed = embed if isinstance(embed, dict) else {}
+    return _kept(
+        {
+            option: (embed if field_ in _EMBEDDED else headers).get(field_)
+            for field_, option in _PLACEMENT
+        }
+    )
+
+
+def _listed(signatures: Any) -> Any:
+    if signatures is None or isinstance(signatures, (list, tuple)):
+        return signatures
+    return [signatures]
+
+
+def _kept(found: dict[str, Any]) -> dict[str, Any]:
+    out = {option: value for option, value in found.items() if value not in (None, [], ())}
     # Parent and root alone are no canvas (every task sent from a task has them): the
     # snapshot of a plain task stays as it was.
     if not set(out) - {"parent_id", "root_id"}:

@@ -81,10 +81,15 @@ def record(
     *,
     ledger_key: str | None,
     queue: str | None,
+    canvas: dict[str, Any] | None = None,
     check_conflict: bool = False,
 ) -> str | None:
     """Record ``task``'s intent. Returns its entry key when this call recorded it (None when
     the key has an entry already, or the intent could not be recorded).
+
+    ``canvas`` is the task's place in a chain, group or chord (``canvas.placement``), kept in
+    the snapshot: if the message is lost before any claim, the sweep's re-send from this
+    snapshot continues the chain and counts in the chord.
 
     An intent must not stop a publish (without one the task is still claimed, or redelivered,
     as usual): any failure to record it is logged, never raised, with one exception.
@@ -104,6 +109,7 @@ def record(
             ledger_key=ledger_key,
             limit=settings.max_snapshot_bytes,
             cipher=runtime.snapshot_cipher(task.app),
+            canvas=canvas,
         )
         store = runtime.store_for(task.app)
         if store.record_intent(

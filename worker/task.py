@@ -352,6 +352,7 @@ class LedgerTask(Task):
                 task_id,
                 ledger_key=headers.get("ledger_key"),
                 queue=options.get("queue"),
+                canvas=canvas.published_placement(options, link, link_error),
                 # A retry may change its arguments under its task id; a fresh publish may not.
                 check_conflict=not options.get("retries"),
             )
