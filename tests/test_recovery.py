@@ -353,6 +353,43 @@ def test_send_task_records_an_intent_only_for_a_ledger_task_it_knows(tmp_path):
     assert [e.task_name for e in store.list_entries(limit=10)] == ["intent.ledgered"] * 2
 
 
+def test_an_intent_whose_canvas_does_not_fit_keeps_its_arguments(tmp_path, caplog):
+    """A publish intent's snapshot keeps the task's place in its canvas, so that a re-send
+    continues its chain. When the arguments fit ``ledger_max_snapshot_bytes`` but the rest of
+    the chain does not, the intent is still recorded, with its arguments alone, and a warning
+    says so: without it, a message the broker lost before any claim would not be re-sent at
+    all."""
+    from celery import chain
+
+    from celery_ledger import LedgerTask, create_app
+
+    ledger = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    producer = create_app(
+        "producer",
+        data_dir=tmp_path / "data",
+        ledger_url=ledger,
+        ledger_max_snapshot_bytes=2_000,
+    )
+
+    @producer.task(base=LedgerTask, name="intent.link", shared=False)
+    def link(acc: list[str], note: str) -> None:
+        raise AssertionError("never runs here")
+
+    first = link.s([], "first")
+    rest = [link.s("x" * 300) for _ in range(10)]  # the chain's rest: over 2,000 bytes
+    with caplog.at_level("WARNING", logger="celery_ledger.intents"):
+        result = chain(first, *rest).apply_async()
+    head = result
+    while head.parent is not None:
+        head = head.parent
+    store = LedgerStore(ledger)
+    entry = store.get_entry(key_of("intent.link", head.id))
+    assert entry.executions == 0 and event_names(store, entry.key) == ["queued"]
+    snapshot = json.loads(entry.snapshot or "{}")
+    assert snapshot["args"] == [[], "first"] and not snapshot.get("canvas")
+    assert any("no canvas placement" in r.getMessage() for r in caplog.records), caplog.text
+
+
 # == issue 14: overdue retries, unreadable snapshots, one bad entry ==========================
 
 
