@@ -29,11 +29,12 @@ from __future__ import annotations
 import contextvars
 import logging
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from celery_ledger import runtime
 from celery_ledger.codec import check_depth, encode_snapshot
-from celery_ledger.ledger import NO_ARGS_HASH, ClaimRequest, KeyConflict
+from celery_ledger.ledger import NO_ARGS_HASH, ClaimRequest, KeyConflict, PayloadError
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -102,15 +103,30 @@ def record(
         check_depth([args, kwargs], what=f"arguments of {task.name}")
         key, args_hash = task.ledger_key(args, kwargs, task_id, ledger_key)
         settings = runtime.settings_for(task.app)
-        snapshot = encode_snapshot(
+        encoded = partial(
+            encode_snapshot,
             args,
             kwargs,
             queue=queue or getattr(task, "queue", None),
             ledger_key=ledger_key,
             limit=settings.max_snapshot_bytes,
             cipher=runtime.snapshot_cipher(task.app),
-            canvas=canvas,
         )
+        try:
+            snapshot = encoded(canvas=canvas)
+        except PayloadError as exc:
+            if not canvas:
+                raise
+            # The arguments alone may fit: an intent that re-sends the task without the rest
+            # of its canvas is better than none (a lost message would never be re-sent).
+            log.warning(
+                "publish intent of %s[%s] keeps no canvas placement (%s): a re-send from it "
+                "would not continue its chain or count in its chord",
+                task.name,
+                task_id,
+                exc,
+            )
+            snapshot = encoded(canvas=None)
         store = runtime.store_for(task.app)
         if store.record_intent(
             ClaimRequest(
