@@ -23,7 +23,7 @@ from typing import Any
 
 from celery.canvas import Signature, maybe_signature
 from celery.exceptions import NotRegistered
-from celery.utils.functional import arity_greater
+from celery.utils.functional import arity_greater, maybe_list
 
 from celery_ledger import runtime
 from celery_ledger.codec import encode
@@ -274,8 +274,8 @@ def published_placement(options: dict[str, Any], link: Any, link_error: Any) -> 
     """``placement`` of a task being published by ``apply_async`` (its publish intent's
     snapshot): the options a chain, a group or a chord passes it, and its callbacks."""
     found = {option: options.get(option) for _, option in _PLACEMENT}
-    found["link"] = _listed(link)
-    found["link_error"] = _listed(link_error)
+    found["link"] = maybe_list(link)
+    found["link_error"] = maybe_list(link_error)
     return _kept(found)
 
 
@@ -289,12 +289,6 @@ def message_placement(headers: dict[str, Any], embed: Any) -> dict[str, Any]:
             for field_, option in _PLACEMENT
         }
     )
-
-
-def _listed(signatures: Any) -> Any:
-    if signatures is None or isinstance(signatures, (list, tuple)):
-        return signatures
-    return [signatures]
 
 
 def _kept(found: dict[str, Any]) -> dict[str, Any]:
