@@ -1,0 +1,121 @@
+"""The admission gate at the store (SQLite and PostgreSQL): a claim admits a delivery only when
+no cancellation is pending, no deadline has passed and the key is no tombstone; a stored
+deadline only ever moves earlier. Each case is a claim the runtime makes (a retry's, a
+takeover's, a first delivery's), so a stepless body is stopped here, before it runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from test_store_contract import OWNER, STEP, make_interrupted, request
+
+from celery_ledger.ledger import EntryStatus, Gate, LedgerStore, StepStatus
+from celery_ledger.ledger.schedule import cancelled_failure
+
+ERROR = cancelled_failure("test")
+
+
+def test_a_cancellation_asked_during_an_attempt_stops_its_retry_at_the_claim(
+    store: LedgerStore,
+) -> None:
+    first = store.claim(request("k-retry", task_id="t-retry"))
+    assert store.request_cancel("k-retry", by="ops", reason="r", error=ERROR).outcome == (
+        "requested"
+    )
+    # The attempt retries (a stepless body never met the step gate): the retry's delivery
+    # must not run it again.
+    assert store.settle("k-retry", first.fence, EntryStatus.RETRYING, due_in=0.0)
+    again = store.claim(request("k-retry", task_id="t-retry"))
+    assert again.gate is Gate.RETURN, again
+    assert "TaskCancelled" in (again.error or "")
+    entry = store.get_entry("k-retry")
+    assert entry.status is EntryStatus.CANCELLED and entry.fence > first.fence
+
+
+def test_a_cancellation_asked_before_a_takeover_stops_the_takeover(store: LedgerStore) -> None:
+    first = store.claim(request("k-take", task_id="t-take"))
+    assert store.write_step("k-take", first.fence, STEP, seq=1, status=StepStatus.COMPLETED)
+    assert store.request_cancel("k-take", by="ops", reason="r", error=ERROR).outcome == (
+        "requested"
+    )
+    # The worker's parent saw the pool process die (the fast path) before any sweep.
+    assert interrupt(store, "k-take")
+    taken = store.claim(request("k-take", task_id="t-take"))
+    assert taken.gate is Gate.RETURN, taken
+    assert store.get_entry("k-take").status is EntryStatus.CANCELLED
+
+
+def test_a_passed_deadline_stops_a_first_delivery_at_its_claim(store: LedgerStore) -> None:
+    now = store.now()
+    late = dataclasses.replace(request("k-late", task_id="t-late"), deadline_at=now - 1.0)
+    claim = store.claim(late)
+    assert claim.gate is Gate.RETURN, claim
+    assert "TaskExpired" in (claim.error or "")
+    assert store.get_entry("k-late").status is EntryStatus.EXPIRED
+    # A deadline relative to the entry's creation that is already spent does the same.
+    spent = dataclasses.replace(request("k-spent", task_id="t-spent"), deadline_after=-1.0)
+    assert store.claim(spent).gate is Gate.RETURN
+    # And one still ahead admits it, storing it for every later gate.
+    ahead = dataclasses.replace(request("k-ahead", task_id="t-ahead"), deadline_at=now + 60.0)
+    assert store.claim(ahead).gate is Gate.RUN
+    stored = store.get_entry("k-ahead").deadline_at
+    assert stored is not None and abs(stored - (now + 60.0)) < 1.0
+
+
+def test_a_passed_deadline_stops_a_publish_intent_at_its_claim(store: LedgerStore) -> None:
+    intent = dataclasses.replace(
+        request("k-intent", task_id="t-intent"), deadline_at=store.now() + 0.2
+    )
+    assert store.record_intent(intent)
+    time.sleep(0.4)
+    claim = store.claim(request("k-intent", task_id="t-intent"))
+    assert claim.gate is Gate.RETURN and "TaskExpired" in (claim.error or ""), claim
+
+
+def test_a_stored_deadline_never_moves_later(store: LedgerStore) -> None:
+    now = store.now()
+    first = store.claim(request("k-dl", task_id="t-dl"))
+    assert store.set_deadline("k-dl", first.fence, at=now + 30.0, after_created=None) is False
+    # The message's own deadline (a resume carries none, or a later one) never extends it.
+    assert store.set_deadline("k-dl", first.fence, at=now + 3600.0, after_created=None) is False
+    stored = store.get_entry("k-dl").deadline_at
+    assert stored is not None and stored < now + 31.0, stored
+    assert store.set_deadline("k-dl", first.fence, at=None, after_created=7200.0) is False
+    stored = store.get_entry("k-dl").deadline_at
+    assert stored is not None and stored < now + 31.0, stored
+    fence = interrupt(store, "k-dl")
+    later = dataclasses.replace(
+        request("k-dl", task_id="t-dl"), deadline_at=now + 3600.0, deadline_after=7200.0
+    )
+    taken = store.claim(later)
+    assert taken.gate is Gate.TAKEOVER and taken.fence == fence + 1
+    stored = store.get_entry("k-dl").deadline_at
+    assert stored is not None and stored < now + 31.0, stored
+
+
+def interrupt(store: LedgerStore, key: str) -> int:
+    """The worker-lost fast path: the parent saw the pool process die."""
+    found = store.interrupt_owner(
+        key, node=OWNER.node, boot=OWNER.boot, pid=OWNER.pid, actor="parent", why="lost"
+    )
+    assert found is not None
+    return found.fence
+
+
+def test_a_tombstone_is_never_admitted(store: LedgerStore) -> None:
+    fence = make_interrupted(store, "k-tomb")
+    taken = store.claim(request("k-tomb"))
+    assert taken.gate is Gate.TAKEOVER and taken.fence == fence + 1
+    assert store.settle("k-tomb", taken.fence, EntryStatus.FAILED, error='{"e":1}')
+    with store._txn() as conn:  # settled long ago: retention's clock moved on
+        from sqlalchemy import update
+
+        from celery_ledger.ledger.schema import entries
+
+        conn.execute(update(entries).values(settled_at=entries.c.settled_at - 10 * 86400.0))
+    from celery_ledger.ledger.schedule import PRUNED_FAILURE
+
+    assert store.prune_settled(86400.0, tombstone=PRUNED_FAILURE) == 1
+    late = store.claim(request("k-tomb"))
+    assert late.gate is Gate.RETURN and "KeyPruned" in (late.error or "")
