@@ -60,6 +60,7 @@ from celery_ledger.ledger.values import (
     Claim,
     ClaimRequest,
     Entry,
+    Envelope,
     EventRecord,
     Interrupted,
     Overdue,
@@ -90,6 +91,7 @@ __all__ = [
     "TransactionSteps",
     # Values
     "ArgumentSnapshot",
+    "Envelope",
     "Claim",
     "ClaimRequest",
     "Entry",

@@ -12,6 +12,13 @@ from typing import Any
 from sqlalchemy import Connection, String, delete, literal, select, update
 
 from celery_ledger.ledger import statements as sql
+from celery_ledger.ledger.admission import (
+    Refusal,
+    earliest_of,
+    expired_failure,
+    refusal,
+    refused_failure,
+)
 from celery_ledger.ledger.core import Note, StoreCore
 from celery_ledger.ledger.crashloop import crash_loop_reason
 from celery_ledger.ledger.dbclock import db_now
@@ -64,8 +71,11 @@ class HotPath(StoreCore):
         never raises for a lost race.
         """
         for _ in range(3):
-            fence = self._insert_new(req)
-            if fence is not None:
+            inserted = self._insert_new(req)
+            if inserted is not None:
+                fence, deadline_passed = inserted
+                if deadline_passed:
+                    return self._expire_new(req, fence)
                 return Claim(Gate.RUN, req.key, fence)
             with self._txn() as conn:
                 claim = self._claim_existing_txn(conn, req)
@@ -74,7 +84,7 @@ class HotPath(StoreCore):
             # The row vanished between our insert and our read (pruned): insert again.
         raise RuntimeError(f"claim of {req.key} did not converge")  # pragma: no cover
 
-    def _insert_new(self, req: ClaimRequest) -> int | None:
+    def _insert_new(self, req: ClaimRequest) -> tuple[int, bool] | None:
         # The claim of a non_idempotent or irreversible task is its intent when the body has
         # no steps (issue 20): it waits for the flush. Other classes may re-run: it need not.
         rows = self._insert_entry(
@@ -86,7 +96,16 @@ class HotPath(StoreCore):
             event="claimed",
             lazy=self._lazy(req.side_effect in _CLAIM_IS_INTENT),
         )
-        return int(rows[0][2]) if rows else None
+        return (int(rows[0][2]), bool(rows[0][4])) if rows else None
+
+    def _expire_new(self, req: ClaimRequest, fence: int) -> Claim:
+        """The admission gate on a new entry: its delivery came with a deadline that had
+        passed when the row was written. It settles ``expired`` (fenced) and RETURNs the
+        failure, so that nothing runs; rare, so a second statement is spent only here."""
+        why = f"{req.task_name}[{req.task_id}]: the deadline passed before it ran"
+        error = expired_failure(why)
+        self.settle(req.key, fence, EntryStatus.EXPIRED, error=error, actor=req.owner.node)
+        return Claim(Gate.RETURN, req.key, fence, error=error)
 
     def record_intent(self, req: ClaimRequest) -> bool:
         """Record a task at publish time, before any worker has it (one statement, atomic).
@@ -128,6 +147,8 @@ class HotPath(StoreCore):
                 "executions": executions,
                 "group_id": req.group_id,
                 "parent_id": req.parent_id,
+                "dl_at": req.deadline_at,
+                "dl_after": req.deadline_after,
             },
             Note(event, req.owner.node),
             lazy=lazy,
@@ -135,7 +156,11 @@ class HotPath(StoreCore):
 
     def _claim_existing_txn(self, conn: Connection, req: ClaimRequest) -> Claim | None:
         row = conn.execute(
-            select(entries, (entries.c.lease_until - db_now()).label("remaining"))
+            select(
+                entries,
+                (entries.c.lease_until - db_now()).label("remaining"),
+                db_now().label("now"),
+            )
             .where(entries.c.key == req.key)
             .with_for_update()
         ).one_or_none()
@@ -175,6 +200,13 @@ class HotPath(StoreCore):
             # A publish intent (or its resume) that no attempt ran yet: a first run, with
             # nothing that could be ambiguous and no crash to count.
             gate = Gate.RUN
+        # The admission gate (``admission``), asked of every delivery that would run: a
+        # retry's, a takeover's, a resume's, a wake's. The deadline only tightens.
+        rel = None if req.deadline_after is None else row.created_at + req.deadline_after
+        deadline = earliest_of(row.deadline_at, req.deadline_at, rel)
+        refused = refusal(row.cancel_requested_at, deadline, row.now)
+        if refused is not None:
+            return self._refuse_in_claim(conn, req, row, refused, deadline)
         fence = row.fence + 1
         if gate is Gate.TAKEOVER:
             reason = crash_loop_reason(interruptions, req.max_interruptions)
@@ -195,6 +227,7 @@ class HotPath(StoreCore):
             "new_interruptions": interruptions,
             "new_group_id": req.group_id,
             "new_parent_id": req.parent_id,
+            "new_deadline": deadline,
         }
         event = (
             "claimed" if row.executions == 0 else "takeover" if gate is Gate.TAKEOVER else "rerun"
@@ -208,6 +241,56 @@ class HotPath(StoreCore):
             found=found,
             steps=self._load_steps(conn, req.key),
             executions=row.executions,
+        )
+
+    def _refuse_in_claim(
+        self, conn: Connection, req: ClaimRequest, row: Any, why: Refusal, deadline: float | None
+    ) -> Claim:
+        """Settle an entry the admission gate refused (``why``), under the claim's row lock,
+        and RETURN its failure. A step that started and never completed may have executed:
+        the reason says so, for the operator who reads ``show``."""
+        if why is Refusal.CANCELLED:
+            detail = f"cancelled by {row.cancel_by}: {row.cancel_reason}; this delivery did not run"
+        else:
+            detail = "the deadline passed before this delivery ran"
+        error = refused_failure(why, f"{req.task_name}[{req.task_id}] key {req.key}: {detail}")
+        started = conn.execute(
+            select(steps.c.name)
+            .where(steps.c.key == req.key, steps.c.status == StepStatus.STARTED.value)
+            .limit(1)
+        ).scalar_one_or_none()
+        reason = None
+        if started is not None:
+            reason = (
+                f"{detail}; step {started!r} started and never completed: it may have "
+                "executed (see its external reference)"
+            )
+        fence = row.fence + 1
+        upd = (
+            update(entries)
+            .where(entries.c.key == req.key)
+            .values(
+                status=why.value,
+                fence=fence,
+                error=error,
+                reason=reason,
+                lease_until=None,
+                due_at=None,
+                deadline_at=deadline,
+                settled_at=db_now(),
+                updated_at=db_now(),
+            )
+            .returning(
+                entries.c.key,
+                literal(req.task_id, String).label("task_id"),
+                entries.c.fence,
+                entries.c.status,
+            )
+        )
+        note = Note(why.value, req.owner.node, f"refused at the claim: {reason or detail}")
+        self._write_with_event(conn, sql.with_event(self.dialect, upd), {}, note)
+        return Claim(
+            Gate.RETURN, req.key, fence, found=EntryStatus(row.status), error=error, reason=reason
         )
 
     def _block_in_claim(

@@ -17,12 +17,19 @@ Every transition is a compare-and-set on (key, fence, status) with its audit eve
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from sqlalchemy import Float, case, cast, delete, func, select, update
+from sqlalchemy import Float, case, delete, func, select, update
 
 from celery_ledger.ledger import statements as sql
+from celery_ledger.ledger.admission import (
+    EXC_MODULE,
+    PRUNED_FAILURE,
+    cancelled_failure,
+    earliest,
+    offered_deadline,
+    stored_exception,
+)
 from celery_ledger.ledger.core import Note, StoreCore
 from celery_ledger.ledger.dbclock import db_now, db_now_stable
 from celery_ledger.ledger.errors import EntryNotFound
@@ -84,9 +91,12 @@ class ScheduleQueries(StoreCore):
         due_in: float | None = None,
         due_at: float | None = None,
         deadline_at: float | None = None,
+        deadline_in: float | None = None,
     ) -> bool:
         """Record a task the ledger holds until its due time (``due_in`` seconds from now on
         the database clock, or ``due_at``), in one statement with its ``scheduled`` event.
+        Its deadline is the earlier of ``deadline_at`` (absolute) and ``deadline_in`` seconds
+        from now on the database clock, the clock its due time is on.
 
         Returns False when the key has an entry already (nothing written).
         """
@@ -108,12 +118,17 @@ class ScheduleQueries(StoreCore):
                 created_at=now,
                 updated_at=now,
                 due_at=func.coalesce(now + B("due_in", Float), B("due_abs", Float)),
-                deadline_at=B("deadline_abs", Float),
+                deadline_at=offered_deadline(now, B("deadline_abs"), B("deadline_in")),
             )
             .on_conflict_do_nothing(index_elements=[entries.c.key])
             .returning(*sql.RETURNED)
         )
-        params = {"due_in": due_in, "due_abs": due_at, "deadline_abs": deadline_at}
+        params = {
+            "due_in": due_in,
+            "due_abs": due_at,
+            "deadline_abs": deadline_at,
+            "deadline_in": deadline_in,
+        }
         with self._one_statement() as conn:
             rows = self._write_with_event(
                 conn, sql.with_event(self.dialect, ins), params, Note("scheduled", None)
@@ -203,7 +218,12 @@ class ScheduleQueries(StoreCore):
             return None
         row = rows[0]
         won = Resuming(
-            row.task_name, row.task_id, row.fence, row.snapshot, int(row.completed_steps)
+            row.task_name,
+            row.task_id,
+            row.fence,
+            row.snapshot,
+            int(row.completed_steps),
+            row.deadline_at,
         )
         return won, row.deadline_at
 
@@ -326,19 +346,11 @@ class ScheduleQueries(StoreCore):
     def set_deadline(
         self, key: str, fence: int, *, at: float | None, after_created: float | None
     ) -> bool | None:
-        """Store the attempt's deadline (the earlier of ``at`` and created_at +
-        ``after_created``), fenced, in one statement. Returns whether it already passed on the
-        database clock; None when the fence moved."""
-        # Typed casts: PostgreSQL cannot type a bare NULL parameter in ``$1 IS NULL``.
-        rel_in = cast(B("rel", Float), Float)
-        abs_ = cast(B("abs", Float), Float)
-        rel = entries.c.created_at + rel_in
-        deadline = case(
-            (abs_.is_(None), rel),
-            (rel_in.is_(None), abs_),
-            (rel < abs_, rel),
-            else_=abs_,
-        )
+        """Offer the attempt a deadline (the earlier of ``at`` and created_at +
+        ``after_created``), fenced, in one statement; the stored one only ever moves earlier
+        (``admission.earliest``). Returns whether it already passed on the database clock;
+        None when the fence moved."""
+        offered = offered_deadline(entries.c.created_at, B("abs"), B("rel"))
         upd = (
             update(entries)
             .where(
@@ -346,7 +358,7 @@ class ScheduleQueries(StoreCore):
                 entries.c.fence == fence,
                 entries.c.status == EntryStatus.RUNNING.value,
             )
-            .values(deadline_at=deadline)
+            .values(deadline_at=earliest(entries.c.deadline_at, offered))
             .returning((entries.c.deadline_at <= db_now()).label("passed"))
         )
         with self._one_statement() as conn:
@@ -404,27 +416,13 @@ def tombstone_values(error: str) -> dict[str, Any]:
     }
 
 
-#: Where the exceptions a settled cancelled/expired/pruned entry raises live (the runtime);
-#: named, not imported: the ledger stays free of the runtime.
-EXC_MODULE = "celery_ledger.timing"
-
-
-def stored_exception(exc_type: str, message: str) -> str:
-    """A failure as the ledger stores it (the form of Celery's JSON ``prepare_exception``),
-    raised again by every later delivery (gate RETURN)."""
-    return json.dumps(
-        {"exc_type": exc_type, "exc_message": [message[:2000]], "exc_module": EXC_MODULE}
-    )
-
-
-def cancelled_failure(why: str) -> str:
-    """The stored ``TaskCancelled`` of a cancellation settled outside any attempt."""
-    return stored_exception("TaskCancelled", why)
-
-
-#: The stored failure of a tombstone that is not ``completed``.
-PRUNED_FAILURE = stored_exception(
-    "KeyPruned",
-    "this key settled (failed, cancelled or expired) and was pruned after the retention "
-    "window; a late delivery does not run it again (ledger_tombstone_days)",
-)
+__all__ = [
+    "EXC_MODULE",
+    "PRUNED_FAILURE",
+    "CancelOutcome",
+    "Due",
+    "ScheduleQueries",
+    "cancelled_failure",
+    "stored_exception",
+    "tombstone_values",
+]

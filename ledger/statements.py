@@ -26,6 +26,7 @@ from sqlalchemy import (
     update,
 )
 
+from celery_ledger.ledger.admission import offered_deadline, open_predicates
 from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.dialect import Dialect
 from celery_ledger.ledger.identity import DECLARED_PREFIX
@@ -117,9 +118,12 @@ def claim_insert(dialect: Dialect) -> Any:
             interruptions=0,
             created_at=now,
             updated_at=now,
+            # The admission gate's deadline: a relative one counts from this row's creation,
+            # on the database clock (``admission.offered_deadline``).
+            deadline_at=offered_deadline(now, B("dl_at"), B("dl_after")),
         )
         .on_conflict_do_nothing(index_elements=[entries.c.key])
-        .returning(*RETURNED)
+        .returning(*RETURNED, (entries.c.deadline_at <= now).label("deadline_passed"))
     )
     return with_event(dialect, ins)
 
@@ -147,6 +151,8 @@ def claim_takeover(dialect: Dialect) -> Any:
             interruptions=B("new_interruptions", Integer),
             updated_at=now,
             due_at=None,  # a retry that is claimed waits for no time any more
+            # Tightened under the claim's row lock (``admission.earliest_of``): never later.
+            deadline_at=B("new_deadline", Float),
             # A publish intent knows no canvas (the claim does); a re-send keeps it.
             group_id=func.coalesce(B("new_group_id", String), entries.c.group_id),
             parent_id=func.coalesce(B("new_parent_id", String), entries.c.parent_id),
@@ -201,16 +207,14 @@ def live_entry(key: Any, fence: Any, *, may_start: bool = False) -> Any:
     serialize: either the write lands first and the takeover's replay load sees it, or the
     takeover commits first and the re-checked WHERE finds the fence moved.
 
-    ``may_start`` (an effect step's ``started`` write): also no cancellation asked for and no
-    deadline passed on the database clock (issue 18), so the step boundary's check rides on
-    the write the step makes anyway; a refused start is explained by ``worker/timing.py``.
+    ``may_start`` (an effect step's ``started`` write, a transaction step's commit): also the
+    admission gate (``admission.open_predicates``: no cancellation pending, no deadline
+    passed on the database clock), so the step boundary's check rides on the write the step
+    makes anyway; a refused start is explained by ``worker/timing.py``.
     """
     cond = [entries.c.key == key, entries.c.fence == fence, entries.c.status == _RUNNING]
     if may_start:
-        cond += [
-            entries.c.cancel_requested_at.is_(None),
-            (entries.c.deadline_at.is_(None)) | (entries.c.deadline_at > db_now()),
-        ]
+        cond += open_predicates(db_now())
     return select(entries.c.key).where(*cond).with_for_update(read=True)
 
 
@@ -239,11 +243,15 @@ def _second_at_position() -> Any:
 
 
 @cache
-def step_upsert(dialect: Dialect, started: bool, *, at_position: bool = False) -> Any:
+def step_upsert(
+    dialect: Dialect, started: bool, *, at_position: bool = False, gated: bool = False
+) -> Any:
     """Upsert one replay row, fenced on the entry (see ``HotPath.write_step``).
 
     ``at_position``: a ``started`` row of a step that sits at a position; a new one counts a
     second execution when another input already ran there (``_second_at_position``).
+    ``gated``: a ``completed`` row that is itself the effect (a transaction step's commit)
+    asks the admission gate, as every ``started`` row does.
     """
     now = db_now()
     values: dict[str, Any] = {
@@ -261,7 +269,9 @@ def step_upsert(dialect: Dialect, started: bool, *, at_position: bool = False) -
         "started_at": now,
         "completed_at": None if started else now,
     }
-    source = live_entry(B("key"), B("fence"), may_start=started).with_only_columns(*values.values())
+    source = live_entry(B("key"), B("fence"), may_start=started or gated).with_only_columns(
+        *values.values()
+    )
     ins = dialect.insert(steps).from_select(list(values), source)
     ex = ins.excluded
     # An attempt of the step's body is a ``started`` write onto an existing row, from a new
@@ -292,6 +302,8 @@ HOT: dict[Any, Callable[[Dialect], Any]] = {
     "claim": claim_insert,
     "renew": lambda _dialect: renew_update(),
     "event": lambda _dialect: event_insert(),
+    # A transaction step's completed row: its commit is the effect (``ledger.transactions``).
+    "step-commit": partial(step_upsert, started=False, gated=True),
     **{("settle", flag): partial(settle_update, settled=flag) for flag in (True, False)},
     **{
         ("step", started, at_position): partial(

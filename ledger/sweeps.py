@@ -234,7 +234,13 @@ class SweepQueries(StoreCore):
                 lease_until=db_now() + lease_seconds,
                 updated_at=db_now(),
             )
-            .returning(*sql.RETURNED, entries.c.task_name, entries.c.snapshot, completed)
+            .returning(
+                *sql.RETURNED,
+                entries.c.task_name,
+                entries.c.snapshot,
+                completed,
+                entries.c.deadline_at,
+            )
         )
         with self._one_statement() as conn:
             stmt = sql.with_event(self.dialect, upd)
@@ -243,7 +249,12 @@ class SweepQueries(StoreCore):
             return None
         row = rows[0]
         return Resuming(
-            row.task_name, row.task_id, row.fence, row.snapshot, int(row.completed_steps)
+            row.task_name,
+            row.task_id,
+            row.fence,
+            row.snapshot,
+            int(row.completed_steps),
+            row.deadline_at,
         )
 
     def snapshots_at(self, keys: Sequence[str]) -> dict[str, tuple[int, EntryStatus, str | None]]:
@@ -322,14 +333,25 @@ class SweepQueries(StoreCore):
                 lease_until=db_now() + lease_seconds,
                 updated_at=db_now(),
             )
-            .returning(*sql.RETURNED, entries.c.task_name, entries.c.snapshot, completed)
+            .returning(
+                *sql.RETURNED,
+                entries.c.task_name,
+                entries.c.snapshot,
+                completed,
+                entries.c.deadline_at,
+            )
         )
         with self._txn() as conn:
             stmt = sql.with_event(self.dialect, upd)
             rows = self._write_with_event(conn, stmt, {}, Note("resuming", actor))
         return {
             row.key: Resuming(
-                row.task_name, row.task_id, row.fence, row.snapshot, int(row.completed_steps)
+                row.task_name,
+                row.task_id,
+                row.fence,
+                row.snapshot,
+                int(row.completed_steps),
+                row.deadline_at,
             )
             for row in rows
         }
@@ -382,7 +404,13 @@ class SweepQueries(StoreCore):
             update(entries)
             .where(entries.c.key == key, entries.c.fence == fence, entries.c.status == _RETRYING)
             .values(fence=fence + 1, due_at=db_now() + resend_after, updated_at=db_now())
-            .returning(*sql.RETURNED, entries.c.task_name, entries.c.snapshot, completed)
+            .returning(
+                *sql.RETURNED,
+                entries.c.task_name,
+                entries.c.snapshot,
+                completed,
+                entries.c.deadline_at,
+            )
         )
         with self._one_statement() as conn:
             stmt = sql.with_event(self.dialect, upd)
@@ -392,7 +420,12 @@ class SweepQueries(StoreCore):
             return None
         row = rows[0]
         return Resuming(
-            row.task_name, row.task_id, row.fence, row.snapshot, int(row.completed_steps)
+            row.task_name,
+            row.task_id,
+            row.fence,
+            row.snapshot,
+            int(row.completed_steps),
+            row.deadline_at,
         )
 
     def block(

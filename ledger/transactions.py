@@ -214,10 +214,13 @@ class TransactionSteps(StoreCore):
     ) -> bool:
         """``complete_on`` on a raw DBAPI connection of the same driver as the ledger's, in
         its open transaction (Django's connection inside ``transaction.atomic()``): the same
-        compiled statement on another cursor. Returns False when the fence moved or the row
-        is completed already: the caller must roll back."""
+        compiled statement on another cursor. Returns False when the fence moved, the row is
+        completed already, or the admission gate refused it (a cancellation is pending, the
+        deadline passed): the caller must roll back."""
         name, _, occurrence = ident
-        stmt = self._hot(("step", False, False))
+        # The gated upsert: a cancellation or a passed deadline refuses the commit as it
+        # refuses an effect step's start (``admission``); the caller rolls back either way.
+        stmt = self._hot("step-commit")
         params = _completed_params(key, fence, ident, seq, output)
         cur = dbapi.cursor()
         try:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from celery_ledger.ledger.envelope import ArgumentSnapshot, Envelope
 from celery_ledger.ledger.states import EntryStatus, Gate, StepStatus
 
 #: Owner name written by recovery when it re-enqueues an entry: the next claim of that entry
@@ -25,61 +25,6 @@ class Owner:
     node: str
     boot: str
     pid: int
-
-
-@dataclass(frozen=True)
-class ArgumentSnapshot:
-    """What recovery needs to re-send a task with its original task id: the arguments and the
-    routing it was delivered with.
-
-    Stored as a JSON object in ``entries.snapshot``; the JSON encoding itself is the Celery
-    side's (kombu's, which keeps datetimes and UUIDs intact), so the ledger only maps this value
-    to and from that object. The object's keys are ``args``, ``kwargs``, ``queue``,
-    ``ledger_key``, in that order, then ``retries`` for a retry's snapshot; ``from_data``
-    reads snapshots that lack any of them.
-    """
-
-    args: tuple[Any, ...] = ()
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
-    #: The queue (routing key) the task was published or delivered on; None: its default.
-    queue: str | None = None
-    #: The ``ledger_key`` header the task was sent with (business key material), if any.
-    ledger_key: Any = None
-    #: Celery's retry count of the delivery to re-send (a retry's: 1 for the first retry), so
-    #: that a re-sent retry counts against ``max_retries`` like the message it replaces.
-    retries: int = 0
-    #: Where the delivery sits in a Celery canvas: the publish options that carry it on
-    #: (``chain``, ``link``, ``link_error``, ``chord``, ``group_id``, ``group_index``,
-    #: ``parent_id``, ``root_id``), so that a re-send continues the chain and counts in the
-    #: chord. Opaque to the ledger; empty for a task outside any canvas.
-    canvas: Mapping[str, Any] = field(default_factory=dict)
-
-    def as_data(self) -> dict[str, Any]:
-        """The JSON object stored for this snapshot (``retries`` only when not 0, ``canvas``
-        only when not empty)."""
-        data = {
-            "args": list(self.args),
-            "kwargs": dict(self.kwargs),
-            "queue": self.queue,
-            "ledger_key": self.ledger_key,
-        }
-        if self.retries:
-            data["retries"] = self.retries
-        if self.canvas:
-            data["canvas"] = dict(self.canvas)
-        return data
-
-    @classmethod
-    def from_data(cls, data: Mapping[str, Any]) -> ArgumentSnapshot:
-        """The snapshot a stored JSON object describes (missing keys take their defaults)."""
-        return cls(
-            args=tuple(data.get("args") or ()),
-            kwargs=dict(data.get("kwargs") or {}),
-            queue=data.get("queue") or None,
-            ledger_key=data.get("ledger_key"),
-            retries=int(data.get("retries") or 0),
-            canvas=dict(data.get("canvas") or {}),
-        )
 
 
 @dataclass(frozen=True)
@@ -104,6 +49,12 @@ class ClaimRequest:
     #: that published it. Stored on the entry for ``show``; never part of its identity.
     group_id: str | None = None
     parent_id: str | None = None
+    #: The delivery's absolute deadline, seconds since the epoch (Celery's ``expires``, the
+    #: ``ledger_deadline`` header). The claim stores the earliest deadline it knows and
+    #: refuses the delivery once it passed (``admission``).
+    deadline_at: float | None = None
+    #: The task's ``deadline`` option: seconds after the entry was created (database clock).
+    deadline_after: float | None = None
 
 
 @dataclass(frozen=True)
@@ -250,6 +201,8 @@ class Resuming:
     snapshot: str | None
     #: Replay rows already completed, which the resumed attempt will short-circuit.
     completed_steps: int
+    #: The entry's deadline (database clock), sent along with the envelope.
+    deadline_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -263,3 +216,20 @@ class Overdue:
     fence: int
     #: When it was due (database clock, seconds since the epoch).
     due_at: float
+
+
+__all__ = [
+    "NO_ARGS_HASH",
+    "RESUME_OWNER",
+    "ArgumentSnapshot",
+    "Claim",
+    "ClaimRequest",
+    "Entry",
+    "Envelope",
+    "EventRecord",
+    "Interrupted",
+    "Overdue",
+    "Owner",
+    "Resuming",
+    "StepRecord",
+]

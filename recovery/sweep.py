@@ -55,6 +55,7 @@ from celery_ledger.ledger import (
 )
 from celery_ledger.recovery.outbox import sweep_outbox
 from celery_ledger.recovery.publish import Batch
+from celery_ledger.recovery.resend import send, send_on
 
 log = logging.getLogger(__name__)
 
@@ -206,44 +207,6 @@ def _park_unreadable(
         return ResumeOutcome.LOST_RACE
     log.warning("blocked key=%s task_id=%s fence=%s: %s", key, task_id, fence + 1, reason)
     return ResumeOutcome.BLOCKED
-
-
-def _send(
-    app: Any,
-    name: str,
-    task_id: str,
-    snapshot: ArgumentSnapshot,
-    extra_headers: dict[str, Any] | None = None,
-) -> None:
-    """Re-send a task with its original task id and its argument snapshot."""
-    with Batch(app) as batch:
-        _send_on(batch, name, task_id, snapshot, extra_headers)
-        batch.flush()
-
-
-def _send_on(
-    batch: Batch,
-    name: str,
-    task_id: str,
-    snapshot: ArgumentSnapshot,
-    extra_headers: dict[str, Any] | None = None,
-) -> None:
-    """``_send`` on a batch's producer (one connection for a whole sweep)."""
-    # ledger_redelivery: the entry exists, so the publisher records no publish intent.
-    headers: dict[str, Any] = {**(extra_headers or {}), "ledger_redelivery": True}
-    if snapshot.ledger_key is not None:
-        headers["ledger_key"] = snapshot.ledger_key
-    options: dict[str, Any] = {"task_id": task_id, "headers": headers}
-    if snapshot.queue:
-        options["queue"] = snapshot.queue
-    if snapshot.retries:
-        options["retries"] = snapshot.retries
-    # Its place in a canvas: the rest of its chain, its callbacks, its chord and group.
-    options.update(snapshot.canvas)
-    # Confirmed by the broker (recovery/publish.py): a re-send it never took raises here and
-    # is not counted as sent; the lease the caller's compare-and-set took brings it back to the
-    # next sweep.
-    batch.send_task(name, args=list(snapshot.args), kwargs=dict(snapshot.kwargs), **options)
 
 
 def _screen(
@@ -458,7 +421,7 @@ def _send_chunk(
             outcomes[i] = ResumeOutcome.LOST_RACE
             continue
         try:
-            _send_on(sender, won.task_name, won.task_id, snapshot)
+            send_on(sender, won.task_name, won.task_id, snapshot, deadline_at=won.deadline_at)
         except Exception as exc:  # noqa: BLE001 - this entry alone; the lease brings it back
             _log_unsent(batch[i], won, exc, lease_seconds)
             outcomes[i] = ResumeOutcome.LOST_RACE
@@ -525,7 +488,7 @@ def _resend_won(
     """Re-send an entry whose resume this process won; RESUMED, or LOST_RACE (logged) when
     the broker did not take it (the resume lease brings it back to a later sweep)."""
     try:
-        _send_on(batch, won.task_name, won.task_id, snapshot)
+        send_on(batch, won.task_name, won.task_id, snapshot, deadline_at=won.deadline_at)
         batch.flush()
     except Exception as exc:  # noqa: BLE001 - the lease brings it back to the next sweep
         _log_unsent(entry, won, exc, lease_seconds)
@@ -557,7 +520,7 @@ def resend_retry(
     if won is None:
         return ResumeOutcome.LOST_RACE
     try:
-        _send(app, won.task_name, won.task_id, snapshot)
+        send(app, won.task_name, won.task_id, snapshot, deadline_at=won.deadline_at)
     except Exception as exc:  # noqa: BLE001 - due again after resend_after
         log.error(
             "re-send of overdue retry key=%s task_id=%s fence=%s failed (%r); the sweep "

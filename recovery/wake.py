@@ -21,11 +21,11 @@ from celery_ledger.ledger import (
     SnapshotSealError,
 )
 from celery_ledger.ledger.schedule import PRUNED_FAILURE, cancelled_failure
+from celery_ledger.recovery.resend import send
 from celery_ledger.recovery.sweep import (
     ResumeOutcome,
     UnreadableSnapshot,
     _park_unreadable,
-    _send,
     read_snapshot,
 )
 
@@ -67,11 +67,10 @@ def wake_entry(
     )
     if woke is None:
         return ResumeOutcome.LOST_RACE
-    won, deadline = woke
-    # The deadline rides along, so the claim checks it before the body starts.
-    extra = None if deadline is None else {"ledger_deadline": deadline}
+    won, _ = woke
     try:
-        _send(app, won.task_name, won.task_id, snapshot, extra)
+        # The deadline rides along (``resend.message``), so the claim checks it at once.
+        send(app, won.task_name, won.task_id, snapshot, deadline_at=won.deadline_at)
     except Exception as exc:  # noqa: BLE001 - the lease brings it back to a later sweep
         log.error(
             "wake of key=%s task_id=%s could not be sent (%r); resumed after %ss",

@@ -119,3 +119,26 @@ def test_a_tombstone_is_never_admitted(store: LedgerStore) -> None:
     assert store.prune_settled(86400.0, tombstone=PRUNED_FAILURE) == 1
     late = store.claim(request("k-tomb"))
     assert late.gate is Gate.RETURN and "KeyPruned" in (late.error or "")
+
+
+def test_a_transaction_step_does_not_commit_after_a_cancellation_or_its_deadline(
+    store: LedgerStore,
+) -> None:
+    """A transaction step's commit is its effect: the gate refuses it like a ``started`` row,
+    and its writes roll back with the refused row."""
+    cancelled = store.claim(request("k-txc", task_id="t-txc"))
+    assert store.request_cancel("k-txc", by="ops", reason="r", error=ERROR).outcome == ("requested")
+    with store.step_transaction() as conn:
+        assert not store.commit_step(
+            conn, "k-txc", cancelled.fence, ("credit", "h", 0), seq=1, output='"ok"'
+        )
+    assert store.stop_reason("k-txc", cancelled.fence) == "cancelled"
+
+    late = store.claim(request("k-txd", task_id="t-txd"))
+    assert store.set_deadline("k-txd", late.fence, at=store.now() - 1.0, after_created=None)
+    with store.step_transaction() as conn:
+        assert not store.commit_step(
+            conn, "k-txd", late.fence, ("credit", "h", 0), seq=1, output='"ok"'
+        )
+    assert store.stop_reason("k-txd", late.fence) == "expired"
+    assert store.load_steps("k-txc") == () and store.load_steps("k-txd") == ()

@@ -23,7 +23,7 @@ from typing import Any
 
 from celery import Celery, Task, current_app, signals
 
-from celery_ledger import canvas, fsbroker, intents, runtime, timing
+from celery_ledger import canvas, envelope, fsbroker, intents, runtime, timing
 from celery_ledger.backoff import retry_while_unavailable
 from celery_ledger.ledger import LedgerError, LedgerUnavailable
 from celery_ledger.recovery import SweepReport, boot_sweep, run_sweep
@@ -177,6 +177,7 @@ def on_task_published(
     body: Any = None,
     headers: dict[str, Any] | None = None,
     routing_key: str | None = None,
+    properties: dict[str, Any] | None = None,
     **_: Any,
 ) -> None:
     """``after_task_publish``: the publish intent of a ledgered task sent by name
@@ -191,15 +192,17 @@ def on_task_published(
     task = _ledger_task(sender)
     if task is None or not intents.wanted(task, headers):
         return
-    intents.record(
-        task,
+    sent = envelope.of_message(
         tuple(body[0] or ()),
         dict(body[1] or {}),
-        task_id,
-        ledger_key=headers.get("ledger_key"),
-        queue=routing_key,
+        headers,
+        routing_key=routing_key,
+        properties=properties,
         canvas=canvas.message_placement(headers, body[2] if len(body) > 2 else None),
     )
+    # The message's expires is absolute (Celery made it so on the producer's clock).
+    deadline = envelope.deadline_of({"expires": headers.get("expires"), "headers": headers})
+    intents.record(task, sent, task_id, deadline=deadline)
 
 
 def _ledger_task(name: str) -> LedgerTask | None:

@@ -29,12 +29,11 @@ from __future__ import annotations
 import contextvars
 import logging
 from collections.abc import Mapping, Sequence
-from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
-from celery_ledger import runtime
-from celery_ledger.codec import check_depth, encode_snapshot
-from celery_ledger.ledger import NO_ARGS_HASH, ClaimRequest, KeyConflict, PayloadError
+from celery_ledger import envelope, runtime
+from celery_ledger.codec import check_depth
+from celery_ledger.ledger import NO_ARGS_HASH, ClaimRequest, Envelope, KeyConflict
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -76,21 +75,18 @@ def wanted(task: PublishedTask, headers: dict[str, Any] | None) -> bool:
 
 def record(
     task: PublishedTask,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    sent: Envelope,
     task_id: str,
     *,
-    ledger_key: str | None,
-    queue: str | None,
-    canvas: dict[str, Any] | None = None,
+    deadline: tuple[float | None, float | None] = (None, None),
     check_conflict: bool = False,
 ) -> str | None:
-    """Record ``task``'s intent. Returns its entry key when this call recorded it (None when
-    the key has an entry already, or the intent could not be recorded).
-
-    ``canvas`` is the task's place in a chain, group or chord (``canvas.placement``), kept in
-    the snapshot: if the message is lost before any claim, the sweep's re-send from this
-    snapshot continues the chain and counts in the chord.
+    """Record ``task``'s intent with its envelope ``sent`` (``celery_ledger.envelope``: the
+    arguments, routing, the user's headers, limits and canvas placement, so that if the
+    message is lost before any claim, the sweep's re-send is the message the producer sent)
+    and its ``deadline`` (absolute, relative to now on the database clock: ``deadline_of``).
+    Returns its entry key when this call recorded it (None when the key has an entry already,
+    or the intent could not be recorded).
 
     An intent must not stop a publish (without one the task is still claimed, or redelivered,
     as usual): any failure to record it is logged, never raised, with one exception.
@@ -99,34 +95,12 @@ def record(
         KeyConflict: ``check_conflict`` (a fresh publish) and the key's entry holds other
             arguments: the claim would refuse the message, so it is better not sent.
     """
+    args, kwargs = tuple(sent.args), dict(sent.kwargs)
     try:
         check_depth([args, kwargs], what=f"arguments of {task.name}")
-        key, args_hash = task.ledger_key(args, kwargs, task_id, ledger_key)
+        key, args_hash = task.ledger_key(args, kwargs, task_id, sent.ledger_key)
         settings = runtime.settings_for(task.app)
-        encoded = partial(
-            encode_snapshot,
-            args,
-            kwargs,
-            queue=queue or getattr(task, "queue", None),
-            ledger_key=ledger_key,
-            limit=settings.max_snapshot_bytes,
-            cipher=runtime.snapshot_cipher(task.app),
-        )
-        try:
-            snapshot = encoded(canvas=canvas)
-        except PayloadError as exc:
-            if not canvas:
-                raise
-            # The arguments alone may fit: an intent that re-sends the task without the rest
-            # of its canvas is better than none (a lost message would never be re-sent).
-            log.warning(
-                "publish intent of %s[%s] keeps no canvas placement (%s): a re-send from it "
-                "would not continue its chain or count in its chord",
-                task.name,
-                task_id,
-                exc,
-            )
-            snapshot = encoded(canvas=None)
+        snapshot = envelope.seal(task.app, sent, keep_canvas_optional=True)
         store = runtime.store_for(task.app)
         if store.record_intent(
             ClaimRequest(
@@ -139,6 +113,8 @@ def record(
                 owner=runtime.owner_for(None),
                 lease_seconds=settings.publish_intent_seconds,
                 max_interruptions=settings.max_resumes,
+                deadline_at=deadline[0],
+                deadline_after=deadline[1],
             )
         ):
             return key
@@ -147,7 +123,7 @@ def record(
         log.warning("no publish intent for %s[%s]: %s", task.name, task_id, exc)
         return None
     if existing is not None and existing not in (args_hash, NO_ARGS_HASH):
-        what = "task id" if task.keyed_by_task_id(ledger_key) else f"business key {key}"
+        what = "task id" if task.keyed_by_task_id(sent.ledger_key) else f"business key {key}"
         raise KeyConflict(
             f"{task.name}[{task_id}]: {what} is recorded in the ledger with different "
             "arguments; nothing was published (use a different key, or the same arguments)"

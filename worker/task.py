@@ -29,10 +29,10 @@ from celery.exceptions import Ignore, Retry
 from celery.utils import uuid
 from celery.utils.time import maybe_make_aware
 
-from celery_ledger import canvas, intents, runtime, timing
+from celery_ledger import canvas, envelope, intents, runtime, timing
 from celery_ledger.ambiguity import RUN_BODY, Ambiguity
 from celery_ledger.attempt import Attempt, current_attempt
-from celery_ledger.codec import arguments_hash, check_depth, decode, encode, encode_snapshot
+from celery_ledger.codec import arguments_hash, check_depth, decode, encode
 from celery_ledger.crashpoints import crash_point
 from celery_ledger.heartbeat import heartbeat
 from celery_ledger.ledger import (
@@ -347,12 +347,15 @@ class LedgerTask(Task):
             task_id = task_id or uuid()
             intent = intents.record(
                 self,
-                tuple(args or ()),
-                dict(kwargs or {}),
+                envelope.of_publish(
+                    self,
+                    tuple(args or ()),
+                    dict(kwargs or {}),
+                    options,
+                    canvas=canvas.published_placement(options, link, link_error),
+                ),
                 task_id,
-                ledger_key=headers.get("ledger_key"),
-                queue=options.get("queue"),
-                canvas=canvas.published_placement(options, link, link_error),
+                deadline=envelope.deadline_of(options),
                 # A retry may change its arguments under its task id; a fresh publish may not.
                 check_conflict=not options.get("retries"),
             )
@@ -410,7 +413,7 @@ class LedgerTask(Task):
             task_name=self.name,
             task_id=req.id,
             args_hash=args_hash,
-            snapshot=self._snapshot(args, kwargs, settings),
+            snapshot=self._snapshot(args, kwargs),
             side_effect=self.side_effect,
             # Eager apply() has no worker node: each process is its own owner, so that one
             # process never takes another's live lease for a previous boot of its own.
@@ -420,6 +423,9 @@ class LedgerTask(Task):
             args_may_change=not fresh and self.keyed_by_task_id(header_key),
             group_id=req.group,
             parent_id=req.parent_id,
+            # The admission gate: the claim refuses a delivery whose deadline passed.
+            deadline_at=timing.delivery_deadline(req),
+            deadline_after=None if self.deadline is None else float(self.deadline),
         )
         claim = None
         for _ in range(3):  # a WAIT that sees the other attempt end claims again, at most twice
@@ -501,7 +507,6 @@ class LedgerTask(Task):
                     if early is not RUN_BODY:
                         return early
                 crash_point(settings, "after-claim")
-                timing.check_deadline(self, attempt, store)
                 result = self.run(*args, **kwargs)
             except timing.Stopped as stop:
                 raise stop.outcome from None
@@ -667,21 +672,13 @@ class LedgerTask(Task):
         # them): in a worker it would end the pool process on every delivery.
         return RuntimeError(f"stored failure: {data!r}")
 
-    def _snapshot(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], settings: LedgerSettings
-    ) -> str | None:
-        """Arguments and routing needed to re-enqueue this delivery; None if not storable."""
+    def _snapshot(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """The delivery's envelope (``envelope.of_request``), sealed for the claim; None if
+        not storable (recovery then reports the entry rather than resume it)."""
         req = self.request
-        delivery = req.delivery_info or {}
         try:
-            return encode_snapshot(
-                args,
-                kwargs,
-                queue=delivery.get("routing_key") or None,
-                ledger_key=header(req, "ledger_key"),
-                limit=settings.max_snapshot_bytes,
-                cipher=runtime.snapshot_cipher(self.app),
-                canvas=canvas.placement(req),
+            return envelope.seal(
+                self.app, envelope.of_request(req, args, kwargs, canvas=canvas.placement(req))
             )
         except PayloadError as exc:
             log.warning(
@@ -713,17 +710,9 @@ class LedgerTask(Task):
         if sig is None:
             return due
         req = self.request
-        options = sig.options or {}
         try:
-            due["snapshot"] = encode_snapshot(
-                tuple(sig.args or ()),
-                dict(sig.kwargs or {}),
-                queue=options.get("queue") or (req.delivery_info or {}).get("routing_key"),
-                ledger_key=header(req, "ledger_key"),
-                limit=settings.max_snapshot_bytes,
-                retries=int(options.get("retries") or (req.retries or 0) + 1),
-                cipher=runtime.snapshot_cipher(self.app),
-                canvas=canvas.placement(req),
+            due["snapshot"] = envelope.seal(
+                self.app, envelope.of_retry(req, sig, canvas=canvas.placement(req))
             )
         except Exception as exc_:  # noqa: BLE001 - nothing here may stop the retry itself
             # The entry keeps the snapshot it has, as a claim does for arguments it cannot

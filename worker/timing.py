@@ -11,9 +11,10 @@
   its output, so it never sleeps twice); while the wake time is ahead the entry settles
   ``sleeping`` and the attempt ends (message acked, no worker slot held).
 - **Deadlines.** Celery's ``expires`` and the ledger's ``deadline`` (task option: seconds after
-  the entry was created; or the ``ledger_deadline`` header: seconds since the epoch) are
-  stored on the entry after the claim and checked there on the database clock; every effect
-  step's ``started`` write re-checks them in the same statement.
+  the entry was created; or the ``ledger_deadline`` header: seconds since the epoch) ride on
+  the claim, which stores the earliest and refuses a delivery whose deadline passed on the
+  database clock (``ledger.admission``); every effect step's ``started`` write re-checks it
+  in the same statement.
 - **Cancellation.** ``cancel_entry`` (the CLI's ``cancel``) and ``revoke()`` (producer side:
   ``app.control.revoke``; worker side: the ``revoke`` control command) record it in the ledger.
   A running attempt finds out at its next effect step: the step's own ``started`` write
@@ -33,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import Ignore
 from celery.utils.time import maybe_make_aware
 
-from celery_ledger import runtime
-from celery_ledger.codec import encode, encode_snapshot
+from celery_ledger import canvas, envelope, runtime
+from celery_ledger.codec import encode
 from celery_ledger.ledger import ClaimRequest, EntryStatus, LedgerError, LedgerStore
 from celery_ledger.ledger.schedule import PRUNED_FAILURE, cancelled_failure
 from celery_ledger.redelivery import header
@@ -142,18 +143,16 @@ def hold(
     if _in_retry.get() and attempt is not None and attempt.task_id == task_id:
         _held_retry.set(dict(due))
         return True
-    headers = options.get("headers") or {}
     try:
         settings = runtime.settings_for(task.app)
-        key, args_hash = task.ledger_key(args, kwargs, task_id, headers.get("ledger_key"))
-        snapshot = encode_snapshot(
-            args,
-            kwargs,
-            queue=options.get("queue") or getattr(task, "queue", None),
-            ledger_key=headers.get("ledger_key"),
-            limit=settings.max_snapshot_bytes,
-            cipher=runtime.snapshot_cipher(task.app),
+        # The whole message the producer meant (its options, its place in a group), sent as
+        # it is when due (``recovery.resend``); its deadline on the database clock.
+        held = envelope.of_publish(
+            task, args, kwargs, options, canvas=canvas.published_placement(options, None, None)
         )
+        key, args_hash = task.ledger_key(args, kwargs, task_id, held.ledger_key)
+        snapshot = envelope.seal(task.app, held)
+        deadline_at, deadline_in = envelope.deadline_of(options)
         recorded = runtime.store_for(task.app).schedule(
             ClaimRequest(
                 key=key,
@@ -166,7 +165,8 @@ def hold(
                 lease_seconds=settings.lease_seconds,
                 max_interruptions=settings.max_resumes,
             ),
-            deadline_at=_absolute_deadline(options.get("expires"), headers),
+            deadline_at=deadline_at,
+            deadline_in=deadline_in,
             **due,
         )
     except Exception as exc:  # noqa: BLE001 - the publish goes ahead as Celery's
@@ -197,42 +197,11 @@ def held_retry() -> dict[str, float] | None:
 # -- deadlines ---------------------------------------------------------------------------------
 
 
-def _absolute_deadline(expires: Any, headers: dict[str, Any]) -> float | None:
-    """The earliest of Celery's ``expires`` (seconds from now, a datetime or ISO text) and the
-    ``ledger_deadline`` header (seconds since the epoch), as seconds since the epoch."""
-    found: list[float] = []
-    if isinstance(expires, (int, float)) and not isinstance(expires, bool):
-        found.append(time.time() + float(expires))
-    elif isinstance(expires, str):
-        found.append(maybe_make_aware(datetime.fromisoformat(expires)).timestamp())
-    elif isinstance(expires, datetime):
-        found.append(maybe_make_aware(expires).timestamp())
-    raw = headers.get("ledger_deadline")
-    if raw is not None:
-        found.append(float(raw))
-    return min(found) if found else None
-
-
-def check_deadline(task: Any, attempt: Attempt, store: LedgerStore) -> None:
-    """After the claim: store the delivery's deadline on the entry and stop if it passed on
-    the database clock. One statement, and only for a task or a call that has a deadline.
-
-    Raises:
-        Stopped: the deadline passed; the entry is settled ``expired``.
-    """
-    req = task.request
-    headers = req.headers if isinstance(getattr(req, "headers", None), dict) else {}
-    at = _absolute_deadline(req.expires, {"ledger_deadline": header(req, "ledger_deadline")})
-    if at is None and headers.get("ledger_deadline") is not None:
-        at = float(headers["ledger_deadline"])
-    rel = getattr(task, "deadline", None)
-    if at is None and rel is None:
-        return
-    passed = store.set_deadline(
-        attempt.key, attempt.fence, at=at, after_created=None if rel is None else float(rel)
-    )
-    if passed:
-        _settle_stop(task, attempt, EntryStatus.EXPIRED, "the deadline passed before it started")
+def delivery_deadline(req: Any) -> float | None:
+    """The absolute deadline a delivery carries (its ``expires``, its ``ledger_deadline``
+    header), for its claim: the admission gate stores the earliest it knows and refuses the
+    delivery once it passed on the database clock (``ledger.admission``)."""
+    return envelope.absolute_deadline(req.expires, header(req, "ledger_deadline"))
 
 
 # -- cancellation and refused starts -----------------------------------------------------------
