@@ -1,0 +1,59 @@
+"""Tasks for the seams tests (issue 29's envelope and admission gate), registered on
+``tests_app``'s app.
+
+A worker loads them with ``celery -A tests_app worker -I seams_app`` (``SEAMS_TASKS``); a test's
+producer registers the same names on its own ledger app (``register``), since only a
+``LedgerTask`` class records a publish intent or holds a countdown. Every effect goes through
+``tests_app.effect`` (one row per call).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from celery_ledger import LedgerTask
+from tests_app import app, effect
+
+#: Worker option that imports this module.
+SEAMS_TASKS = ["-I", "seams_app"]
+
+
+def register(target: Any) -> dict[str, Any]:
+    """Register the seams tasks on ``target``; returns them by short name."""
+
+    @target.task(shared=False, base=LedgerTask, bind=True, name="seams_app.echo")
+    def echo(self: LedgerTask, tag: str) -> dict[str, Any]:
+        """Its effect, then what the message it was delivered in carried."""
+        effect(tag, "echo")
+        req = self.request
+        return {
+            "tenant": (req.headers or {}).get("tenant"),
+            "priority": (req.delivery_info or {}).get("priority"),
+            "timelimit": list(req.timelimit or ()),
+            "retries": req.retries,
+            "expires": None if req.expires is None else str(req.expires),
+        }
+
+    @target.task(shared=False, base=LedgerTask, bind=True, name="seams_app.retry_gated")
+    def retry_gated(self: LedgerTask, tag: str, marker: str, limit: float = 60.0) -> str:
+        """Stepless. First delivery: wait (bounded) for ``marker``, then retry soon (a
+        countdown Celery publishes). The retry's delivery performs the effect."""
+        if self.request.retries == 0:
+            Path(f"{marker}.started").touch()
+            deadline = time.monotonic() + limit
+            while not Path(marker).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            raise self.retry(countdown=0.5)
+        return effect(tag, "run")
+
+    @target.task(shared=False, base=LedgerTask, bind=True, name="seams_app.bare")
+    def bare(self: LedgerTask, tag: str) -> str:
+        """Records no steps: the body is the effect."""
+        return effect(tag, "bare")
+
+    return {"echo": echo, "retry_gated": retry_gated, "bare": bare}
+
+
+TASKS = register(app)
