@@ -17,9 +17,10 @@ Every transition is a compare-and-set on (key, fence, status) with its audit eve
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Float, case, delete, func, select, update
+from sqlalchemy import Float, bindparam, case, delete, func, select, update
 
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.admission import (
@@ -45,6 +46,13 @@ _IDLE = (
     EntryStatus.RETRYING.value,
     EntryStatus.INTERRUPTED.value,
     EntryStatus.BLOCKED.value,
+)
+#: Unsettled statuses no attempt runs: a deadline may expire them outside any attempt.
+_IDLE_UNSETTLED = (
+    EntryStatus.SCHEDULED.value,
+    EntryStatus.SLEEPING.value,
+    EntryStatus.RETRYING.value,
+    EntryStatus.INTERRUPTED.value,
 )
 B = sql.B
 
@@ -387,11 +395,53 @@ class ScheduleQueries(StoreCore):
             return EntryStatus.EXPIRED.value
         return None
 
+    def expire_passed(self, keys: Sequence[str], error: str, *, actor: str = "sweep") -> set[str]:
+        """Settle ``expired`` (fence + 1, ``error``) those of ``keys`` whose deadline passed on
+        the database clock and that no live attempt holds: the entries a sweep is about to
+        send again (interrupted, a lost intent, an overdue retry, a due wake). The admission
+        gate at recovery's door: what a claim would refuse is never re-sent, so a message
+        Celery discarded as expired is not sent back forever.
+
+        One statement over the given keys (their primary key: no scan). The predicate is the
+        safety argument, so no fence is compared: an entry whose deadline passed and that no
+        attempt runs may be expired whatever its fence; a claim that takes it concurrently
+        holds its row lock, and the re-checked ``WHERE`` then finds it run by an owner with
+        a live lease. Returns the keys it settled.
+        """
+        if not keys:
+            return set()
+        idle = (EntryStatus.RUNNING.value,) + _IDLE_UNSETTLED
+        upd = (
+            update(entries)
+            .where(
+                entries.c.key.in_(bindparam("keys", expanding=True)),
+                entries.c.deadline_at <= db_now(),
+                entries.c.status.in_(idle),
+                (entries.c.status != EntryStatus.RUNNING.value)
+                | (entries.c.owner == RESUME_OWNER)
+                | (entries.c.lease_until < db_now()),
+            )
+            .values(**_settled_values(EntryStatus.EXPIRED, entries.c.fence + 1, error))
+            .returning(*sql.RETURNED)
+        )
+        with self._txn() as conn:
+            rows = self._write_with_event(
+                conn,
+                sql.with_event(self.dialect, upd),
+                {"keys": list(keys)},
+                Note("expired", actor, "deadline passed before it could be sent again"),
+            )
+        return {r[0] for r in rows}
+
 
 def _cancelled_values(fence: Any, error: str) -> dict[str, Any]:
+    return _settled_values(EntryStatus.CANCELLED, fence, error)
+
+
+def _settled_values(status: EntryStatus, fence: Any, error: str) -> dict[str, Any]:
     now = db_now()
     return {
-        "status": EntryStatus.CANCELLED.value,
+        "status": status.value,
         "fence": fence,
         "error": error,
         "lease_until": None,

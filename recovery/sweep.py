@@ -53,6 +53,7 @@ from celery_ledger.ledger import (
     SnapshotSealError,
     open_snapshot,
 )
+from celery_ledger.ledger.admission import expired_failure
 from celery_ledger.recovery.outbox import sweep_outbox
 from celery_ledger.recovery.publish import Batch
 from celery_ledger.recovery.resend import send, send_on
@@ -109,6 +110,9 @@ class SweepReport:
     outbox_pending: int = 0
     #: ... of which published (confirmed) and marked by this sweep.
     outbox_published: int = 0
+    #: Entries about to be sent again whose deadline had passed: settled ``expired`` instead
+    #: (the admission gate at recovery's door; a discarded expired message is never re-sent).
+    expired: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -544,6 +548,17 @@ def resend_retry(
     return ResumeOutcome.RESUMED
 
 
+def expire_passed(store: LedgerStore, keys: Sequence[str], *, actor: str) -> set[str]:
+    """Settle ``expired`` those of ``keys`` (about to be sent again) whose deadline passed and
+    that no live attempt holds (``LedgerStore.expire_passed``); returns their keys."""
+    done = store.expire_passed(
+        keys, expired_failure("the deadline passed before it could be sent again"), actor=actor
+    )
+    for key in done:
+        log.warning("expired key=%s: its deadline passed before recovery could re-send it", key)
+    return done
+
+
 def _contained(key: str, what: str, run: Callable[[], ResumeOutcome]) -> ResumeOutcome | None:
     """``run()``, or None (logged) when it fails for this entry alone."""
     try:
@@ -581,6 +596,8 @@ def run_sweep(
     cancelled = wake.finish_cancelled(store, app, batch=batch, actor=actor)
     interrupted = store.interrupt_expired(limit=batch, actor=actor)
     candidates = store.list_interrupted(limit=batch, resumable=True)
+    expired = expire_passed(store, [c.key for c in candidates], actor=actor)
+    candidates = [c for c in candidates if c.key not in expired]
     outcomes: dict[ResumeOutcome | None, list[str]] = {}
     results = resume_batch(
         store,
@@ -603,6 +620,8 @@ def run_sweep(
             "y" if no_snapshot == 1 else "ies",
         )
     overdue = store.list_overdue_retries(limit=batch)
+    late_expired = expire_passed(store, [o.key for o in overdue], actor=actor)
+    overdue = [o for o in overdue if o.key not in late_expired]
     resent: dict[ResumeOutcome | None, list[str]] = {}
     for late in overdue:
         outcome = _contained(
@@ -621,7 +640,7 @@ def run_sweep(
             ),
         )
         resent.setdefault(outcome, []).append(late.key)
-    due, woken, wake_errors = wake.wake_due(
+    due, woken, wake_errors, due_expired = wake.wake_due(
         store, app, lease_seconds=lease_seconds, batch=batch, actor=actor, cipher=cipher
     )
     outbox_pending, outbox_published = sweep_outbox(store, app, batch=batch, cipher=cipher)
@@ -644,6 +663,7 @@ def run_sweep(
         cancelled=cancelled,
         outbox_pending=outbox_pending,
         outbox_published=outbox_published,
+        expired=len(expired) + len(late_expired) + due_expired,
     )
     if (
         report.interrupted
@@ -654,6 +674,7 @@ def run_sweep(
         or report.due
         or report.cancelled
         or report.outbox_pending
+        or report.expired
     ):
         log.info("ledger sweep: %s", report.as_dict())
     return report
@@ -671,6 +692,8 @@ def boot_sweep(
 ) -> SweepReport:
     """A worker's boot sweep: its own previous boot is gone, so its entries resume now."""
     mine = store.interrupt_previous_boot(node, boot, actor=node)
+    expired = expire_passed(store, [e.key for e in mine], actor=node)
+    mine = [e for e in mine if e.key not in expired]
     outcomes = resume_batch(
         store,
         app,
@@ -690,7 +713,8 @@ def boot_sweep(
             e.key for e, o in zip(mine, outcomes, strict=True) if o is ResumeOutcome.RESUMED
         ),
         errors=outcomes.count(None),
+        expired=len(expired),
     )
-    if mine:
+    if mine or expired:
         log.warning("boot sweep of %s: %s", node, report.as_dict())
     return report

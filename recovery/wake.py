@@ -26,6 +26,7 @@ from celery_ledger.recovery.sweep import (
     ResumeOutcome,
     UnreadableSnapshot,
     _park_unreadable,
+    expire_passed,
     read_snapshot,
 )
 
@@ -92,15 +93,19 @@ def wake_due(
     batch: int,
     actor: str = "sweep",
     cipher: SnapshotCipher | None = None,
-) -> tuple[int, int, int]:
-    """Send every due ``scheduled``/``sleeping`` entry (up to ``batch``).
+) -> tuple[int, int, int, int]:
+    """Send every due ``scheduled``/``sleeping`` entry (up to ``batch``); one whose deadline
+    passed meanwhile is settled ``expired`` instead (``sweep.expire_passed``).
 
-    Returns (due, woken, errors). One entry's failure is logged and counted; an unavailable
-    ledger ends the pass (the next sweep goes on).
+    Returns (due, woken, errors, expired). One entry's failure is logged and counted; an
+    unavailable ledger ends the pass (the next sweep goes on).
     """
     due = store.list_due(limit=batch)
+    expired = expire_passed(store, [d.key for d in due], actor=actor)
     woken = errors = 0
     for entry in due:
+        if entry.key in expired:
+            continue
         try:
             current = store.get_entry(entry.key)
             if current.fence != entry.fence or current.status is not entry.status:
@@ -124,7 +129,7 @@ def wake_due(
             errors += 1
             continue
         woken += outcome is ResumeOutcome.RESUMED
-    return len(due), woken, errors
+    return len(due), woken, errors, len(expired)
 
 
 def finish_cancelled(store: LedgerStore, app: Any, *, batch: int, actor: str = "sweep") -> int:

@@ -142,3 +142,22 @@ def test_a_transaction_step_does_not_commit_after_a_cancellation_or_its_deadline
         )
     assert store.stop_reason("k-txd", late.fence) == "expired"
     assert store.load_steps("k-txc") == () and store.load_steps("k-txd") == ()
+
+
+def test_recovery_expires_what_it_would_send_again_after_its_deadline(store: LedgerStore) -> None:
+    """``expire_passed``: the sweep's door. An intent or an interrupted entry whose deadline
+    passed settles ``expired``; a live attempt, or a deadline still ahead, is left alone."""
+    now = store.now()
+    lost = dataclasses.replace(request("k-lost", task_id="t-lost"), deadline_at=now + 0.2)
+    assert store.record_intent(lost)
+    live = dataclasses.replace(request("k-live", task_id="t-live"), deadline_at=now + 0.2)
+    assert store.claim(live).gate is Gate.RUN
+    ahead = dataclasses.replace(request("k-ahead", task_id="t-ahead"), deadline_at=now + 600)
+    assert store.record_intent(ahead)
+    time.sleep(0.4)
+    done = store.expire_passed(["k-lost", "k-live", "k-ahead", "k-none"], ERROR, actor="sweep")
+    assert done == {"k-lost"}
+    assert store.get_entry("k-lost").status is EntryStatus.EXPIRED
+    assert store.get_entry("k-live").status is EntryStatus.RUNNING
+    assert store.get_entry("k-ahead").status is EntryStatus.RUNNING
+    assert store.expire_passed([], ERROR) == set()

@@ -1,6 +1,6 @@
 """The Task.Request of ledgered tasks: it runs in the worker's parent process.
 
-Two jobs. **Received, not started**: the parent holds the publish intent of every ledgered
+Three jobs. **Received, not started**: the parent holds the publish intent of every ledgered
 message it has received until a pool process accepts it (``celery_ledger.receipts``), so a
 worker killed while messages wait in its prefetch or its timer leaves intents that expire
 within the lease, not a queue backlog's bound.
@@ -10,6 +10,10 @@ reports ``WorkerLostError`` for the request it was running to the parent, which 
 ``Request.on_failure`` here. The parent knows the node, this boot and the dead child's pid,
 but not the fence the child claimed with; so the entry is interrupted fenced on that exact
 owner (``interrupt_owner``). It never waits for the lease: the child is provably gone.
+
+**Discarded by Celery**: a message whose ``expires`` passed, or that was revoked (by id or by a
+stamped header), is acked and never run; its entry is ended here (``timing.discarded``), so
+that no sweep sends it again.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from billiard.exceptions import WorkerLostError
 from celery.utils.saferepr import saferepr
 from celery.worker.request import Request
 
-from celery_ledger import runtime
+from celery_ledger import runtime, timing
 from celery_ledger.ledger import LedgerError
 from celery_ledger.receipts import receipts
 from celery_ledger.redact import redact_arguments, secret_names
@@ -91,6 +95,15 @@ class LedgerRequest(Request):
     def reject(self, requeue: bool = False) -> Any:
         self._unhold()
         return super().reject(requeue=requeue)
+
+    def _announce_revoked(self, reason: str, terminated: bool, signum: Any, expired: bool) -> Any:
+        # Celery discards this message without running it (its ``expires`` passed, or it was
+        # revoked by id or by a stamped header) and acks it: end its entry too, or the sweep
+        # would send back what Celery dropped. A terminated task is the revoke hook's.
+        done = super()._announce_revoked(reason, terminated, signum, expired)
+        if not terminated:
+            timing.discarded(self.task.app, self.id, expired=bool(expired), node=self.hostname)
+        return done
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False

@@ -37,6 +37,7 @@ from celery.utils.time import maybe_make_aware
 from celery_ledger import canvas, envelope, runtime
 from celery_ledger.codec import encode
 from celery_ledger.ledger import ClaimRequest, EntryStatus, LedgerError, LedgerStore
+from celery_ledger.ledger.admission import expired_failure
 from celery_ledger.ledger.schedule import PRUNED_FAILURE, cancelled_failure
 from celery_ledger.redelivery import header
 
@@ -276,6 +277,28 @@ def cancel_task_ids(app: Any, task_ids: Iterable[str], *, by: str, reason: str) 
     except Exception as exc:  # noqa: BLE001 - a revoke goes on as Celery's without the ledger
         log.warning("revoke of %s not recorded in the ledger: %s", list(task_ids), exc)
     return done
+
+
+def discarded(app: Any, task_id: str, *, expired: bool, node: str) -> None:
+    """Celery discarded the message of ``task_id`` without running it: end its entry, so that
+    no sweep sends back what Celery dropped. An expired one settles ``expired`` once its
+    deadline passed on the database clock too (``LedgerStore.expire_passed``: a worker whose
+    clock runs ahead leaves it to the sweep, which expires it rather than re-send it); a
+    revoked one is cancelled (``revoke()`` by id is recorded already; by a stamped header
+    it is not, otherwise). Runs in the worker's parent: reads the ledger by task id, never
+    the task's own key function. Never raises."""
+    try:
+        store = runtime.store_for(app)
+        keys = store.keys_of_task_id(task_id)
+        if expired:
+            why = f"task {task_id}: its message expired before a worker ran it"
+            for key in store.expire_passed(keys, expired_failure(why), actor=node):
+                log.warning("expired key=%s task_id=%s: Celery discarded its message", key, task_id)
+            return
+        for key in keys:
+            cancel_entry(app, store, key, by=f"revoke@{node}", reason="Celery discarded it")
+    except Exception as exc:  # noqa: BLE001 - a discard goes on as Celery's without the ledger
+        log.warning("discard of task_id=%s not recorded in the ledger: %s", task_id, exc)
 
 
 def install_revoke_hooks(app: Any) -> None:
