@@ -53,7 +53,14 @@ def register(target: Any) -> dict[str, Any]:
         """Records no steps: the body is the effect."""
         return effect(tag, "bare")
 
-    return {"echo": echo, "retry_gated": retry_gated, "bare": bare}
+    @target.task(shared=False, base=LedgerTask, bind=True, name="seams_app.sleepy")
+    def sleepy(self: LedgerTask, tag: str, seconds: float) -> str:
+        """Stepless: the effect, then a long sleep that keeps its pool process busy."""
+        effect(tag, "sleepy")
+        time.sleep(seconds)
+        return tag
+
+    return {"echo": echo, "retry_gated": retry_gated, "bare": bare, "sleepy": sleepy}
 
 
 TASKS = register(app)

@@ -36,16 +36,13 @@ INTENT = 2.0
 
 
 def seams_env(tmp_path: Path, redis: str, pg_url: str, **extra: Any) -> dict[str, str]:
-    return test_env(
-        tmp_path,
-        broker=redis,
-        ledger_url=pg_url,
-        CELERY_LEDGER_HOLD_THRESHOLD_SECONDS=str(THRESHOLD),
-        CELERY_LEDGER_SWEEP_INTERVAL=str(SWEEP),
-        CELERY_LEDGER_LEASE_SECONDS="6",
-        CELERY_LEDGER_PUBLISH_INTENT_SECONDS=str(INTENT),
-        **extra,
-    )
+    settings = {
+        "CELERY_LEDGER_HOLD_THRESHOLD_SECONDS": str(THRESHOLD),
+        "CELERY_LEDGER_SWEEP_INTERVAL": str(SWEEP),
+        "CELERY_LEDGER_LEASE_SECONDS": "6",
+        "CELERY_LEDGER_PUBLISH_INTENT_SECONDS": str(INTENT),
+    }
+    return test_env(tmp_path, broker=redis, ledger_url=pg_url, **{**settings, **extra})
 
 
 def producer(tmp_path: Path, env: dict[str, str]) -> tuple[Any, dict[str, Any]]:
@@ -239,3 +236,42 @@ def test_a_producer_behind_the_database_clock_does_not_expire_a_held_task(tmp_pa
         assert entry.deadline_at > entry.due_at, entry.deadline_at - entry.due_at
     finally:
         store.dispose()
+
+
+# == re-sends know the original may still be queued ==========================================
+
+
+def queued_messages(env: dict[str, str], queue: str) -> int:
+    """Messages Redis holds in ``queue``."""
+    import redis as redis_lib
+
+    client = redis_lib.Redis.from_url(env["CELERY_BROKER_URL"])
+    try:
+        return int(client.llen(queue))
+    finally:
+        client.close()
+
+
+def test_a_backlog_does_not_multiply_itself(tmp_path, redis, pg_url):
+    """Issue 29, fault 14: 50 tasks published to a queue no worker consumes right now (its
+    workers are down or busy), a 2 s intent lease and a 2 s task lease, beat sweeping every
+    second through a worker of another queue. The intents lapse over and over while their
+    messages wait; the sweep must not add a copy of each every lease period: over 16 s the
+    queue holds at most 2 messages per task (before: a copy per task every lease period)."""
+    env = seams_env(tmp_path, redis, pg_url, CELERY_LEDGER_LEASE_SECONDS="2")
+    app, tasks = producer(tmp_path, env)
+    backlog = f"backlog-{env['TEST_ID']}"
+    n = 50
+    seen: list[int] = []
+    with processes(tmp_path, env) as procs:
+        procs.worker("w1", concurrency=1, extra=SEAMS_TASKS)
+        procs.beat()
+        for i in range(n):
+            tasks["bare"].apply_async((f"b{i}",), queue=backlog)
+        until = time.monotonic() + 16.0
+        while time.monotonic() < until:
+            seen.append(queued_messages(env, backlog))
+            time.sleep(0.5)
+    print(f"backlog of {n} tasks over 16 s: {seen}")
+    assert seen and seen[0] >= n, seen
+    assert max(seen) <= 2 * n, seen
