@@ -180,8 +180,9 @@ def rebuild_events_pk(conn: Any) -> None:
 
 
 #: The entry columns that a claim and a settle never write: the release, mark-dead, seen-alive,
-#: cancellation, deadline and tombstone stamps. A narrow hot row would keep them in a side
-#: table keyed by the entry, written only on those rare paths.
+#: cancellation and tombstone stamps. A narrow hot row would keep them in a side table keyed by
+#: the entry, written only on those rare paths. (The deadline is not one of them: the claim
+#: stores it, for the admission gate.)
 RARE_COLUMNS = (
     "released_by",
     "released_reason",
@@ -198,7 +199,6 @@ RARE_COLUMNS = (
     "cancel_requested_at",
     "cancel_by",
     "cancel_reason",
-    "deadline_at",
     "tombstone_at",
 )
 

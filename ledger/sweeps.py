@@ -151,13 +151,22 @@ class SweepQueries(StoreCore):
                 entries.c.task_name,
                 entries.c.interruptions,
                 entries.c.snapshot.is_not(None).label("has_snapshot"),
+                entries.c.executions,
+                entries.c.created_at,
             )
         )
         stmt = sql.with_event(self.dialect, upd)
         rows = self._write_with_event(conn, stmt, {}, Note("interrupted", actor, why))
         return [
             Interrupted(
-                r.key, r.task_name, r.task_id, r.fence, r.interruptions, bool(r.has_snapshot)
+                r.key,
+                r.task_name,
+                r.task_id,
+                r.fence,
+                r.interruptions,
+                bool(r.has_snapshot),
+                executions=r.executions,
+                created_at=r.created_at,
             )
             for r in rows
         ]
@@ -177,6 +186,8 @@ class SweepQueries(StoreCore):
                 entries.c.fence,
                 entries.c.interruptions,
                 entries.c.snapshot.is_not(None).label("has_snapshot"),
+                entries.c.executions,
+                entries.c.created_at,
             )
             .where(entries.c.status == _INTERRUPTED)
             .order_by(entries.c.updated_at)
@@ -188,7 +199,14 @@ class SweepQueries(StoreCore):
             rows = conn.execute(query).all()
         return [
             Interrupted(
-                r.key, r.task_name, r.task_id, r.fence, r.interruptions, bool(r.has_snapshot)
+                r.key,
+                r.task_name,
+                r.task_id,
+                r.fence,
+                r.interruptions,
+                bool(r.has_snapshot),
+                executions=r.executions,
+                created_at=r.created_at,
             )
             for r in rows
         ]
@@ -278,8 +296,13 @@ class SweepQueries(StoreCore):
         *,
         lease_seconds: float,
         actor: str = "sweep",
+        event: str = "resuming",
+        detail: str | None = None,
     ) -> dict[str, Resuming]:
         """``begin_resume`` for many entries in one statement and one commit.
+
+        ``event``/``detail``: the audit event written for each (``deferred`` when the caller
+        takes the resume lease without sending: its message is likely still queued).
 
         Each row is still its own compare-and-set on (key, fence, interrupted): a row another
         resumer moved first, or holds locked right now (SKIP LOCKED on PostgreSQL, so two
@@ -343,7 +366,7 @@ class SweepQueries(StoreCore):
         )
         with self._txn() as conn:
             stmt = sql.with_event(self.dialect, upd)
-            rows = self._write_with_event(conn, stmt, {}, Note("resuming", actor))
+            rows = self._write_with_event(conn, stmt, {}, Note(event, actor, detail))
         return {
             row.key: Resuming(
                 row.task_name,

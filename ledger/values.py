@@ -187,6 +187,11 @@ class Interrupted:
     interruptions: int = 0
     has_snapshot: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+    #: How many attempts claimed it: 0 for a publish intent, or a re-send, that no worker
+    #: has claimed yet (its message may still wait in a queue: ``recovery.backlog``).
+    executions: int = 1
+    #: When the entry was created (database clock): how long it has waited.
+    created_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ from celery_ledger.ledger import (
     open_snapshot,
 )
 from celery_ledger.ledger.admission import expired_failure
+from celery_ledger.recovery.backlog import QueueDepths, backoff_lease
 from celery_ledger.recovery.outbox import sweep_outbox
 from celery_ledger.recovery.publish import Batch
 from celery_ledger.recovery.resend import send, send_on
@@ -74,6 +75,9 @@ class ResumeOutcome(str, Enum):
     #: Another resumer (a sweep, a claim) moved the entry first, or the broker refused the
     #: message; the lease recovery took brings it back to the next sweep.
     LOST_RACE = "lost-race"
+    #: No worker claimed it yet and its queue holds messages: its message likely still
+    #: waits there. Its lease is taken again (backing off) and nothing is sent.
+    DEFERRED = "deferred"
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,9 @@ class SweepReport:
     outbox_pending: int = 0
     #: ... of which published (confirmed) and marked by this sweep.
     outbox_published: int = 0
+    #: Entries no worker claimed yet, not re-sent because their queue holds messages (a
+    #: backlog suspected: ``recovery.backlog``).
+    deferred: int = 0
     #: Entries about to be sent again whose deadline had passed: settled ``expired`` instead
     #: (the admission gate at recovery's door; a discarded expired message is never re-sent).
     expired: int = 0
@@ -380,24 +387,75 @@ def resume_batch(
                     actor=actor,
                 ),
             )
-    # Every CAS at the fence its snapshot was read at, in one statement and one commit.
+    # Every CAS at the fence its snapshot was read at, one statement and one commit per
+    # group of the same lease (entries no attempt claimed back off: ``recovery.backlog``).
+    groups = _plan(store, app, batch, decoded, lease_seconds)
+    won: dict[str, Resuming] = {}
     try:
-        won = store.begin_resume_many(
-            [(batch[i].key, batch[i].fence) for i in decoded],
-            lease_seconds=lease_seconds,
-            actor=actor,
-        )
+        for (lease, deferred), members in groups.items():
+            won.update(
+                store.begin_resume_many(
+                    [(batch[i].key, batch[i].fence) for i in members],
+                    lease_seconds=lease,
+                    actor=actor,
+                    event="deferred" if deferred else "resuming",
+                    detail=f"its queue holds messages; not re-sent for {lease:.0f}s"
+                    if deferred
+                    else None,
+                )
+            )
     except LedgerUnavailable:
         raise
     except Exception:  # noqa: BLE001 - fall back to one entry at a time
         log.exception("sweep could not begin %d resumes at once; one at a time", len(decoded))
-        one_by_one(list(decoded))
+        one_by_one([i for i in decoded if batch[i].key not in won])
         return [outcomes[i] for i in range(len(batch))]
+    for (lease, deferred), members in groups.items():
+        if not deferred:
+            continue
+        for i in members:
+            outcomes[i] = ResumeOutcome.DEFERRED if batch[i].key in won else ResumeOutcome.LOST_RACE
+            decoded.pop(i)
+            if batch[i].key in won:
+                log.info(
+                    "deferred key=%s task_id=%s: no worker claimed it yet and its queue holds "
+                    "messages; not re-sent for %.0fs",
+                    batch[i].key,
+                    batch[i].task_id,
+                    lease,
+                )
     sends = [(i, snapshot, won.get(batch[i].key)) for i, snapshot in decoded.items()]
     with Batch(app) as sender:
         for start in range(0, len(sends), SEND_CHUNK):
             _send_chunk(sender, batch, sends[start : start + SEND_CHUNK], outcomes, lease_seconds)
     return [outcomes[i] for i in range(len(batch))]
+
+
+def _plan(
+    store: LedgerStore,
+    app: Any,
+    batch: Sequence[Interrupted],
+    decoded: dict[int, ArgumentSnapshot],
+    lease_seconds: float,
+) -> dict[tuple[float, bool], list[int]]:
+    """The resumes to begin, grouped by (lease, deferred): an entry a worker claimed before
+    is re-sent under ``lease_seconds``; one no attempt ever claimed backs off with how long it
+    has waited, and is deferred (its lease taken, nothing sent) while its queue holds messages
+    (``recovery.backlog``)."""
+    groups: dict[tuple[float, bool], list[int]] = {}
+    fresh = [i for i in decoded if batch[i].executions == 0 and batch[i].created_at is not None]
+    now = store.now() if fresh else 0.0
+    depths = QueueDepths(app)
+    for i in decoded:
+        entry = batch[i]
+        if i not in fresh:
+            groups.setdefault((lease_seconds, False), []).append(i)
+            continue
+        assert entry.created_at is not None
+        lease = backoff_lease(lease_seconds, now - entry.created_at)
+        waiting = depths.of(decoded[i].queue)
+        groups.setdefault((lease, bool(waiting)), []).append(i)
+    return groups
 
 
 #: Re-sends written per broker round trip where kombu can buffer them (Redis). A flush that
@@ -664,6 +722,7 @@ def run_sweep(
         outbox_pending=outbox_pending,
         outbox_published=outbox_published,
         expired=len(expired) + len(late_expired) + due_expired,
+        deferred=len(outcomes.get(ResumeOutcome.DEFERRED, [])),
     )
     if (
         report.interrupted
