@@ -8,7 +8,9 @@ process seen killed) can say so, and the ledger records that they did:
 
 - ``mark_dead`` stamps the entry: every attempt up to its current fence is asserted dead, by
   whom, why, when (audited as ``marked-dead``). It refuses while the old owner showed a sign
-  of life within a grace window (a lease renewal, or a refused write), unless overridden;
+  of life within a grace window (its claim or a lease renewal, kept in ``renewed_at`` where
+  the sweep's interrupt cannot erase it, or a refused write), judged by the task's own lease,
+  unless overridden;
 - ``record_seen_alive`` is what a superseded attempt writes when the fence refuses it (its
   first refused renewal or step write): "seen alive at ...", which ``show`` and the Ledger
   page print, and which makes ``mark_dead`` refuse;
@@ -50,22 +52,41 @@ class DeathSignal:
     overridden: tuple[str, ...] = ()
 
 
-def signs_of_life(row: Any, now: float, *, grace_seconds: float, lease_seconds: float) -> list[str]:
-    """What says the entry's old owner may still be alive, within ``grace_seconds`` of ``now``.
+def grace_for(row: Any, *, grace_seconds: float, lease_seconds: float) -> float:
+    """The grace window for ``row``: ``grace_seconds`` is set for the global lease
+    (``lease_seconds``; two leases by default), and a task with a longer lease of its own
+    (``row.lease_seconds``) renews less often, so its window grows in proportion. It never
+    shrinks below ``grace_seconds``."""
+    own = row.lease_seconds
+    if own is None or lease_seconds <= 0 or own <= lease_seconds:
+        return grace_seconds
+    return grace_seconds * own / lease_seconds
 
-    A running entry's owner renewed its lease at ``lease_until - lease_seconds`` at the
-    latest; a superseded attempt that tried to write left ``seen_alive_at``.
+
+def signs_of_life(row: Any, now: float, *, grace_seconds: float, lease_seconds: float) -> list[str]:
+    """What says the entry's old owner may still be alive, within the grace window of ``now``
+    (``grace_for``).
+
+    An attempt's last claim or lease renewal is ``renewed_at``, which the sweep's interrupt
+    leaves as it is (it clears only the lease): an attempt paused mid-call and then
+    interrupted is still a sign of life for the whole window. A row no attempt claimed or
+    renewed since ``0008_renewed_at`` falls back to its live lease (``lease_until`` minus the
+    task's lease, or the global one). A superseded attempt that tried to write left
+    ``seen_alive_at``.
     """
+    grace = grace_for(row, grace_seconds=grace_seconds, lease_seconds=lease_seconds)
+    running = row.status == EntryStatus.RUNNING.value and row.lease_until is not None
+    renewed = row.renewed_at
+    if renewed is None and running:
+        renewed = row.lease_until - (row.lease_seconds or lease_seconds)
     signs = []
-    if row.status == EntryStatus.RUNNING.value and row.lease_until is not None:
-        renewed_ago = now - (row.lease_until - lease_seconds)
-        if renewed_ago < grace_seconds:
-            live = row.lease_until > now
-            signs.append(
-                f"its owner {row.owner} renewed the lease {max(renewed_ago, 0.0):.0f}s ago"
-                + (" (the lease is live)" if live else "")
-            )
-    if row.seen_alive_at is not None and now - row.seen_alive_at < grace_seconds:
+    if renewed is not None and now - renewed < grace:
+        live = running and row.lease_until > now
+        signs.append(
+            f"its owner {row.owner} renewed the lease {max(now - renewed, 0.0):.0f}s ago"
+            + (" (the lease is live)" if live else f" (entry {row.status} since)")
+        )
+    if row.seen_alive_at is not None and now - row.seen_alive_at < grace:
         signs.append(
             f"the superseded attempt of fence {row.seen_alive_fence} on "
             f"{row.seen_alive_owner or 'an unknown worker'} tried to write "
@@ -132,7 +153,9 @@ class DeathSignals(StoreCore):
         Raises:
             EntryNotFound: no such key.
             MarkDeadRefused: the entry is completed, or its old owner showed a sign of life
-                within ``grace_seconds`` and ``override_heartbeat`` is False.
+                within the grace window (``grace_seconds`` for the global ``lease_seconds``,
+                scaled to the task's own lease: ``grace_for``) and ``override_heartbeat`` is
+                False.
             OperatorTextError: ``by`` or ``reason`` is blank, too long or not printable.
         """
         from celery_ledger.ledger.operator import check_release_text
@@ -151,9 +174,10 @@ class DeathSignals(StoreCore):
                 row, now, grace_seconds=grace_seconds, lease_seconds=lease_seconds
             )
             if signs and not override_heartbeat:
+                grace = grace_for(row, grace_seconds=grace_seconds, lease_seconds=lease_seconds)
                 raise MarkDeadRefused(
                     f"{key} not marked dead: {'; '.join(signs)} (grace "
-                    f"{grace_seconds:.0f}s); stop that worker first, or give "
+                    f"{grace:.0f}s); stop that worker first, or give "
                     "--override-heartbeat if you know it is gone"
                 )
             upd = (

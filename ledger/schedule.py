@@ -8,7 +8,8 @@
 - ``request_cancel``: an entry that runs nothing right now settles ``cancelled`` at once; a
   running one is marked, and its next effect step's own write refuses to start
   (``statements.live_entry``); ``finish_cancelled`` settles the marked entries that no attempt
-  will settle (interrupted, or asleep).
+  will settle (interrupted, asleep, or running past its lease), and parks ``blocked`` one whose
+  lost attempt left an effect step ``started`` (it may have run).
 - ``set_deadline`` / ``stop_reason``: the deadline a claim found, and why a start was refused.
 
 Every transition is a compare-and-set on (key, fence, status) with its audit event, as in
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Float, bindparam, case, delete, func, select, update
+from sqlalchemy import Connection, Float, bindparam, case, delete, func, select, update
 
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.admission import (
@@ -286,35 +287,98 @@ class ScheduleQueries(StoreCore):
             return CancelOutcome(outcome, found, fence, row.task_name, row.task_id)
 
     def finish_cancelled(self, error: str, *, limit: int = 500, actor: str = "sweep") -> int:
-        """Settle ``cancelled`` the entries whose cancellation is pending and that no live
-        attempt will settle: not running, or running with an expired lease (one statement over
-        the pending-cancellation index). Returns how many it settled."""
-        picked = (
-            select(entries.c.key, entries.c.fence.label("picked_fence"))
-            .where(
-                entries.c.cancel_requested_at.is_not(None),
-                entries.c.status.in_(CANCEL_PENDING),
-                (entries.c.status != EntryStatus.RUNNING.value)
-                | (entries.c.lease_until < db_now_stable()),
-            )
-            .limit(limit)
-            .cte("picked")
-            .prefix_with("MATERIALIZED", dialect="postgresql")
-        )
-        upd = (
-            update(entries)
-            .where(entries.c.key == picked.c.key, entries.c.fence == picked.c.picked_fence)
-            .values(**_cancelled_values(entries.c.fence + 1, error))
-            .returning(*sql.RETURNED)
+        """Finish the pending cancellations that no live attempt will carry out: the entry is
+        interrupted, retrying, asleep or held, or running with an expired lease. One
+        transaction over the pending-cancellation index. Returns how many it finished.
+
+        Each is settled ``cancelled`` (fence + 1, the stored ``error``), except an entry with
+        an effect step ``started`` and no outcome: that step may have run, so the entry is
+        parked ``blocked`` with a reason that says so (``_park_cancelled``).
+
+        Every write is a compare-and-set that re-checks, in its own WHERE, what the pick
+        found: the fence, the pending cancellation, a status it finishes, and for a running
+        entry an expired lease. An attempt that settles (``completed``) or renews its lease
+        between the pick and the write wins; the entry is left as that attempt wrote it
+        (PostgreSQL re-evaluates the WHERE on the row version the attempt committed).
+        """
+        first_started = (
+            select(func.min(steps.c.name))
+            .where(steps.c.key == entries.c.key, steps.c.status == StepStatus.STARTED.value)
+            .correlate(entries)
+            .scalar_subquery()
         )
         with self._txn() as conn:
+            ambiguous = conn.execute(
+                select(
+                    entries.c.key,
+                    entries.c.fence,
+                    entries.c.cancel_by,
+                    entries.c.cancel_reason,
+                    first_started.label("step"),
+                )
+                .where(*_unattended_cancel(), first_started.is_not(None))
+                .limit(limit)
+            ).all()
+            parked = sum(self._park_cancelled(conn, row, actor) for row in ambiguous)
+            picked = (
+                select(entries.c.key, entries.c.fence.label("picked_fence"))
+                .where(*_unattended_cancel(), first_started.is_(None))
+                .limit(limit)
+                .cte("picked")
+                .prefix_with("MATERIALIZED", dialect="postgresql")
+            )
+            upd = (
+                update(entries)
+                .where(
+                    entries.c.key == picked.c.key,
+                    entries.c.fence == picked.c.picked_fence,
+                    *_unattended_cancel(),
+                )
+                .values(**_cancelled_values(entries.c.fence + 1, error))
+                .returning(*sql.RETURNED)
+            )
             rows = self._write_with_event(
                 conn,
                 sql.with_event(self.dialect, upd),
                 {},
                 Note("cancelled", actor, "cancellation pending, no live attempt"),
             )
-        return len(rows)
+        return parked + len(rows)
+
+    def _park_cancelled(self, conn: Connection, row: Any, actor: str) -> int:
+        """Park ``blocked`` one pending cancellation whose lost attempt started an effect step
+        (``row.step``) and recorded no outcome; a CAS as in ``finish_cancelled``. Returns 1,
+        or 0 when the entry moved meanwhile.
+
+        Why blocked, not ``cancelled`` with a note: a cancelled entry is settled, so every
+        later delivery raises ``TaskCancelled`` and ``release`` refuses it; nothing would ever
+        say whether the step ran, though it may have (a charge made, then the worker lost).
+        A blocked entry is what an operator acts on: ``show`` prints this reason, ``release
+        --verified completed`` records that the step ran, ``--verified not-executed`` lets it
+        run again, where the still-pending cancellation refuses its first effect step and the
+        attempt settles ``cancelled``; a second ``cancel`` settles it as it stands.
+        """
+        reason = (
+            f"cancellation asked by {row.cancel_by or 'an operator'} ({row.cancel_reason or ''})"
+            f" after step {row.step!r} started: step {row.step!r} may have executed (its "
+            "attempt was lost with no outcome recorded); check whether it ran, then release "
+            "it (--verified completed or not-executed) or cancel it again"
+        )
+        upd = (
+            update(entries)
+            .where(entries.c.key == row.key, entries.c.fence == row.fence, *_unattended_cancel())
+            .values(
+                status=EntryStatus.BLOCKED.value,
+                fence=row.fence + 1,
+                reason=reason,
+                lease_until=None,
+                due_at=None,
+                updated_at=db_now(),
+            )
+            .returning(*sql.RETURNED)
+        )
+        note = Note("blocked", actor, reason)
+        return len(self._write_with_event(conn, sql.with_event(self.dialect, upd), {}, note))
 
     def prune_tombstones(self, older_than_seconds: float, *, limit: int = 1000) -> int:
         """Delete up to ``limit`` tombstones settled longer ago than the window (their index's
@@ -432,6 +496,17 @@ class ScheduleQueries(StoreCore):
                 Note("expired", actor, "deadline passed before it could be sent again"),
             )
         return {r[0] for r in rows}
+
+
+def _unattended_cancel() -> list[Any]:
+    """An entry with a pending cancellation that no live attempt will carry out: the statuses
+    ``finish_cancelled`` finishes, and a running one only past its lease on the database
+    clock. Used by the pick and again in each write's WHERE (the compare-and-set)."""
+    return [
+        entries.c.cancel_requested_at.is_not(None),
+        entries.c.status.in_(CANCEL_PENDING),
+        (entries.c.status != EntryStatus.RUNNING.value) | (entries.c.lease_until < db_now_stable()),
+    ]
 
 
 def _cancelled_values(fence: Any, error: str) -> dict[str, Any]:

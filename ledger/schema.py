@@ -23,7 +23,7 @@ from sqlalchemy import (
 metadata = MetaData()
 
 #: Bumped with every Alembic revision; the migration head must equal it.
-SCHEMA_REVISION = "0007_events_index"
+SCHEMA_REVISION = "0008_renewed_at"
 
 KEY = String(64)
 
@@ -86,6 +86,11 @@ entries = Table(
     # parent's members (0006_canvas). NULL outside any canvas.
     Column("group_id", String(255)),
     Column("parent_id", String(255)),
+    # The last sign of life of an attempt (its claim, each lease renewal; database clock) and
+    # the lease it took (a task's own may differ from the global one): what ``mark-dead``
+    # judges its grace by. The interrupt leaves both (0008_renewed_at).
+    Column("renewed_at", Float),
+    Column("lease_seconds", Float),
 )
 
 # Hot predicates. Partial indexes stay as small as the work in flight, so the stale-lease

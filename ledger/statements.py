@@ -97,6 +97,10 @@ def claim_insert(dialect: Dialect) -> Any:
     (``HotPath.record_intent``: nothing has run yet).
     """
     now = db_now()
+    lease = B("lease", Float)
+    # A claim is its attempt's first sign of life (``renewed_at``, issue 29); a publish intent
+    # (no execution) is nobody's.
+    claimed = B("executions", Integer) > 0
     ins = (
         dialect.insert(entries)
         .values(
@@ -111,10 +115,12 @@ def claim_insert(dialect: Dialect) -> Any:
             owner=B("owner"),
             owner_boot=B("owner_boot"),
             owner_pid=B("owner_pid", Integer),
-            lease_until=now + B("lease", Float),
+            lease_until=now + lease,
             executions=B("executions", Integer),
             group_id=B("group_id", String),
             parent_id=B("parent_id", String),
+            renewed_at=case((claimed, now), else_=None),
+            lease_seconds=case((claimed, lease), else_=None),
             interruptions=0,
             created_at=now,
             updated_at=now,
@@ -132,8 +138,9 @@ def claim_insert(dialect: Dialect) -> Any:
 def claim_takeover(dialect: Dialect) -> Any:
     """Hand an existing entry to the claiming attempt: running, its fence, task id, arguments
     hash, owner and lease, one more execution (the claim's slow path, under the row lock its
-    read took)."""
+    read took). The claim is the new attempt's first sign of life (``renewed_at``)."""
     now = db_now()
+    lease = B("lease", Float)
     upd = (
         update(entries)
         .where(entries.c.key == B("k"))
@@ -146,7 +153,9 @@ def claim_takeover(dialect: Dialect) -> Any:
             owner=B("new_owner", String),
             owner_boot=B("new_owner_boot", String),
             owner_pid=B("new_owner_pid", Integer),
-            lease_until=now + B("lease", Float),
+            lease_until=now + lease,
+            renewed_at=now,
+            lease_seconds=lease,
             executions=entries.c.executions + 1,
             interruptions=B("new_interruptions", Integer),
             updated_at=now,
@@ -185,6 +194,11 @@ def settle_update(dialect: Dialect, settled: bool) -> Any:
             settled_at=now if settled else None,
             due_at=func.coalesce(now + B("due_in", Float), B("due_abs", Float)),
             snapshot=func.coalesce(B("new_snapshot", Text), entries.c.snapshot),
+            # The attempt ended itself: its renewals say nothing of a paused zombie, unless
+            # an earlier attempt of the entry was lost (``interruptions``): that one may be
+            # paused mid-call, and the latest sign of life (no older than its own) stands
+            # for it until the grace runs out (issue 29).
+            renewed_at=case((entries.c.interruptions > 0, entries.c.renewed_at), else_=None),
         )
         .returning(*RETURNED)
     )
@@ -193,10 +207,15 @@ def settle_update(dialect: Dialect, settled: bool) -> Any:
 
 @cache
 def renew_update() -> Any:
+    """Extend the lease of the attempt at ``fence`` and stamp its sign of life (``renewed_at``,
+    with the lease it took), in the same statement: the interrupt clears the lease, never
+    these, so ``mark-dead`` still sees a recent renewal after it (issue 29)."""
+    now = db_now()
+    lease = B("lease", Float)
     return (
         update(entries)
         .where(entries.c.key == B("k"), entries.c.fence == B("f"), entries.c.status == _RUNNING)
-        .values(lease_until=db_now() + B("lease", Float))
+        .values(lease_until=now + lease, renewed_at=now, lease_seconds=lease)
     )
 
 

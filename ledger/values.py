@@ -153,6 +153,10 @@ class Entry:
     #: The Celery group this task was published in, and the task that published it.
     group_id: str | None = None
     parent_id: str | None = None
+    #: Issue 29: an attempt's last sign of life (claim or lease renewal, database clock) and
+    #: the lease it took; the interrupt leaves both (``mark-dead`` reads them).
+    renewed_at: float | None = None
+    lease_seconds: float | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> Entry:

@@ -134,7 +134,9 @@ def wake_due(
 
 def finish_cancelled(store: LedgerStore, app: Any, *, batch: int, actor: str = "sweep") -> int:
     """Settle ``cancelled`` the entries with a pending cancellation that no live attempt will
-    settle (interrupted, asleep, running past its lease)."""
+    settle (interrupted, asleep, running past its lease); one whose lost attempt left an effect
+    step ``started`` is parked ``blocked`` instead (``LedgerStore.finish_cancelled``). Returns
+    how many it finished."""
     return store.finish_cancelled(
         cancelled_failure("cancelled; no attempt was running it"), limit=batch, actor=actor
     )

@@ -8,6 +8,7 @@ is ``test_a_sigstopped_zombie_blocks_mark_dead_and_the_gate_blocks_a_rerun``.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -376,3 +377,102 @@ def test_cli_mark_dead_is_gated_by_operator_tokens_like_a_release(
     assert rows(ledger_url) == before and store.get_entry(key).dead_at is None
     cli("mark-dead", key, "--by", "ann-token", "--reason", "r")
     assert store.get_entry(key).dead_by == "ann-token"
+
+
+# -- issue 29, fault 7: a sign of life an interrupt cannot erase, judged by the task's lease -----
+
+
+def _wait_lease_over(store: LedgerStore, key: str, timeout: float = 10.0) -> None:
+    """Poll the database clock until ``key``'s lease ran out (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = store.peek_status(key)
+        assert found is not None
+        if found[1] is None or found[1] < 0:
+            return
+        assert time.monotonic() < deadline, f"the lease of {key} did not run out in {timeout}s"
+        time.sleep(min(max(found[1], 0.01), 0.1))
+
+
+def test_mark_dead_refuses_a_recent_renewal_after_the_sweep_interrupted_the_entry(
+    store: LedgerStore,
+) -> None:
+    """Issue 29, fault 7. The owner renewed its lease a moment ago; the lease then ran out
+    and the sweep interrupted the entry (which clears the lease). The renewal is still a sign
+    of life inside the grace window: ``mark-dead`` refuses, and writes nothing."""
+    c = claim(store, lease=0.3)
+    assert store.renew_lease(c.key, c.fence, 0.3)
+    _wait_lease_over(store, c.key)
+    assert [i.key for i in store.interrupt_expired(actor="sweep")] == [c.key]
+    assert store.get_entry(c.key).status is EntryStatus.INTERRUPTED
+    with pytest.raises(MarkDeadRefused, match="renewed the lease"):
+        mark(store, c.key)
+    assert store.get_entry(c.key).dead_at is None, "refused: nothing written"
+    signal = mark(store, c.key, override_heartbeat=True)
+    assert signal.overridden and "renewed the lease" in signal.overridden[0]
+
+
+def test_mark_dead_judges_the_grace_by_the_tasks_own_lease(store: LedgerStore) -> None:
+    """Issue 29, fault 7. The grace is two leases (``ledger_death_grace_seconds`` for the
+    global ``ledger_lease_seconds``), and a task may take its own lease. A task with a lease
+    six times the global one renews six times less often: a renewal 1.3 s old is recent for
+    it under a 1 s grace made for a 0.5 s lease. Its worker's process is gone (the fast path
+    interrupted it); ``mark-dead`` still refuses on the renewal, judged by the task's lease."""
+    c = claim(store, lease=3.0)
+    assert store.renew_lease(c.key, c.fence, 3.0)
+    renewed = time.monotonic()
+    assert store.interrupt_owner(
+        c.key, node=NODE, boot="boot-1", pid=4242, actor=NODE, why="pool process lost"
+    )
+    while time.monotonic() < renewed + 1.3:  # past the global grace, inside the task's own
+        time.sleep(0.05)
+    with pytest.raises(MarkDeadRefused, match="renewed the lease"):
+        store.mark_dead(c.key, by="ann", reason="r", grace_seconds=1.0, lease_seconds=0.5)
+    assert store.get_entry(c.key).dead_at is None
+
+
+def test_mark_dead_does_not_age_a_short_lease_by_the_global_one(store: LedgerStore) -> None:
+    """Issue 29, fault 7. A task with a 1 s lease renewed just now, and runs. Reading its
+    renewal as ``lease_until`` minus the global 60 s lease puts it 59 s in the past, outside a
+    30 s grace: ``mark-dead`` must refuse a renewal made this instant."""
+    c = claim(store, lease=1.0)
+    assert store.renew_lease(c.key, c.fence, 1.0)
+    with pytest.raises(MarkDeadRefused, match="renewed the lease 0s ago"):
+        store.mark_dead(c.key, by="ann", reason="r", grace_seconds=30.0, lease_seconds=LEASE)
+
+
+def test_a_lost_attempts_renewal_outlives_the_takeover_that_blocked_the_entry(
+    store: LedgerStore,
+) -> None:
+    """Issue 29, fault 7. Attempt A renewed, then its process was lost (interrupted); attempt
+    B took the entry over and blocked it at once on A's ambiguous step. A may be paused mid
+    call: its renewal still refuses ``mark-dead`` inside the grace. (An attempt that settles
+    an entry no attempt lost before, as ``blocked()`` does, leaves no sign: it has ended.)"""
+    a = claim(store, lease=LEASE)
+    ident = ("charge", "h0", 0)
+    assert store.write_step(a.key, a.fence, ident, seq=0, status=StepStatus.STARTED)
+    assert store.renew_lease(a.key, a.fence, LEASE)
+    assert store.interrupt_owner(
+        a.key, node=NODE, boot="boot-1", pid=4242, actor=NODE, why="pool process lost"
+    )
+    entry = store.get_entry(a.key)
+    from celery_ledger.ledger import ClaimRequest, Gate, Owner
+
+    b = store.claim(
+        ClaimRequest(
+            key=a.key,
+            task_name=entry.task_name,
+            task_id=entry.task_id,
+            args_hash="task-id",
+            snapshot=entry.snapshot,
+            side_effect="non_idempotent",
+            owner=Owner("celery@host-b", "boot-b", 77),
+            lease_seconds=LEASE,
+        )
+    )
+    assert b.gate is Gate.TAKEOVER
+    assert store.settle(a.key, b.fence, EntryStatus.BLOCKED, actor="celery@host-b", reason="r")
+    with pytest.raises(MarkDeadRefused, match="renewed the lease"):
+        mark(store, a.key)
+    clean = blocked(store)
+    assert mark(store, clean).overridden == ()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -84,7 +85,7 @@ def partial_index_clauses(engine: Engine) -> dict[str, str]:
 
 
 def test_head_revision_matches_schema_module() -> None:
-    assert head_revision() == SCHEMA_REVISION == "0007_events_index"
+    assert head_revision() == SCHEMA_REVISION == "0008_renewed_at"
 
 
 def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine) -> None:
@@ -98,6 +99,7 @@ def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine)
             "0005_outbox",
             "0006_canvas",
             "0007_events_index",
+            "0008_renewed_at",
         ]
         assert current_revision(conn) is None
     store = LedgerStore(ledger_url)
@@ -291,3 +293,44 @@ def test_0007_drops_the_events_type_index_and_keeps_every_event(
     assert "ix_ledger_events_event" in {
         i["name"] for i in inspect(raw_engine).get_indexes("ledger_events")
     }
+
+
+def test_0008_keeps_running_rows_and_mark_dead_falls_back_to_their_lease(
+    ledger_url: str, raw_engine: Engine
+) -> None:
+    """Upgrading a 0007 ledger adds ``renewed_at`` and ``lease_seconds`` (NULL on existing
+    rows). A row still running under a worker from before the upgrade is judged by its live
+    lease, as before; its next renewal stamps the new columns. The downgrade drops them."""
+    from alembic import command
+
+    from celery_ledger.ledger import MarkDeadRefused
+    from celery_ledger.ledger.migrate import _config
+
+    with raw_engine.begin() as conn:
+        command.upgrade(_config(conn), "0007_events_index")
+    now = time.time()  # the database's clock on this host; the lease has a minute to spare
+    with raw_engine.begin() as conn:  # written as a 0007 worker would: no renewed_at yet
+        conn.execute(
+            text(
+                "INSERT INTO ledger_entries (key, task_name, task_id, status, fence, "
+                "side_effect, args_hash, owner, lease_until, executions, interruptions, "
+                "created_at, updated_at) VALUES ('k-old', 'shop.charge', 'tid', 'running', "
+                "1, 'non_idempotent', 'h', 'celery@a', :until, 1, 0, :now, :now)"
+            ),
+            {"until": now + 60.0, "now": now},
+        )
+    store = LedgerStore(ledger_url)  # migrates to head
+    try:
+        entry = store.get_entry("k-old")
+        assert (entry.renewed_at, entry.lease_seconds) == (None, None)
+        with pytest.raises(MarkDeadRefused, match="renewed the lease 0s ago"):
+            store.mark_dead("k-old", by="ann", reason="r", grace_seconds=120.0, lease_seconds=60.0)
+        assert store.renew_lease("k-old", 1, 90.0)
+        entry = store.get_entry("k-old")
+        assert entry.renewed_at is not None and entry.lease_seconds == 90.0
+    finally:
+        store.dispose()
+    with raw_engine.begin() as conn:
+        command.downgrade(_config(conn), "0007_events_index")
+    columns = {c["name"] for c in inspect(raw_engine).get_columns("ledger_entries")}
+    assert "renewed_at" not in columns and "lease_seconds" not in columns

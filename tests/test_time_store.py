@@ -3,9 +3,13 @@ tombstones. Each transition is a compare-and-set that one caller wins."""
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import Any
 
-from test_store_contract import STEP, make_interrupted, request
+import pytest
+from test_faults_store import pg_admin, wait_until, waiting_on_locks
+from test_store_contract import STEP, make_interrupted, request, wait_lease_expired
 
 from celery_ledger.ledger import EntryStatus, Gate, LedgerStore, StepStatus
 from celery_ledger.ledger.schedule import PRUNED_FAILURE, cancelled_failure
@@ -138,3 +142,123 @@ def test_a_held_snapshot_is_sealed_and_the_wake_pass_opens_it(tmp_path) -> None:
     assert store.get_entry(k).status is EntryStatus.SCHEDULED, "parked for a missing key"
     assert run_sweep(store, app, cipher=cipher_from([key]), **kw).woken == 1
     assert store.get_entry(k).status is EntryStatus.RUNNING
+
+
+# -- issue 29: the sweep's finishing of pending cancellations ----------------------------------
+
+
+def _pending_cancel_past_lease(store: LedgerStore, key: str) -> int:
+    """A running entry with a pending cancellation whose lease ran out; returns its fence."""
+    claim = store.claim(request(key, task_id=f"t-{key}", lease=0.05))
+    assert claim.gate is Gate.RUN
+    assert store.request_cancel(key, by="ops", reason="r", error="e").outcome == "requested"
+    wait_lease_expired(store, key)
+    return claim.fence
+
+
+@pytest.mark.parametrize("racer", ["settle", "renew"])
+def test_finish_cancelled_loses_to_a_settle_or_renewal_that_commits_first(
+    ledger_url: str, racer: str
+) -> None:
+    """Issue 29, fault 5. The sweep's ``finish_cancelled`` picked a running entry past its
+    lease with a pending cancellation; before its update reaches the row, the attempt settles
+    ``completed`` (or renews its lease) and commits. The finishing update must re-check what
+    it picked, in its own WHERE, and leave the row alone: the work completed (or is alive).
+
+    PostgreSQL: the interleaving is made deterministic with row locks (as in
+    ``test_faults_store``'s fault 1). A third connection holds the row; the attempt's write
+    queues on it first, the sweep's statement second (its pick of candidates is read at its
+    start, before the attempt commits); then the lock is let go. SQLite runs one writer at a
+    time (``BEGIN IMMEDIATE``), so the sweep's read and write cannot be split: the attempt's
+    write commits before the sweep's statement, which must then leave the row alone too.
+    """
+    error = cancelled_failure("test")
+    store = LedgerStore(ledger_url)
+    results: dict[str, Any] = {}
+
+    def attempt() -> None:
+        if racer == "settle":
+            results["attempt"] = store.settle(key, fence, EntryStatus.COMPLETED, result='"done"')
+        else:
+            results["attempt"] = store.renew_lease(key, fence, 60.0)
+
+    def finish() -> None:
+        results["finished"] = store.finish_cancelled(error)
+
+    key = f"k-race-{racer}"
+    try:
+        fence = _pending_cancel_past_lease(store, key)
+        if store.is_sqlite:
+            attempt()
+            finish()
+        else:
+            admin = pg_admin(ledger_url)
+            holder = pg_admin(ledger_url)
+            try:
+                holder.execute("BEGIN")
+                holder.execute("SELECT key FROM ledger_entries WHERE key = %s FOR UPDATE", (key,))
+                first = threading.Thread(target=attempt, daemon=True)
+                first.start()
+                wait_until(lambda: waiting_on_locks(admin) >= 1, timeout=20, what="the attempt")
+                second = threading.Thread(target=finish, daemon=True)
+                second.start()
+                wait_until(lambda: waiting_on_locks(admin) >= 2, timeout=20, what="the sweep")
+                holder.execute("ROLLBACK")
+                first.join(timeout=30)
+                second.join(timeout=30)
+                assert not first.is_alive() and not second.is_alive()
+            finally:
+                holder.close()
+                admin.close()
+        assert results["attempt"] is True, f"the attempt's {racer} was refused"
+        entry = store.get_entry(key)
+        expected = EntryStatus.COMPLETED if racer == "settle" else EntryStatus.RUNNING
+        assert (entry.status, entry.fence) == (expected, fence), (
+            f"finish_cancelled overwrote a {racer} that committed first: entry is "
+            f"{entry.status.value} at fence {entry.fence}, error {entry.error!r}"
+        )
+        assert results["finished"] == 0
+        if racer == "settle":
+            again = store.claim(request(key, task_id=f"t-{key}"))
+            assert again.gate is Gate.RETURN and again.error is None and again.result == '"done"'
+    finally:
+        store.dispose()
+
+
+def test_finishing_a_cancellation_over_a_started_effect_step_blocks_the_entry(
+    store: LedgerStore,
+) -> None:
+    """Issue 29. The attempt started ``charge`` (a ``started`` row, no outcome) and vanished
+    with a cancellation pending. ``charge`` may have run: settling ``cancelled`` would tell
+    every later delivery that nothing happened. The sweep parks the entry ``blocked`` with a
+    reason that says the cancellation was asked and ``charge`` may have executed, and an
+    operator decides (``release``). An entry whose steps all completed is still settled
+    ``cancelled``, and so is one interrupted (no live attempt) with no started step."""
+    error = cancelled_failure("test")
+    started = store.claim(request("k-started", task_id="t-started", lease=0.05))
+    assert store.write_step("k-started", started.fence, STEP, seq=1, status=StepStatus.STARTED)
+    done = store.claim(request("k-done", task_id="t-done", lease=0.05))
+    email = ("email", "ih-email", 0)
+    assert store.write_step("k-done", done.fence, email, seq=1, status=StepStatus.STARTED)
+    assert store.write_step(
+        "k-done", done.fence, email, seq=1, status=StepStatus.COMPLETED, output="1"
+    )
+    for key in ("k-started", "k-done"):
+        assert store.request_cancel(key, by="ops", reason="r", error=error).outcome == "requested"
+        wait_lease_expired(store, key)
+
+    assert store.finish_cancelled(error) == 2
+    blocked = store.get_entry("k-started")
+    assert blocked.status is EntryStatus.BLOCKED, (
+        f"a cancellation finished over the started step 'charge' as {blocked.status.value}, "
+        "with no sign that the step may have run"
+    )
+    assert blocked.fence == started.fence + 1 and blocked.settled_at is None
+    assert "cancel" in (blocked.reason or "") and "'charge' may have executed" in (
+        blocked.reason or ""
+    )
+    assert [e.event for e in store.entry_events("k-started")][-1] == "blocked"
+    claim = store.claim(request("k-started", task_id="t-started"))
+    assert claim.gate is Gate.BLOCK and "'charge' may have executed" in (claim.reason or "")
+    assert store.get_entry("k-done").status is EntryStatus.CANCELLED
+    assert store.finish_cancelled(error) == 0, "a blocked entry is not finished again"
