@@ -56,7 +56,10 @@ class QueueDepths:
     def of(self, queue: str | None) -> int | None:
         """Messages waiting in ``queue`` (None: the task's default queue); None when the
         broker cannot say."""
-        name = queue or self.app.conf.task_default_queue
+        conf = getattr(self.app, "conf", None)
+        name = queue or getattr(conf, "task_default_queue", None)
+        if not name:
+            return None
         if name not in self._seen:
             self._seen[name] = _ask(self.app, name)
         return self._seen[name]
