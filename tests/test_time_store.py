@@ -26,9 +26,12 @@ def test_a_due_entry_is_woken_by_exactly_one_waker(store: LedgerStore) -> None:
     assert first is not None and second is None
     assert store.begin_wake("k-later", 1, EntryStatus.SCHEDULED, lease_seconds=60) is None
     entry = store.get_entry("k-due")
-    assert entry.status is EntryStatus.RUNNING and entry.due_at is None
+    # Woken, it keeps its due time until a claim runs it; nothing lists it as due again.
+    assert entry.status is EntryStatus.RUNNING and entry.due_at is not None
+    assert store.list_due() == []
     # Its claim RUNs it (nothing executed yet); a delivery of the held one is held.
     assert store.claim(request("k-due", task_id="t-due")).gate is Gate.RUN
+    assert store.get_entry("k-due").due_at is None
     assert store.claim(request("k-later", task_id="t-later")).gate is Gate.HOLD
 
 
