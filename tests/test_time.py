@@ -302,6 +302,12 @@ def test_a_held_retry_with_throw_false_does_not_hold_the_next_task_in_the_proces
             procs.worker("w1", concurrency=1, extra=TIME_TASKS)
             first = app.send_task("time_app.quiet_retry", args=("qa", 3600.0))
             assert first.get(timeout=60) == "body:qa"
+            retried = [
+                m
+                for m in time_app_messages(redis)
+                if m["headers"].get("id") == first.id and m["headers"].get("retries")
+            ]
+            assert retried == [], "the held throw=False retry was published"
             second = app.send_task("time_app.retry_soon", args=("qb", 0.5))
             key_b = key_of("time_app.retry_soon", second.id)
             # B's retry is due 0.5 s after its first run; a held B would be due in an hour.
@@ -317,12 +323,23 @@ def test_a_held_retry_with_throw_false_does_not_hold_the_next_task_in_the_proces
                 event_names(store, key_b),
             )
             assert second.get(timeout=30) == "body:qb"
+            # The Retry a throw=False call returned, raised by the body, is held as ever.
+            third = app.send_task("time_app.quiet_retry", args=("qc", 3600.0, True))
+            key_c = key_of("time_app.quiet_retry", third.id)
+            wait_for(
+                lambda: entry_status(store, key_c) is EntryStatus.SCHEDULED,
+                timeout=60,
+                what="the raised throw=False retry to be held",
+            )
         assert effects_of(pg_url, "qb") == {"body": 2}
         assert effects_of(pg_url, "qa") == {"body": 1}
         pids = {pid for tag in ("qa", "qb") for pid in _effect_pids(pg_url, tag)}
         assert len(pids) == 1, f"A and B ran in more than one pool process: {pids}"
         entry_a = store.get_entry(key_of("time_app.quiet_retry", first.id))
         assert entry_a.status is EntryStatus.COMPLETED, entry_a.status
+        due_at = store.get_entry(key_c).due_at
+        assert due_at is not None and due_at - store.now() > 3000, due_at
+        assert effects_of(pg_url, "qc") == {}
     finally:
         store.dispose()
 

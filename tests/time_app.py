@@ -106,9 +106,12 @@ def register(target: Any) -> dict[str, Any]:
         return done
 
     @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.quiet_retry")
-    def quiet_retry(self: LedgerTask, tag: str, countdown: float) -> str:
-        """``retry(throw=False)``: Celery publishes the retry and the body goes on."""
-        self.retry(countdown=countdown, throw=False)
+    def quiet_retry(self: LedgerTask, tag: str, countdown: float, raise_it: bool = False) -> str:
+        """``retry(throw=False)``: Celery publishes the retry and the body goes on (or, with
+        ``raise_it``, raises the ``Retry`` it returned)."""
+        retry = self.retry(countdown=countdown, throw=False)
+        if raise_it:
+            raise retry
         return effect(tag, "body")
 
     @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.retry_soon")
