@@ -200,6 +200,23 @@ class HotPath(StoreCore):
             # A publish intent (or its resume) that no attempt ran yet: a first run, with
             # nothing that could be ambiguous and no crash to count.
             gate = Gate.RUN
+        elif gate is Gate.TAKEOVER and row.due_at is not None:
+            # The wake of a clean settle: re-run it as the retry it is, never take it over.
+            # ``begin_wake`` keeps the due time the entry was woken for, and only a claim
+            # that hands the entry to an attempt clears it (``sql.claim_takeover``). So a
+            # due time on a running or interrupted entry proves that no attempt has run the
+            # body since one settled it ``scheduled`` (a held ``self.retry``) or ``sleeping``:
+            # an end as clean as a ``retrying`` settle, which left no body to doubt. RUN, as
+            # for ``retrying``: completed steps replay, and a started one is still decided
+            # before the body (``Ambiguity.before_body`` looks at every step it loads).
+            # A lost wake message: the resume marker's lease lapses, the sweep interrupts
+            # the entry (no interruption counted: nothing ran) and resumes it; neither
+            # touches the due time, so the claim of the re-sent message, or of the late
+            # original, still RUNs it. Exactly one claim does, under this row lock; any
+            # other finds the due time cleared and a live lease (WAIT) or a settled entry.
+            # An attempt that claimed the wake and then died cleared it: its takeover
+            # decides a possibly ambiguous body as before.
+            gate = Gate.RUN
         # The admission gate (``admission``), asked of every delivery that would run: a
         # retry's, a takeover's, a resume's, a wake's. The deadline only tightens.
         rel = None if req.deadline_after is None else row.created_at + req.deadline_after

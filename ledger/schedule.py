@@ -178,9 +178,12 @@ class ScheduleQueries(StoreCore):
         marker (fence + 1, lease ``lease_seconds``), returning what the winner re-sends and
         the entry's deadline (sent along, so that the claim checks it at once).
 
-        The claim of the re-sent message then RUNs it (no execution yet) or takes it over
-        (a sleeper: its completed steps replay); if the message is lost, the lease expires
-        and the stale-lease sweep resumes it like any interrupted entry. ``only_due``: only
+        The entry keeps its due time until a claim hands it to an attempt: the mark that
+        its last attempt (a held ``self.retry``, a sleep) ended cleanly and none has run
+        since. The claim of the re-sent message RUNs it (nothing executed yet, or completed
+        steps replay as for a ``retrying`` entry), never takes it over; if the message is
+        lost, the lease expires and the stale-lease sweep resumes it like any interrupted
+        entry, and that claim RUNs it too (the due time is still there). ``only_due``: only
         if its due time passed (``resume`` by hand passes False). An entry with a pending
         cancellation is not woken (``finish_cancelled`` settles it). Exactly one of any
         number of concurrent wakers gets a ``Resuming``.
@@ -209,7 +212,8 @@ class ScheduleQueries(StoreCore):
                 owner_boot=None,
                 owner_pid=None,
                 lease_until=db_now() + lease_seconds,
-                due_at=None,
+                # The due time stays, as the mark of a clean settle that no attempt has run
+                # since: the claim of the wake re-runs it (``HotPath._claim_existing_txn``).
                 updated_at=db_now(),
             )
             .returning(

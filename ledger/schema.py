@@ -58,7 +58,9 @@ entries = Table(
     # again (executions moves), whatever the fence did meanwhile (0002).
     Column("released_executions", Integer),
     # When recovery acts on an entry that waits for a time, on the database clock: a retry
-    # whose message has not arrived by then is re-sent. Set only while the entry waits (0002).
+    # whose message has not arrived by then is re-sent. Set only while the entry waits (0002),
+    # and kept on an entry woken from ``scheduled``/``sleeping`` until a claim runs it: the
+    # mark that no attempt has run the body since that clean settle (its claim is a RUN).
     Column("due_at", Float),
     # mark-dead: every attempt up to this fence is asserted dead, by whom, why, when (0005).
     Column("dead_fence", BigInteger),

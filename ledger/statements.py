@@ -159,7 +159,9 @@ def claim_takeover(dialect: Dialect) -> Any:
             executions=entries.c.executions + 1,
             interruptions=B("new_interruptions", Integer),
             updated_at=now,
-            due_at=None,  # a retry that is claimed waits for no time any more
+            # A claimed retry waits for no time any more; a claimed wake no longer marks a
+            # clean settle that nothing ran since (``HotPath._claim_existing_txn``).
+            due_at=None,
             # Tightened under the claim's row lock (``admission.earliest_of``): never later.
             deadline_at=B("new_deadline", Float),
             # A publish intent knows no canvas (the claim does); a re-send keeps it.

@@ -251,6 +251,113 @@ def test_a_woken_task_that_retries_far_is_held_again(tmp_path, redis, pg_url):
     store.dispose()
 
 
+def test_a_stepless_task_whose_long_retry_was_held_runs_again_when_woken(tmp_path, redis, pg_url):
+    """A task without steps (``non_idempotent``: its body is the effect) retries once with a
+    countdown the ledger holds. Its attempt ended cleanly (settled ``scheduled``), so nothing
+    is ambiguous: the sweep wakes it, the claim re-runs it as a retry, and it completes with
+    the body run twice, never parked ``blocked``."""
+    env = time_env(tmp_path, redis, pg_url)
+    app = client_app(env)
+    store = LedgerStore(pg_url)
+    ended = (EntryStatus.COMPLETED, EntryStatus.BLOCKED, EntryStatus.FAILED)
+    try:
+        with processes(tmp_path, env) as procs:
+            procs.worker("w1", concurrency=1, extra=TIME_TASKS)
+            result = app.send_task("time_app.bare_retry_far", args=("brf", 4.0))
+            key = key_of("time_app.bare_retry_far", result.id)
+            wait_for(
+                lambda: entry_status(store, key) is EntryStatus.SCHEDULED,
+                timeout=60,
+                what="the retry to be held (scheduled)",
+            )
+            procs.beat()
+            wait_for(lambda: entry_status(store, key) in ended, timeout=90, what="the task to end")
+            entry = store.get_entry(key)
+            names = event_names(store, key)
+            assert entry.status is EntryStatus.COMPLETED, (entry.status, entry.reason, names)
+            assert result.get(timeout=30) == "body:brf"
+        assert effects_of(pg_url, "brf") == {"body": 2}
+        assert "woken" in names, names
+    finally:
+        store.dispose()
+
+
+def test_a_held_retry_with_throw_false_does_not_hold_the_next_task_in_the_process(
+    tmp_path, redis, pg_url
+):
+    """Task A calls ``self.retry(countdown=<held>, throw=False)`` and returns; task B, next in
+    the same pool process (``-c 1``), retries with a short countdown. B's retry is published
+    and claimed as Celery's: B completes (body twice). A's held retry never reaches B."""
+    env = time_env(tmp_path, redis, pg_url)
+    app = client_app(env)
+    store = LedgerStore(pg_url)
+    ended = (
+        EntryStatus.COMPLETED,
+        EntryStatus.BLOCKED,
+        EntryStatus.FAILED,
+        EntryStatus.SCHEDULED,
+    )
+    try:
+        with processes(tmp_path, env) as procs:
+            procs.worker("w1", concurrency=1, extra=TIME_TASKS)
+            first = app.send_task("time_app.quiet_retry", args=("qa", 3600.0))
+            assert first.get(timeout=60) == "body:qa"
+            retried = [
+                m
+                for m in time_app_messages(redis)
+                if m["headers"].get("id") == first.id and m["headers"].get("retries")
+            ]
+            assert retried == [], "the held throw=False retry was published"
+            second = app.send_task("time_app.retry_soon", args=("qb", 0.5))
+            key_b = key_of("time_app.retry_soon", second.id)
+            # B's retry is due 0.5 s after its first run; a held B would be due in an hour.
+            wait_for(
+                lambda: entry_status(store, key_b) in ended,
+                timeout=60,
+                what="task B to settle (completed, or held: scheduled)",
+            )
+            entry_b = store.get_entry(key_b)
+            assert entry_b.status is EntryStatus.COMPLETED, (
+                entry_b.status,
+                entry_b.due_at,
+                event_names(store, key_b),
+            )
+            assert second.get(timeout=30) == "body:qb"
+            # The Retry a throw=False call returned, raised by the body, is held as ever.
+            third = app.send_task("time_app.quiet_retry", args=("qc", 3600.0, True))
+            key_c = key_of("time_app.quiet_retry", third.id)
+            wait_for(
+                lambda: entry_status(store, key_c) is EntryStatus.SCHEDULED,
+                timeout=60,
+                what="the raised throw=False retry to be held",
+            )
+        assert effects_of(pg_url, "qb") == {"body": 2}
+        assert effects_of(pg_url, "qa") == {"body": 1}
+        pids = {pid for tag in ("qa", "qb") for pid in _effect_pids(pg_url, tag)}
+        assert len(pids) == 1, f"A and B ran in more than one pool process: {pids}"
+        entry_a = store.get_entry(key_of("time_app.quiet_retry", first.id))
+        assert entry_a.status is EntryStatus.COMPLETED, entry_a.status
+        due_at = store.get_entry(key_c).due_at
+        assert due_at is not None and due_at - store.now() > 3000, due_at
+        assert effects_of(pg_url, "qc") == {}
+    finally:
+        store.dispose()
+
+
+def _effect_pids(url: str, tag: str) -> set[int]:
+    from sqlalchemy import text
+
+    from celery_ledger.ledger.engine import make_engine
+
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(text("SELECT pid FROM test_effects WHERE tag = :t"), {"t": tag})
+            return {int(r[0]) for r in rows}
+    finally:
+        engine.dispose()
+
+
 # == (2) durable sleep ======================================================================
 
 

@@ -30,10 +30,63 @@ def test_a_due_entry_is_woken_by_exactly_one_waker(store: LedgerStore) -> None:
     assert first is not None and second is None
     assert store.begin_wake("k-later", 1, EntryStatus.SCHEDULED, lease_seconds=60) is None
     entry = store.get_entry("k-due")
-    assert entry.status is EntryStatus.RUNNING and entry.due_at is None
+    # Woken, it keeps its due time until a claim runs it; nothing lists it as due again.
+    assert entry.status is EntryStatus.RUNNING and entry.due_at is not None
+    assert store.list_due() == []
     # Its claim RUNs it (nothing executed yet); a delivery of the held one is held.
     assert store.claim(request("k-due", task_id="t-due")).gate is Gate.RUN
+    assert store.get_entry("k-due").due_at is None
     assert store.claim(request("k-later", task_id="t-later")).gate is Gate.HOLD
+
+
+def _woken(store: LedgerStore, key: str, status: EntryStatus, *, lease: float = 60.0) -> int:
+    """Claim ``key``, run it, settle it ``status`` (already due: a held retry, or a sleep),
+    and wake it as the sweep does. Returns the woken fence."""
+    claim = store.claim(request(key, task_id=f"t-{key}"))
+    assert claim.gate is Gate.RUN
+    assert store.settle(key, claim.fence, status, due_in=-1.0)
+    due = [d for d in store.list_due() if d.key == key]
+    assert len(due) == 1
+    woke = store.begin_wake(key, due[0].fence, status, lease_seconds=lease)
+    assert woke is not None
+    return woke[0].fence
+
+
+def test_the_wake_of_a_clean_settle_is_rerun_not_taken_over(store: LedgerStore) -> None:
+    """An attempt that settled ``scheduled`` (a held retry) or ``sleeping`` left nothing
+    ambiguous: the claim of its wake RUNs it like a ``retrying`` entry (steps replay), also
+    when the wake's message was lost and its lease lapsed. Once an attempt has claimed it, a
+    crash of that attempt is a takeover again."""
+    for status in (EntryStatus.SCHEDULED, EntryStatus.SLEEPING):
+        key = f"k-woken-{status.value}"
+        _woken(store, key, status)
+        claim = store.claim(request(key, task_id=f"t-{key}"))
+        assert claim.gate is Gate.RUN, (status, claim.gate)
+        assert claim.executions == 1
+
+    # The wake's message is lost: the resume marker's lease lapses, the sweep interrupts
+    # and resumes it. Still nothing ran since the clean settle: RUN, no interruption counted.
+    _woken(store, "k-lost", EntryStatus.SCHEDULED, lease=0.05)
+    wait_lease_expired(store, "k-lost")
+    assert [i.key for i in store.interrupt_expired()] == ["k-lost"]
+    interrupted = store.get_entry("k-lost")
+    assert interrupted.interruptions == 0
+    assert store.begin_resume("k-lost", interrupted.fence, lease_seconds=60) is not None
+    assert store.claim(request("k-lost", task_id="t-k-lost")).gate is Gate.RUN
+
+    # A late delivery of the lost wake claims the interrupted entry directly: RUN too.
+    _woken(store, "k-late", EntryStatus.SLEEPING, lease=0.05)
+    wait_lease_expired(store, "k-late")
+    store.interrupt_expired()
+    assert store.get_entry("k-late").status is EntryStatus.INTERRUPTED
+    assert store.claim(request("k-late", task_id="t-k-late")).gate is Gate.RUN
+
+    # The attempt that claimed the wake dies: its body may have run, a takeover decides.
+    _woken(store, "k-died", EntryStatus.SCHEDULED)
+    assert store.claim(request("k-died", task_id="t-k-died", lease=0.05)).gate is Gate.RUN
+    wait_lease_expired(store, "k-died")
+    store.interrupt_expired()
+    assert store.claim(request("k-died", task_id="t-k-died")).gate is Gate.TAKEOVER
 
 
 def test_cancel_settles_idle_entries_and_marks_running_ones(store: LedgerStore) -> None:

@@ -96,6 +96,32 @@ def register(target: Any) -> dict[str, Any]:
         """Records no steps: the body is the effect."""
         return effect(tag, "bare")
 
+    @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.bare_retry_far")
+    def bare_retry_far(self: LedgerTask, tag: str, countdown: float) -> str:
+        """Records no steps (its body is the effect, ``non_idempotent``): runs, retries once
+        with ``countdown`` (held by the ledger when long), runs again and returns."""
+        done = effect(tag, "body")
+        if self.request.retries == 0:
+            raise self.retry(countdown=countdown)
+        return done
+
+    @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.quiet_retry")
+    def quiet_retry(self: LedgerTask, tag: str, countdown: float, raise_it: bool = False) -> str:
+        """``retry(throw=False)``: Celery publishes the retry and the body goes on (or, with
+        ``raise_it``, raises the ``Retry`` it returned)."""
+        retry = self.retry(countdown=countdown, throw=False)
+        if raise_it:
+            raise retry
+        return effect(tag, "body")
+
+    @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.retry_soon")
+    def retry_soon(self: LedgerTask, tag: str, countdown: float) -> str:
+        """Retries once with a short ``countdown`` (published as Celery does), then returns."""
+        done = effect(tag, "body")
+        if self.request.retries == 0:
+            raise self.retry(countdown=countdown)
+        return done
+
     @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.soon", deadline=1.0)
     def soon(self: LedgerTask, tag: str) -> str:
         """Must start its effect within a second of being published (``deadline``)."""
@@ -104,6 +130,9 @@ def register(target: Any) -> dict[str, Any]:
     return {
         "soon": soon,
         "bare": bare,
+        "bare_retry_far": bare_retry_far,
+        "quiet_retry": quiet_retry,
+        "retry_soon": retry_soon,
         "keyed_charge": keyed_charge,
         "fails": fails,
         "once": once,

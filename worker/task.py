@@ -234,9 +234,38 @@ class LedgerTask(Task):
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's ``retry``; a countdown beyond ``ledger_hold_threshold_seconds`` is held by
-        the ledger (the entry settles ``scheduled``) instead of published (issue 18)."""
-        with timing.in_retry():
-            return super().retry(*args, **kwargs)
+        the ledger (the entry settles ``scheduled``) instead of published (issue 18).
+
+        The hold belongs to the ``Retry`` this call makes (``timing.mark_held``): the
+        attempt settles ``scheduled`` only when that very exception ends it. Nothing else
+        remembers it, so no later retry, task or delivery in this process is held by it.
+
+        ``throw=False`` (Celery: publish the retry, return, and the body goes on): a held
+        retry is then not sent at all, and nothing is stored for it; the entry follows this
+        attempt's own end. That is what its message would have met had it been published:
+        it is due after this attempt ends, and its claim RETURNs a completed or failed entry,
+        HOLDs a sleeping or scheduled one, re-runs a retry the attempt settled itself, and
+        a takeover of an attempt that died is the sweep's anyway. (Under one key, a retry's
+        delivery never runs a settled body again.) Raising the returned ``Retry`` holds it
+        as with ``throw=True``.
+        """
+        with timing.in_retry() as call:
+            try:
+                retry = super().retry(*args, **kwargs)
+            except Retry as exc:
+                timing.mark_held(exc, call)
+                raise
+        timing.mark_held(retry, call)
+        attempt = current_attempt.get()
+        if call.held is not None and attempt is not None:
+            log.info(
+                "retry(throw=False) of key=%s task_id=%s fence=%s held by the ledger: not "
+                "sent; the entry settles as this attempt ends",
+                attempt.key,
+                attempt.task_id,
+                attempt.fence,
+            )
+        return retry
 
     def wait_until(self, when: float | datetime) -> None:
         """``sleep`` until ``when`` (a datetime, or seconds since the epoch)."""
@@ -511,7 +540,7 @@ class LedgerTask(Task):
             except timing.Stopped as stop:
                 raise stop.outcome from None
             except Retry as exc:
-                due, held = self._retry_due(exc, settings), timing.held_retry()
+                due, held = self._retry_due(exc, settings), timing.held_retry(exc)
                 if held is not None:  # issue 18: the ledger holds the long retry countdown
                     due = {k: v for k, v in due.items() if k == "snapshot"} | held
                 status = EntryStatus.RETRYING if held is None else EntryStatus.SCHEDULED

@@ -80,21 +80,36 @@ class Stopped(BaseException):
 
 # -- held countdowns ---------------------------------------------------------------------------
 
-_held_retry: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
-    "ledger_held_retry", default=None
+
+class RetryCall:
+    """One ``LedgerTask.retry`` call in progress, and the due time the ledger held its publish
+    for (None: published as Celery's)."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held: dict[str, float] | None = None
+
+
+#: The ``LedgerTask.retry`` call running right now: only its publish is a retry the attempt
+#: may hold (not the ledger's own re-sends from inside an attempt, which carry a retry count
+#: too). Set for the length of that call and no longer: a pool process runs task after task
+#: in one context, so nothing a retry records may outlive its call (``held_retry``).
+_retry_call: contextvars.ContextVar[RetryCall | None] = contextvars.ContextVar(
+    "ledger_retry_call", default=None
 )
-#: Set while ``LedgerTask.retry`` runs: only its publish is a retry the attempt may hold (not
-#: the ledger's own re-sends from inside an attempt, which carry a retry count too).
-_in_retry: contextvars.ContextVar[bool] = contextvars.ContextVar("ledger_in_retry", default=False)
+#: The attribute of a ``Retry`` that carries the due time the ledger held it for.
+_HELD_ATTR = "ledger_held_due"
 
 
 @contextlib.contextmanager
-def in_retry() -> Iterator[None]:
-    token = _in_retry.set(True)
+def in_retry() -> Iterator[RetryCall]:
+    call = RetryCall()
+    token = _retry_call.set(call)
     try:
-        yield
+        yield call
     finally:
-        _in_retry.reset(token)
+        _retry_call.reset(token)
 
 
 def hold_due(task: Any, options: dict[str, Any], *, linked: bool) -> dict[str, float] | None:
@@ -108,7 +123,7 @@ def hold_due(task: Any, options: dict[str, Any], *, linked: bool) -> dict[str, f
     # The ledger's own re-sends are never held; a retry is not one, even of a delivery that
     # was (its options copy the delivery's headers).
     resent = headers.get("ledger_redelivery") or headers.get("ledger_unavailable")
-    if resent and not _in_retry.get():
+    if resent and _retry_call.get() is None:
         return None
     if options.get("chain") or options.get("chord"):
         return None
@@ -141,8 +156,9 @@ def hold(
     from celery_ledger.attempt import current_attempt
 
     attempt = current_attempt.get()
-    if _in_retry.get() and attempt is not None and attempt.task_id == task_id:
-        _held_retry.set(dict(due))
+    call = _retry_call.get()
+    if call is not None and attempt is not None and attempt.task_id == task_id:
+        call.held = dict(due)
         return True
     try:
         settings = runtime.settings_for(task.app)
@@ -188,11 +204,18 @@ def hold(
     return recorded
 
 
-def held_retry() -> dict[str, float] | None:
-    """The due time of a ``self.retry()`` this attempt held (and forget it)."""
-    due = _held_retry.get()
-    _held_retry.set(None)
-    return due
+def mark_held(retry: BaseException, call: RetryCall) -> None:
+    """Tie the hold of ``call`` (if its publish was held) to the ``Retry`` it made: the hold
+    is that exception's, and only its settle (``held_retry``) may use it."""
+    if call.held is not None:
+        setattr(retry, _HELD_ATTR, dict(call.held))
+
+
+def held_retry(retry: BaseException) -> dict[str, float] | None:
+    """The due time the ledger held this ``Retry``'s publish for; None when it was
+    published (or is not a ``LedgerTask.retry`` of this attempt)."""
+    due = getattr(retry, _HELD_ATTR, None)
+    return dict(due) if isinstance(due, dict) else None
 
 
 # -- deadlines ---------------------------------------------------------------------------------
