@@ -657,9 +657,9 @@ def test_release_of_a_tombstone_is_refused_in_one_line(
     failed_tombstone(store, "k-tomb")
     env = test_env(tmp_path, broker=None, ledger_url=ledger_url)
     before = rows(ledger_url)
-    for verdict in ("not-executed", "completed"):
+    for verdict in (["not-executed"], ["completed", "--result-json", "1"]):
         proc = run(
-            ledger_cli("release", "k-tomb", "--verified", verdict, "--by", "al", "--reason", "r"),
+            ledger_cli("release", "k-tomb", "--verified", *verdict, "--by", "al", "--reason", "r"),
             env,
             code=1,
         )
