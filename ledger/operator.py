@@ -203,6 +203,30 @@ class OperatorQueries(StoreCore):
             ).all()
         return [EventRecord(**r._mapping) for r in rows]
 
+    def first_execution_at(self, key: str) -> float:
+        """When an attempt first ran ``key``'s body, on the database clock (read-only).
+
+        That is its first ``claimed`` event: the claim that inserted the entry with one
+        execution, or the first claim of a publish intent (``record_intent``, which wrote
+        ``queued``). The entry's ``created_at`` stands in when no such event is left: it is
+        never later (a publish intent is created before it first runs).
+
+        Raises:
+            EntryNotFound: when there is no entry.
+        """
+        first_claim = (
+            select(func.min(events.c.at))
+            .where(events.c.key == key, events.c.event == "claimed")
+            .scalar_subquery()
+        )
+        with self._read() as conn:
+            at = conn.execute(
+                select(func.coalesce(first_claim, entries.c.created_at)).where(entries.c.key == key)
+            ).scalar_one_or_none()
+        if at is None:
+            raise EntryNotFound(f"no ledger entry with key {key}")
+        return float(at)
+
     def now(self) -> float:
         """The database clock, seconds since the epoch."""
         with self._read() as conn:

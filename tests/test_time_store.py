@@ -10,6 +10,7 @@ from sqlalchemy import text
 from test_store_contract import STEP, make_interrupted, request
 
 from celery_ledger.ledger import (
+    EntryNotFound,
     EntryStatus,
     Gate,
     LedgerStore,
@@ -144,6 +145,30 @@ def test_a_tombstone_is_not_releasable(store: LedgerStore, verdict: Verdict) -> 
     assert store.entry_events("k-tomb") == events
     assert store.stats().duplicate_executions == 0
     assert store.prune_tombstones(0.0) == 1, "still a tombstone, deleted after its window"
+
+
+def test_first_execution_is_the_first_claim_not_the_publish(store: LedgerStore) -> None:
+    """Issue 29: a keyed body's key window runs from ``first_execution_at``: the first
+    ``claimed`` event. A publish intent is created earlier and does not count; a takeover does
+    not move it; without the event, ``created_at`` stands in."""
+    assert store.record_intent(request("k-pub", task_id="t-pub"))
+    with store.engine.begin() as conn:
+        conn.execute(
+            text("UPDATE ledger_entries SET created_at = created_at - 60 WHERE key = 'k-pub'")
+        )
+    assert store.claim(request("k-pub", task_id="t-pub")).gate is Gate.RUN
+    (claimed,) = [e.at for e in store.entry_events("k-pub") if e.event == "claimed"]
+    entry = store.get_entry("k-pub")
+    assert store.first_execution_at("k-pub") == claimed >= entry.created_at + 59
+    make_interrupted(store, "k-run")
+    (first,) = [e.at for e in store.entry_events("k-run") if e.event == "claimed"]
+    assert store.claim(request("k-run")).gate is Gate.TAKEOVER
+    assert store.first_execution_at("k-run") == first
+    with store.engine.begin() as conn:
+        conn.execute(text("DELETE FROM ledger_events WHERE key = 'k-run'"))
+    assert store.first_execution_at("k-run") == store.get_entry("k-run").created_at
+    with pytest.raises(EntryNotFound):
+        store.first_execution_at("k-none")
 
 
 def test_a_held_snapshot_is_sealed_and_the_wake_pass_opens_it(tmp_path) -> None:
