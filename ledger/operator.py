@@ -31,6 +31,14 @@ RELEASABLE = (
     EntryStatus.RETRYING,
 )
 
+#: Why a tombstone (``tombstone_at``: retention pruned a settled entry's steps, events and
+#: snapshot) is never released (issue 29): its completed steps are forgotten, so a re-run would
+#: run the whole body again, and the duplicate-execution rate could not see it.
+TOMBSTONE_NOT_RELEASABLE = (
+    "a tombstone: retention pruned it and forgot its steps, so a re-run could repeat a "
+    "completed effect; it is not releasable (publish a new task for new work)"
+)
+
 #: Name of the implicit step that stands for the whole body of a task that recorded no steps.
 BODY_STEP = "__body__"
 
@@ -195,6 +203,30 @@ class OperatorQueries(StoreCore):
             ).all()
         return [EventRecord(**r._mapping) for r in rows]
 
+    def first_execution_at(self, key: str) -> float:
+        """When an attempt first ran ``key``'s body, on the database clock (read-only).
+
+        That is its first ``claimed`` event: the claim that inserted the entry with one
+        execution, or the first claim of a publish intent (``record_intent``, which wrote
+        ``queued``). The entry's ``created_at`` stands in when no such event is left: it is
+        never later (a publish intent is created before it first runs).
+
+        Raises:
+            EntryNotFound: when there is no entry.
+        """
+        first_claim = (
+            select(func.min(events.c.at))
+            .where(events.c.key == key, events.c.event == "claimed")
+            .scalar_subquery()
+        )
+        with self._read() as conn:
+            at = conn.execute(
+                select(func.coalesce(first_claim, entries.c.created_at)).where(entries.c.key == key)
+            ).scalar_one_or_none()
+        if at is None:
+            raise EntryNotFound(f"no ledger entry with key {key}")
+        return float(at)
+
     def now(self) -> float:
         """The database clock, seconds since the epoch."""
         with self._read() as conn:
@@ -226,7 +258,8 @@ class OperatorQueries(StoreCore):
         Raises:
             EntryNotFound: no such key.
             ReleaseRefused: completed entry, live lease, released already and not run since,
-                or the verdict is not completed/not_executed.
+                a tombstone (``TOMBSTONE_NOT_RELEASABLE``), or the verdict is not
+                completed/not_executed.
             DeathSignalRequired: ``require_death_signal`` and no ``mark_dead`` covers the
                 attempt that started the ambiguous step.
             OperatorTextError: ``by`` or ``reason`` is blank, too long or not printable
@@ -244,6 +277,8 @@ class OperatorQueries(StoreCore):
             if row is None:
                 raise EntryNotFound(f"no ledger entry with key {key}")
             found = EntryStatus(row.status)
+            if row.tombstone_at is not None:
+                raise ReleaseRefused(f"{key} is {TOMBSTONE_NOT_RELEASABLE}")
             if found is EntryStatus.COMPLETED:
                 raise ReleaseRefused(f"{key} is completed; there is nothing to release")
             if found is EntryStatus.RUNNING and row.remaining is not None and row.remaining > 0:

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 from sqlalchemy import text
+from test_time_store import failed_tombstone
 
 from celery_ledger.cli.main import main
 from celery_ledger.codec import decode, encode
@@ -645,6 +646,28 @@ def test_both_installations_share_the_commands(
     # tests_app.order charges without a reconciler; tests_app.reconciled has one.
     assert rec["status"] == "WARN" and "tests_app.order" in rec["reason"]
     assert "tests_app.reconciled" not in rec["reason"]
+
+
+def test_release_of_a_tombstone_is_refused_in_one_line(
+    tmp_path: Path, store: LedgerStore, ledger_url: str
+) -> None:
+    """Issue 29: ``celery-ledger release`` of a failed entry retention pruned to a tombstone
+    (its completed step forgotten) exits 1 with one line that says why, no traceback, and
+    writes nothing: a re-run could repeat the forgotten step's effect."""
+    failed_tombstone(store, "k-tomb")
+    env = test_env(tmp_path, broker=None, ledger_url=ledger_url)
+    before = rows(ledger_url)
+    for verdict in (["not-executed"], ["completed", "--result-json", "1"]):
+        proc = run(
+            ledger_cli("release", "k-tomb", "--verified", *verdict, "--by", "al", "--reason", "r"),
+            env,
+            code=1,
+        )
+        err = proc.stderr.strip()
+        assert "Traceback" not in proc.stderr, proc.stderr
+        assert err.startswith("Error: ") and "\n" not in err, err
+        assert "tombstone" in err and "completed effect" in err, err
+    assert rows(ledger_url) == before and queued(tmp_path) == 0
 
 
 @pytest.mark.processes

@@ -44,6 +44,7 @@ from celery_ledger.ledger import (
     entry_key,
 )
 from celery_ledger.ledger.engine import make_engine
+from celery_ledger.ledger.schedule import PRUNED_FAILURE
 
 USER, PASSWORD = "alice", "s3cret-pass"
 CARD = "4111111111111111"
@@ -559,6 +560,34 @@ class TestActions(ActionCase):
         )
         assert again.code == 409 and b"release is one-shot" in again.body
         assert self.rows() == before and self.store.get_entry(key).released_reason == "first"
+
+    def test_a_tombstone_offers_no_release_and_a_post_is_refused(self) -> None:
+        """Issue 29: a failed entry pruned to a tombstone forgot its completed ``reserve``; a
+        release would re-run it. The page offers no release and says why; a POST is refused
+        by the store in the same words and changes nothing."""
+        c = self.claim()
+        done = ("reserve", "h0", 0)
+        assert self.store.write_step(c.key, c.fence, done, seq=0, status=StepStatus.STARTED)
+        assert self.store.write_step(
+            c.key, c.fence, done, seq=0, status=StepStatus.COMPLETED, output='"held"'
+        )
+        assert self.store.settle(c.key, c.fence, EntryStatus.FAILED, error="e", actor=NODE)
+        with self.store.engine.begin() as conn:
+            conn.execute(
+                text("UPDATE ledger_entries SET settled_at = settled_at - 3600 WHERE key = :k"),
+                {"k": c.key},
+            )
+        assert self.store.prune_settled(60.0, tombstone=PRUNED_FAILURE) == 1
+        html = self.page(f"/ledger/entry/{c.key}")
+        assert 'id="release-form"' not in html and "tombstone" in html
+        before = self.rows()
+        for verdict in ("not-executed", "completed"):
+            form = {"verified": verdict, "reason": "r", "result_json": "1"}
+            if verdict == "not-executed":
+                del form["result_json"]
+            resp = self.post(f"/ledger/entry/{c.key}/release", form, xsrf_from="/ledger")
+            assert resp.code == 409 and b"tombstone" in resp.body, (verdict, resp.body[-2000:])
+        assert self.rows() == before
 
     def test_release_completed_checks_the_result_as_json(self) -> None:
         key = self.blocked()

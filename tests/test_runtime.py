@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from kombu.utils.json import dumps, loads
+from sqlalchemy import text
 
 from celery_ledger import LedgerTask, Reconciled, runtime
 from celery_ledger.backoff import retry_while_unavailable
@@ -329,3 +330,121 @@ def test_events_follow_the_setting_and_are_fixed_when_a_worker_starts() -> None:
     explicit.conf.ledger_send_events = False
     runtime.fix_events(explicit)
     assert runtime.events_enabled(explicit) is False
+
+
+# -- a keyed body without steps, taken over past its provider's key window (issue 29) -----------
+
+
+def _keyed_bare(
+    app: Celery, effects: list[str], *, ttl: float, reconciler: Any = None
+) -> LedgerTask:
+    @app.task(
+        base=LedgerTask,
+        bind=True,
+        name="rt.keyed_bare",
+        shared=False,
+        side_effect="keyed",
+        provider_key_ttl=ttl,
+        reconciler=reconciler,
+    )
+    def keyed_bare(self: LedgerTask, order_id: str) -> str:
+        effects.append(order_id)  # records no steps: the body is the keyed effect
+        return f"charged {order_id}"
+
+    return keyed_bare
+
+
+def _ran_and_died(app: Celery, *, published_ago: float = 0.0, first_run_ago: float) -> str:
+    """An earlier attempt ran the body of ``rt.keyed_bare[t-1]`` ``first_run_ago`` seconds
+    ago (its first ``claimed``) and died; its entry is interrupted. With ``published_ago``
+    the entry was a publish intent recorded that long ago. Times are moved back in the rows
+    (time does not pass here)."""
+    store = runtime.store_for(app)
+    key = entry_key("rt.keyed_bare", "t-1")
+    dead = Owner(node="celery@gone", boot="old-boot", pid=4242)
+    snapshot = json.dumps({"args": ["o-1"], "kwargs": {}, "queue": None, "ledger_key": None})
+    req = ClaimRequest(
+        key=key,
+        task_name="rt.keyed_bare",
+        task_id="t-1",
+        args_hash="task-id",
+        snapshot=snapshot,
+        side_effect="keyed",
+        owner=dead,
+        lease_seconds=60.0,
+    )
+    if published_ago:
+        assert store.record_intent(req)
+    assert store.claim(req).executions == 0  # this claim is the first execution
+    assert store.interrupt_owner(
+        key, node=dead.node, boot=dead.boot, pid=dead.pid, actor="test", why="killed"
+    )
+    with store.engine.begin() as conn:
+        conn.execute(
+            text("UPDATE ledger_entries SET created_at = created_at - :s WHERE key = :k"),
+            {"s": max(published_ago, first_run_ago), "k": key},
+        )
+        conn.execute(
+            text("UPDATE ledger_events SET at = at - :s WHERE key = :k AND event = 'queued'"),
+            {"s": published_ago, "k": key},
+        )
+        conn.execute(
+            text("UPDATE ledger_events SET at = at - :s WHERE key = :k AND event = 'claimed'"),
+            {"s": first_run_ago, "k": key},
+        )
+    return key
+
+
+def test_a_keyed_body_without_steps_past_its_key_window_is_blocked_not_rerun(
+    tmp_path: Path,
+) -> None:
+    """Issue 29: the body ran 5 s ago, the provider forgets keys after 1 s, no reconciler:
+    the takeover does not run it again; the entry is blocked with a reason naming the window."""
+    app = local_app(tmp_path)
+    effects: list[str] = []
+    task = _keyed_bare(app, effects, ttl=1.0)
+    key = _ran_and_died(app, first_run_ago=5.0)
+    task.apply(args=("o-1",), task_id="t-1")
+    entry = runtime.store_for(app).get_entry(key)
+    assert effects == [], "the body ran again with a key the provider may have forgotten"
+    assert entry.status is EntryStatus.BLOCKED, entry.status
+    assert "provider_key_ttl" in (entry.reason or ""), entry.reason
+
+
+def test_a_keyed_body_without_steps_past_its_key_window_asks_its_reconciler(
+    tmp_path: Path,
+) -> None:
+    """Issue 29: past the window, the reconciler finds the charge: it is the result, and the
+    body does not run again."""
+    app = local_app(tmp_path)
+    effects: list[str] = []
+    asked: list[str] = []
+
+    def found(step: Any) -> Reconciled:
+        asked.append(step.step)
+        return Reconciled.completed(f"charged {step.args[0]}")
+
+    task = _keyed_bare(app, effects, ttl=1.0, reconciler=found)
+    key = _ran_and_died(app, first_run_ago=5.0)
+    assert task.apply(args=("o-1",), task_id="t-1").get() == "charged o-1"
+    assert effects == [] and asked == ["__body__"]
+    assert runtime.store_for(app).get_entry(key).status is EntryStatus.COMPLETED
+
+
+def test_a_keyed_body_without_steps_is_judged_from_its_first_execution(tmp_path: Path) -> None:
+    """Published 60 s ago (a publish intent) but first run 1 s ago, with a 30 s window: the
+    window is judged from the first execution, so the body re-runs with its key as ``keyed``
+    allows; the reconciler is not asked."""
+    app = local_app(tmp_path)
+    effects: list[str] = []
+    asked: list[str] = []
+
+    def never(step: Any) -> Reconciled:
+        asked.append(step.step)
+        return Reconciled.unknown("should not be asked")
+
+    task = _keyed_bare(app, effects, ttl=30.0, reconciler=never)
+    key = _ran_and_died(app, published_ago=60.0, first_run_ago=1.0)
+    assert task.apply(args=("o-1",), task_id="t-1").get() == "charged o-1"
+    assert effects == ["o-1"] and asked == []
+    assert runtime.store_for(app).get_entry(key).status is EntryStatus.COMPLETED

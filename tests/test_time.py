@@ -626,6 +626,45 @@ def test_an_ambiguous_keyed_step_past_its_key_window_goes_to_its_reconciler(
     store.dispose()
 
 
+def test_a_keyed_body_without_steps_past_its_key_window_is_not_run_again(tmp_path, redis, pg_url):
+    """Issue 29: a ``keyed`` task that records no steps (``provider_key_ttl`` 1 s, no
+    reconciler) performs its effect, holds on 1.5 s, and its pool process is SIGKILLed before
+    the settle. The takeover comes after the window, judged from the entry's first execution:
+    the body is not re-run with a key the provider may have forgotten; the entry is blocked
+    with a reason that names the window. The effect happened once."""
+    once = tmp_path / "crash-once"
+    env = time_env(
+        tmp_path,
+        redis,
+        pg_url,
+        CELERY_LEDGER_CRASH_AT="before-settle",
+        CELERY_LEDGER_CRASH_ONCE=str(once),
+    )
+    app = client_app(env)
+    store = LedgerStore(pg_url)
+    with processes(tmp_path, env) as procs:
+        worker = procs.worker("w1", concurrency=1, extra=TIME_TASKS)
+        sent = app.send_task("time_app.keyed_bare", args=("kb", 1.5))
+        key = key_of("time_app.keyed_bare", sent.id)
+        wait_for(
+            lambda: (
+                Path(f"{once}.before-settle").exists()
+                and entry_status(store, key)
+                in (EntryStatus.BLOCKED, EntryStatus.COMPLETED, EntryStatus.FAILED)
+            ),
+            timeout=60,
+            what="the crashed keyed body to be taken over and decided",
+        )
+        log = worker.log_text()
+    entry = store.get_entry(key)
+    assert effects_of(pg_url, "kb") == {"bare": 1}, "the body ran again past its key window"
+    assert entry.status is EntryStatus.BLOCKED, (entry.status, entry.reason)
+    assert "provider_key_ttl" in (entry.reason or ""), entry.reason
+    assert entry.executions == 2 and "takeover" in event_names(store, key)
+    assert "past provider_key_ttl" in log, "the key window was not consulted"
+    store.dispose()
+
+
 def test_a_pruned_key_delivered_again_finds_its_tombstone_and_does_not_run(tmp_path, redis, pg_url):
     """Retention prunes a completed and a failed entry to tombstones (beat's sweep, retention
     under a second). The same task ids delivered again do not run: the completed one returns,

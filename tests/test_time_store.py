@@ -8,10 +8,19 @@ import time
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 from test_faults_store import pg_admin, wait_until, waiting_on_locks
 from test_store_contract import STEP, make_interrupted, request, wait_lease_expired
 
-from celery_ledger.ledger import EntryStatus, Gate, LedgerStore, StepStatus
+from celery_ledger.ledger import (
+    EntryNotFound,
+    EntryStatus,
+    Gate,
+    LedgerStore,
+    ReleaseRefused,
+    StepStatus,
+    Verdict,
+)
 from celery_ledger.ledger.schedule import PRUNED_FAILURE, cancelled_failure
 
 
@@ -157,6 +166,65 @@ def test_prune_to_tombstones_keeps_the_final_status_and_blocks_a_rerun(store: Le
     assert store.prune_tombstones(3600) == 0
     assert store.prune_tombstones(0.0) == 2
     assert store.claim(request("k-ok", task_id="t-k-ok")).gate is Gate.RUN
+
+
+def failed_tombstone(store: LedgerStore, key: str) -> None:
+    """``key`` failed after its step ``charge`` completed, and retention pruned it to a
+    tombstone (its settled time moved an hour back, so a one-minute window takes it)."""
+    claim = store.claim(request(key, task_id=f"t-{key}"))
+    assert store.write_step(key, claim.fence, STEP, seq=1, status=StepStatus.COMPLETED, output="1")
+    assert store.settle(key, claim.fence, EntryStatus.FAILED, error="e")
+    with store.engine.begin() as conn:
+        conn.execute(
+            text("UPDATE ledger_entries SET settled_at = settled_at - 3600 WHERE key = :k"),
+            {"k": key},
+        )
+    assert store.prune_settled(60.0, tombstone=PRUNED_FAILURE) == 1
+    assert store.get_entry(key).tombstone_at is not None and store.load_steps(key) == ()
+
+
+@pytest.mark.parametrize("verdict", [Verdict.NOT_EXECUTED, Verdict.COMPLETED])
+def test_a_tombstone_is_not_releasable(store: LedgerStore, verdict: Verdict) -> None:
+    """Issue 29: a ``failed`` entry pruned to a tombstone forgot its steps (``charge`` had
+    completed). A release would re-run the whole body, charge included, while the duplicate
+    rate says 0, and leave the tombstone stamp on a live row for the next prune to delete. It
+    is refused in words that say why, and nothing changes."""
+    failed_tombstone(store, "k-tomb")
+    before = store.get_entry("k-tomb")
+    events = store.entry_events("k-tomb")
+    with pytest.raises(ReleaseRefused) as refused:
+        store.release("k-tomb", verdict, by="alice", reason="customer asked", result="1")
+    message = str(refused.value)
+    assert "\n" not in message, message
+    assert "tombstone" in message and "steps" in message and "completed" in message, message
+    assert store.get_entry("k-tomb") == before
+    assert store.entry_events("k-tomb") == events
+    assert store.stats().duplicate_executions == 0
+    assert store.prune_tombstones(0.0) == 1, "still a tombstone, deleted after its window"
+
+
+def test_first_execution_is_the_first_claim_not_the_publish(store: LedgerStore) -> None:
+    """Issue 29: a keyed body's key window runs from ``first_execution_at``: the first
+    ``claimed`` event. A publish intent is created earlier and does not count; a takeover does
+    not move it; without the event, ``created_at`` stands in."""
+    assert store.record_intent(request("k-pub", task_id="t-pub"))
+    with store.engine.begin() as conn:
+        conn.execute(
+            text("UPDATE ledger_entries SET created_at = created_at - 60 WHERE key = 'k-pub'")
+        )
+    assert store.claim(request("k-pub", task_id="t-pub")).gate is Gate.RUN
+    (claimed,) = [e.at for e in store.entry_events("k-pub") if e.event == "claimed"]
+    entry = store.get_entry("k-pub")
+    assert store.first_execution_at("k-pub") == claimed >= entry.created_at + 59
+    make_interrupted(store, "k-run")
+    (first,) = [e.at for e in store.entry_events("k-run") if e.event == "claimed"]
+    assert store.claim(request("k-run")).gate is Gate.TAKEOVER
+    assert store.first_execution_at("k-run") == first
+    with store.engine.begin() as conn:
+        conn.execute(text("DELETE FROM ledger_events WHERE key = 'k-run'"))
+    assert store.first_execution_at("k-run") == store.get_entry("k-run").created_at
+    with pytest.raises(EntryNotFound):
+        store.first_execution_at("k-none")
 
 
 def test_a_held_snapshot_is_sealed_and_the_wake_pass_opens_it(tmp_path) -> None:

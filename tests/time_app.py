@@ -86,6 +86,21 @@ def register(target: Any) -> dict[str, Any]:
             self.step("receipt", effect, tag, "receipt"),
         ]
 
+    # Records no steps, so the body is the keyed effect; its provider forgets a key after a
+    # second. ``pause`` after the effect puts a crash at ``before-settle`` past that window.
+    @target.task(
+        shared=False,
+        base=LedgerTask,
+        bind=True,
+        name="time_app.keyed_bare",
+        side_effect="keyed",
+        provider_key_ttl=1.0,
+    )
+    def keyed_bare(self: LedgerTask, tag: str, pause: float = 0.0) -> str:
+        done = effect(tag, "bare")
+        time.sleep(pause)
+        return done
+
     @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.fails")
     def fails(self: LedgerTask, tag: str) -> None:
         self.step("run", effect, tag, "run")
@@ -134,6 +149,7 @@ def register(target: Any) -> dict[str, Any]:
         "quiet_retry": quiet_retry,
         "retry_soon": retry_soon,
         "keyed_charge": keyed_charge,
+        "keyed_bare": keyed_bare,
         "fails": fails,
         "once": once,
         "sleeper": sleeper,

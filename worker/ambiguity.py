@@ -130,7 +130,8 @@ class Ambiguity:
         name = ident[0]
         # A keyed step past its provider's key window (issue 18) is not re-run blindly: the
         # provider may have forgotten the key. It goes to its reconciler, else an operator.
-        if attempt.side_effect.rerun_when_ambiguous and not key_window_passed(attempt, ident):
+        rerun = attempt.side_effect.rerun_when_ambiguous
+        if rerun and not key_window_passed(attempt, ident):
             log.info(
                 "ambiguous step re-run key=%s task_id=%s fence=%s step=%s class=%s",
                 attempt.key,
@@ -176,9 +177,16 @@ class Ambiguity:
         why = answer.note or answer.verdict.value
         if answer.verdict is Verdict.NOT_EXECUTED:
             why = "irreversible steps are never re-run without an operator"
+        # Past here, a class that re-runs is a keyed step (or body) past its key window.
+        window = (
+            f"; past provider_key_ttl={attempt.task.provider_key_ttl}s, the provider may have "
+            "forgotten its key"
+            if rerun
+            else ""
+        )
         reason = (
             f"step {name!r} may have executed (external ref: {ref or 'none'}; "
-            f"reconciler: {why}); reconcile or release: "
+            f"reconciler: {why}{window}); reconcile or release: "
             f"celery-ledger show {attempt.key}"
         )
         self.block(reason)

@@ -393,18 +393,27 @@ def key_window_passed(attempt: Attempt, ident: tuple[str, str, int]) -> bool:
     ``provider_key_ttl`` (seconds) has passed since the key was first sent, on the database
     clock. The first send is the step's ``started_at`` when it started once; after a re-run
     that time was overwritten, so the entry's creation (earlier still) stands in for it: the
-    window is judged passed sooner, never later."""
-    from celery_ledger.ledger import SideEffect
+    window is judged passed sooner, never later.
+
+    A body that records no steps (issue 29: ``BODY_STEP``, ambiguous on takeover) has no row
+    of its own until a verdict writes one: it sent its key when the entry first executed,
+    which is the entry's first ``claimed`` event (``first_execution_at``; ``created_at``, never
+    later, when that event is gone). Not ``created_at`` itself: a publish intent or a task the
+    ledger held for a long countdown is created long before it first runs."""
+    from celery_ledger.ledger import BODY_STEP, SideEffect
 
     ttl = getattr(attempt.task, "provider_key_ttl", None)
     if ttl is None or attempt.side_effect is not SideEffect.KEYED:
         return False
     row = attempt.replay_row(ident)
-    if row is None:
-        return False  # first started by this very attempt: just now
     store = runtime.store_for(attempt.task.app)
-    first_start = row.started_at if row.attempts <= 1 else None
-    since = first_start if first_start is not None else store.get_entry(attempt.key).created_at
+    if row is None:
+        if ident[0] != BODY_STEP:
+            return False  # first started by this very attempt: just now
+        since = store.first_execution_at(attempt.key)
+    else:
+        first_start = row.started_at if row.attempts <= 1 else None
+        since = first_start if first_start is not None else store.get_entry(attempt.key).created_at
     passed = store.now() - since > float(ttl)
     if passed:
         log.warning(

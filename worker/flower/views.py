@@ -25,7 +25,7 @@ from celery_ledger.ledger import (
     StepRecord,
     StepStatus,
 )
-from celery_ledger.ledger.operator import RELEASABLE
+from celery_ledger.ledger.operator import RELEASABLE, TOMBSTONE_NOT_RELEASABLE
 from celery_ledger.redact import Redaction, redact_arguments, secret_names
 
 #: Longest JSON shown for one value (a result, an output); the rest is cut with a note.
@@ -276,6 +276,8 @@ def entry(page: LedgerPage, key: str) -> EntryView:
     release_blocked = None
     if e.status not in RELEASABLE:
         release_blocked = f"{e.status.value}: there is nothing to release"
+    elif e.tombstone_at is not None:
+        release_blocked = f"{e.status.value}, {TOMBSTONE_NOT_RELEASABLE}"
     elif live_lease:
         release_blocked = "running with a live lease: wait for it to expire or for the sweep"
     elif released_pending:
