@@ -195,3 +195,36 @@ def test_links_are_sealed_with_the_snapshot_keys(app: Celery) -> None:
     assert child.payload.startswith("fernet:") and "4111" not in child.payload
     opened = loads(open_snapshot(child.payload, runtime.snapshot_cipher(app)))
     assert opened["args"] == ["4111-1111"]
+
+
+def test_callbacks_after_a_released_failure_get_rows_of_their_own(app: Celery, store: Any) -> None:
+    """fail -> operator release -> complete: the errback was recorded with the failed settle
+    and published; the callback recorded with the completed settle is a row of its own, with
+    an id of its own, unpublished until the broker took it. A process killed right after the
+    settle (``after-settle``) leaves it to the sweep, which only lists unpublished rows."""
+    from celery_ledger.ledger import EntryStatus, Verdict
+
+    key = "r1"
+    fence = claim(store, key)
+    errback = signature("proj.on_failure", app=app)
+    failed = canvas.errback_links_of(task(app), request(id="tid-r1", errbacks=[dict(errback)]), key)
+    assert store.settle_with_links(
+        key,
+        fence,
+        result=None,
+        error='{"exc_type": "ValueError"}',
+        links=failed.children,
+        status=EntryStatus.FAILED,
+    )
+    store.mark_published([c.child_id for c in failed.children])  # the errback went out
+    store.release(key, Verdict.NOT_EXECUTED, by="alice", reason="checked: nothing was charged")
+    fence = claim(store, key)
+    callback = signature("proj.on_success", app=app)
+    done = canvas.links_of(task(app), request(id="tid-r1", callbacks=[dict(callback)]), key, 7)
+    assert store.settle_with_links(key, fence, result="7", links=done.children)
+    (eb,), (cb,) = failed.children, done.children
+    assert cb.child_id != eb.child_id
+    assert store.recorded_links(key) == {eb.child_id: True, cb.child_id: False}
+    assert [(m.child_id, m.task_name) for m in store.unpublished()] == [
+        (cb.child_id, "proj.on_success")
+    ]
