@@ -870,7 +870,7 @@ def refuse_overrides(
 ) -> Decision:
     """A ``ledger_authorizer`` that allows mark-dead, but not over a recent sign of life."""
     if action is Action.MARK_DEAD and getattr(details, "override_heartbeat", False):
-        return Decision.deny("overriding a sign of life is the on-call's call")
+        return Decision.deny("overriding a sign of life needs the on-call")
     return Decision.allow()
 
 
@@ -888,7 +888,7 @@ class TestOverrideAuthorizer(ActionCase):
             {"reason": "killed it myself", "override_heartbeat": "on"},
             xsrf_from="/ledger",
         )
-        assert refused.code == 403 and b"the on-call's call" in refused.body
+        assert refused.code == 403 and b"needs the on-call" in refused.body
         assert self.rows() == before and self.store.get_entry(key).dead_at is None
         plain = self.post(
             f"/ledger/entry/{key}/mark-dead", {"reason": "VM destroyed"}, xsrf_from="/ledger"

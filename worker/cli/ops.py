@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from celery_ledger.announce import announce
-from celery_ledger.authorize import Action, AuthorizerError, Operator, authorize
+from celery_ledger.authorize import Action, ActionDetails, AuthorizerError, Operator, authorize
 from celery_ledger.cli.common import (
     command_prefix,
     decode_stored,
@@ -393,10 +393,16 @@ def _parse_result(text: str | None, verdict: Verdict, limit: int) -> str | None:
     return encode(value, limit=limit, what="--result-json")
 
 
-def _authorize(settings: Any, operator: Operator, action: Action, entry: Any) -> None:
+def _authorize(
+    settings: Any,
+    operator: Operator,
+    action: Action,
+    entry: Any,
+    details: ActionDetails | None = None,
+) -> None:
     """Ask the authorizer (``ledger_authorizer``, else operator tokens) before the write."""
     try:
-        decision = authorize(settings, operator, action, entry)
+        decision = authorize(settings, operator, action, entry, details)
     except AuthorizerError as exc:
         raise click.ClickException(one_line(exc)) from None
     if not decision.allowed:
