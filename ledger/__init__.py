@@ -33,7 +33,7 @@ from celery_ledger.ledger.identity import (
     provider_key,
     step_provider_key,
 )
-from celery_ledger.ledger.links import LINKS_STEP, LinkQueries, Member
+from celery_ledger.ledger.links import LINKS_STEP, LinkQueries, Member, link_task_id
 from celery_ledger.ledger.operator import (
     BODY_STEP,
     MAX_RELEASE_BY_CHARS,
@@ -85,6 +85,7 @@ __all__ = [
     "OutboxMessage",
     "child_task_id",
     "LINKS_STEP",
+    "link_task_id",
     "LinkQueries",
     "Member",
     "TRANSACTION_STEP_REF",

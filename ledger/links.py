@@ -10,7 +10,9 @@ the entry completed, and the outbox publishes them once they committed (its swee
 worker died first).
 
 The rows use the outbox's table under the step name ``LINKS_STEP``, which a step may not take
-(``check_step_name`` reserves it, as it reserves the stepless body's name).
+(``check_step_name`` reserves it, as it reserves the stepless body's name). Their occurrence is
+the fence of the settle that recorded them (``link_task_id``): an entry settles more than once
+when an operator releases a failure, and each settle's links are rows of their own.
 """
 
 from __future__ import annotations
@@ -21,12 +23,23 @@ from dataclasses import dataclass
 from sqlalchemy import or_, select
 
 from celery_ledger.ledger.core import Note, StoreCore, _OnCursor
-from celery_ledger.ledger.outbox import Child, child_rows, insert_children
+from celery_ledger.ledger.outbox import Child, child_rows, child_task_id, insert_children
 from celery_ledger.ledger.schema import entries, outbox
 from celery_ledger.ledger.states import EntryStatus
 
 #: The outbox "step" a settle's links are recorded under.
 LINKS_STEP = "__links__"
+
+
+def link_task_id(key: str, fence: int, n: int) -> str:
+    """The task id of the ``n``-th link the settle of ``key`` at ``fence`` records, for a link
+    without a frozen id of its own.
+
+    The same on every redelivery that RETURNs that settle (a settle keeps the entry's fence),
+    and another one for each settle: a failure's errbacks and, once an operator released it,
+    the completed re-run's callbacks never share an id, so neither row hides the other.
+    """
+    return child_task_id(key, LINKS_STEP, fence, n)
 
 
 @dataclass(frozen=True)
@@ -60,7 +73,8 @@ class LinkQueries(StoreCore):
         children, in one transaction (atomic), fenced like ``settle``.
 
         Returns False when this attempt was superseded: nothing is written, no link recorded.
-        A link id recorded already is left as it is.
+        A link id recorded already is left as it is. The rows' occurrence is ``fence``: the
+        links of each settle of ``key`` are told apart (``link_task_id``).
 
         Raises:
             ValueError: no links (that settle is ``settle``, one statement), or a status
@@ -84,7 +98,7 @@ class LinkQueries(StoreCore):
         fast = self.fast
         settle = self._hot(("settle", True))
         record = fast.compiled("outbox-insert", lambda: insert_children(self.dialect))
-        rows_params = [record.params(r) for r in child_rows(key, fence, LINKS_STEP, 0, links)]
+        rows_params = [record.params(r) for r in child_rows(key, fence, LINKS_STEP, fence, links)]
         # The hot path's cursor, as the settle without links: one unit of work. It is a
         # transaction on SQLite already (BEGIN IMMEDIATE); on PostgreSQL its connection is in
         # autocommit, so this unit opens one itself (an error closes the connection, which
@@ -124,7 +138,8 @@ class LinkQueries(StoreCore):
         ]
 
     def recorded_links(self, key: str) -> dict[str, bool]:
-        """The links recorded with ``key``'s settle: child id -> published (read-only)."""
+        """The links recorded with ``key``'s settles (each of them, when an operator released a
+        settled failure): child id -> published (read-only)."""
         with self._read() as conn:
             rows = conn.execute(
                 select(outbox.c.child_id, outbox.c.published_at).where(

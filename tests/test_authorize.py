@@ -200,3 +200,47 @@ def test_cli_refuses_an_authorizer_it_cannot_load(
     monkeypatch.setenv("CELERY_LEDGER_AUTHORIZER", "test_authorize:says_yes")
     cli("resume", key)
     assert store.get_entry(key).owner == RESUME_OWNER
+
+
+def refuses_overrides(operator: Operator, action: Action, entry: Any, details: Any = None) -> bool:
+    """An authorizer that lets anyone mark an entry dead, but not over a recent sign of life:
+    overriding one is the on-call's call. ``details`` describes the request (its override)."""
+    ASKED.append((operator, action, entry.key))
+    return not (action is Action.MARK_DEAD and getattr(details, "override_heartbeat", False))
+
+
+def test_cli_mark_dead_tells_the_authorizer_about_an_override(
+    cli: Any, store: LedgerStore, ledger_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CELERY_LEDGER_AUTHORIZER", "test_authorize:refuses_overrides")
+    key = blocked(store)
+    before = ledger_rows(ledger_url)
+    mark = ("mark-dead", key, "--by", "bob", "--reason", "VM destroyed")
+    one_line_error(
+        cli(*mark, "--override-heartbeat", code=1),
+        "denied by ledger_authorizer; nothing was marked",
+    )
+    assert ledger_rows(ledger_url) == before and store.get_entry(key).dead_at is None
+    cli(*mark)  # a plain mark-dead is allowed
+    assert store.get_entry(key).dead_at is not None
+
+
+def details_by_keyword(operator: Operator, action: Action, entry: Any, *, details: Any) -> bool:
+    return not details.override_heartbeat
+
+
+def test_details_reach_the_authorizers_that_take_them(store: LedgerStore) -> None:
+    """A fourth positional parameter or a ``details`` keyword gets ``ActionDetails``; an
+    authorizer with the three original parameters is still called with three."""
+    from celery_ledger.authorize import ActionDetails
+
+    entry = store.get_entry(blocked(store))
+    override = ActionDetails(override_heartbeat=True)
+    for spec, plain, overriding in (
+        ("test_authorize:refuses_overrides", True, False),
+        ("test_authorize:details_by_keyword", True, False),
+        ("test_authorize:says_yes", True, True),  # three parameters: called as before
+    ):
+        s = settings(authorizer=spec)
+        assert authorize(s, CLI_USER, Action.MARK_DEAD, entry).allowed is plain, spec
+        assert authorize(s, CLI_USER, Action.MARK_DEAD, entry, override).allowed is overriding

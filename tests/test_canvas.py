@@ -13,7 +13,10 @@ Redis redelivers (``acks_late`` + ``reject_on_worker_lost``).
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,7 @@ from celery import chain, chord, group
 
 from celery_ledger.ledger import LedgerStore
 from helpers import effect_counts, key_of
-from procs import processes, test_env, wait_for
+from procs import TESTS, processes, test_env, wait_for
 from test_delivery import client_app
 
 pytestmark = pytest.mark.processes
@@ -335,6 +338,73 @@ def test_link_error_under_redelivery_is_published_once(tmp_path, redis, pg_url):
     assert len(errbacks) == 1, errbacks
     store = LedgerStore(pg_url)
     assert list(store.recorded_links(key_of("tests_app.fail_slowly", result.id)).values()) == [True]
+
+
+def operator(env: dict[str, str], *args: str) -> None:
+    """``celery-ledger -A tests_app ARGS``, as an operator runs it (bounded in time)."""
+    argv = [sys.executable, "-c", "from celery_ledger.cli.main import main; main()"]
+    done = subprocess.run(
+        [*argv, "-A", "tests_app", *args],
+        env={**os.environ, **env, "PYTHONPATH": str(TESTS)},
+        cwd=TESTS,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_callback_after_a_released_failure_survives_a_crash_after_the_settle(
+    tmp_path, redis, pg_url
+):
+    """fail -> operator release -> complete, killed right after the completed settle. The
+    errback went out with the failure; the callback recorded with the completed settle has an
+    outbox row of its own, which the redelivery (or the sweep) publishes: it runs once."""
+    broken = tmp_path / "still-broken"
+    broken.touch()
+    env = crash_env(tmp_path, redis, pg_url, "after-settle")
+    # The crash point is disarmed (its once-marker exists) until the failure and its
+    # ledgered errback settled: the errback's own settle must not be the one killed.
+    armed = Path(f"{tmp_path / 'crash-once'}.after-settle")
+    armed.touch()
+    app = client_app(env)
+    tag = "released"
+    with processes(tmp_path, env) as procs:
+        worker = procs.worker("w1", concurrency=1)
+        result = app.signature("tests_app.fail_while", args=(tag, str(broken))).apply_async(
+            link=app.signature("tests_app.on_success", args=(tag,)),
+            link_error=app.signature("tests_app.on_failure", args=(tag,)),
+        )
+        with pytest.raises(Exception, match="released failed"):
+            result.get(timeout=60)
+        wait_for(
+            lambda: effect_counts(pg_url, tag).get((tag, "errback")),
+            timeout=60,
+            what="the errback",
+        )
+        broken.unlink()  # the operator fixed the cause
+        armed.unlink()  # the next settle's process dies once it committed
+        # The release re-enqueues the entry with its canvas placement (link, link_error).
+        key = key_of("tests_app.fail_while", result.id)
+        operator(
+            env, "release", key, "--verified", "not-executed", "--by", "alice", "--reason", "fixed"
+        )
+        wait_for(
+            lambda: effect_counts(pg_url, tag).get((tag, "callback")),
+            timeout=60,
+            what="the callback of the completed re-run",
+        )
+        drain(app, worker, result.id)
+    assert crashed(tmp_path, "after-settle"), "the completed settle was never killed"
+    assert effect_counts(pg_url, tag) == {
+        (tag, "errback"): 1,
+        (tag, "succeeding"): 1,
+        (tag, "callback"): 1,
+    }
+    store = LedgerStore(pg_url)
+    assert store.get_entry(key).status.value == "completed"
+    recorded = store.recorded_links(key)
+    assert len(recorded) == 2 and all(recorded.values()), recorded
 
 
 def test_chord_unlock_killed_still_calls_back_embedded(tmp_path, sqlite_url):

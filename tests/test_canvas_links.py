@@ -40,7 +40,7 @@ def test_next_chain_link_keeps_its_frozen_id_and_the_rest_of_the_chain(app: Cele
     third = signature("proj.third", args=(3,), app=app)
     third.freeze("id-3")
     req = request(chain=[dict(third), dict(second)])  # Celery keeps the chain reversed
-    links = canvas.links_of(task(app), req, "k" * 64, [1])
+    links = canvas.links_of(task(app), req, "k" * 64, [1], fence=1)
     assert [c.child_id for c in links.children] == ["id-2"]
     sent = payload(links.children[0])
     assert sent["args"] == [[1], 2]  # the result first, as the tracer would
@@ -61,11 +61,16 @@ def test_immutable_callbacks_and_callbacks_without_an_id(app: Celery) -> None:
             dict(signature("proj.audit", app=app)),
         ]
     )
-    links = canvas.links_of(task(app), req, key, 7)
+    links = canvas.links_of(task(app), req, key, 7, fence=3)
     assert [c.child_id for c in links.children] == [
-        child_task_id(key, LINKS_STEP, 0, 0),
-        child_task_id(key, LINKS_STEP, 0, 1),
+        child_task_id(key, LINKS_STEP, 3, 0),
+        child_task_id(key, LINKS_STEP, 3, 1),
     ]
+    # The same on every redelivery that RETURNs that settle, another for another settle.
+    again = canvas.links_of(task(app), req, key, 7, fence=3)
+    assert [c.child_id for c in again.children] == [c.child_id for c in links.children]
+    other = canvas.links_of(task(app), req, key, 7, fence=5)
+    assert not {c.child_id for c in other.children} & {c.child_id for c in links.children}
     assert payload(links.children[0])["args"] == ["x"]
     assert payload(links.children[1])["args"] == [7]
     links.hand_over(req)
@@ -75,7 +80,7 @@ def test_immutable_callbacks_and_callbacks_without_an_id(app: Celery) -> None:
 def test_a_group_as_next_step_or_callback_stays_celerys(app: Celery) -> None:
     members = group(signature("proj.m", args=(n,), app=app) for n in range(2))
     req = request(chain=[dict(members)], callbacks=[dict(members)])
-    links = canvas.links_of(task(app), req, "k" * 64, 1)
+    links = canvas.links_of(task(app), req, "k" * 64, 1, fence=1)
     assert links.children == [] and links.chain is False
     links.hand_over(req)
     assert req.chain == [dict(members)] and req.callbacks == [dict(members)]
@@ -94,7 +99,9 @@ def test_a_return_that_cannot_read_its_links_touches_nothing(app: Celery) -> Non
     req = request(chain=[dict(second)])
     with pytest.raises(LedgerUnavailable):
         task_ = SimpleNamespace(app=app, name="proj.first", request=req)
-        canvas.returned(task_, DownStore(), "k" * 64, 1, canvas.links_of(task_, req, "k" * 64, [1]))  # type: ignore[arg-type]
+        canvas.returned(
+            task_, DownStore(), "k" * 64, 1, canvas.links_of(task_, req, "k" * 64, [1], fence=1)
+        )  # type: ignore[arg-type]
     assert req.chain == [dict(second)]
 
 
@@ -190,8 +197,47 @@ def test_links_are_sealed_with_the_snapshot_keys(app: Celery) -> None:
     app.conf.ledger_snapshot_keys = Fernet.generate_key().decode()
     second = signature("proj.second", app=app)
     second.freeze("id-2")
-    links = canvas.links_of(task(app), request(chain=[dict(second)]), "k" * 64, "4111-1111")
+    links = canvas.links_of(
+        task(app), request(chain=[dict(second)]), "k" * 64, "4111-1111", fence=1
+    )
     (child,) = links.children
     assert child.payload.startswith("fernet:") and "4111" not in child.payload
     opened = loads(open_snapshot(child.payload, runtime.snapshot_cipher(app)))
     assert opened["args"] == ["4111-1111"]
+
+
+def test_callbacks_after_a_released_failure_get_rows_of_their_own(app: Celery, store: Any) -> None:
+    """fail -> operator release -> complete: the errback was recorded with the failed settle
+    and published; the callback recorded with the completed settle is a row of its own, with
+    an id of its own, unpublished until the broker took it. A process killed right after the
+    settle (``after-settle``) leaves it to the sweep, which only lists unpublished rows."""
+    from celery_ledger.ledger import EntryStatus, Verdict
+
+    key = "r1"
+    fence = claim(store, key)
+    errback = signature("proj.on_failure", app=app)
+    failed = canvas.errback_links_of(
+        task(app), request(id="tid-r1", errbacks=[dict(errback)]), key, fence=fence
+    )
+    assert store.settle_with_links(
+        key,
+        fence,
+        result=None,
+        error='{"exc_type": "ValueError"}',
+        links=failed.children,
+        status=EntryStatus.FAILED,
+    )
+    store.mark_published([c.child_id for c in failed.children])  # the errback went out
+    store.release(key, Verdict.NOT_EXECUTED, by="alice", reason="checked: nothing was charged")
+    fence = claim(store, key)
+    callback = signature("proj.on_success", app=app)
+    done = canvas.links_of(
+        task(app), request(id="tid-r1", callbacks=[dict(callback)]), key, 7, fence=fence
+    )
+    assert store.settle_with_links(key, fence, result="7", links=done.children)
+    (eb,), (cb,) = failed.children, done.children
+    assert cb.child_id != eb.child_id
+    assert store.recorded_links(key) == {eb.child_id: True, cb.child_id: False}
+    assert [(m.child_id, m.task_name) for m in store.unpublished()] == [
+        (cb.child_id, "proj.on_success")
+    ]

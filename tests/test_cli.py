@@ -237,6 +237,59 @@ def test_show_names_the_ambiguous_step_its_ref_and_the_fix(cli: Any, store: Ledg
     assert [e["event"] for e in data["events"]] == ["claimed", "settled"]
 
 
+def test_show_redacts_the_canvas_placement_as_the_arguments(
+    cli: Any, store: LedgerStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The snapshot's ``canvas`` (the rest of a chain, callbacks, errbacks) holds other tasks'
+    arguments: their secret names are hidden at any depth, and their values scrubbed, in the
+    text and in ``--json``."""
+    from celery import Celery, signature
+
+    from celery_ledger.codec import encode_snapshot
+
+    monkeypatch.setenv("CELERY_LEDGER_REDACT", "password")
+    app = Celery("client", set_as_current=False)
+    secrets = ["hunter2-second", "hunter2-callback", "hunter2-third", "hunter2-errback"]
+    second = signature(
+        "shop.notify", kwargs={"password": secrets[0], "note": "plain-note"}, app=app
+    )
+    second.link(signature("shop.audit", kwargs={"password": secrets[1]}, app=app))
+    third = signature("shop.ship", kwargs={"api": {"password": secrets[2]}}, app=app)
+    placement = {
+        "chain": [dict(third), dict(second)],  # Celery keeps the chain reversed
+        "link_error": [dict(signature("shop.alert", kwargs={"password": secrets[3]}, app=app))],
+        "parent_id": "p-1",
+        "root_id": "r-1",
+    }
+    task_id = str(uuid.uuid4())
+    snapshot = encode_snapshot(
+        ("o1",), {}, queue=None, ledger_key=None, limit=100_000, canvas=placement
+    )
+    c = store.claim(
+        ClaimRequest(
+            key=entry_key("shop.charge", task_id),
+            task_name="shop.charge",
+            task_id=task_id,
+            args_hash="task-id",
+            snapshot=snapshot,
+            side_effect="non_idempotent",
+            owner=Owner(NODE, "boot-1", 4242),
+            lease_seconds=60.0,
+        )
+    )
+    out = cli("show", c.key).stdout
+    raw = cli("show", c.key, "--json").stdout
+    for secret in secrets:
+        assert secret not in out and secret not in raw, secret
+    data = json.loads(raw)
+    chain = data["snapshot"]["canvas"]["chain"]
+    assert chain[1]["task"] == "shop.notify" and chain[1]["kwargs"]["password"] == "[redacted]"
+    assert chain[1]["kwargs"]["note"] == "plain-note"  # only what is secret is hidden
+    assert chain[1]["options"]["link"][0]["kwargs"] == {"password": "[redacted]"}
+    assert chain[0]["kwargs"] == {"api": {"password": "[redacted]"}}
+    assert "shop.notify" in out and "plain-note" in out and "[redacted]" in out
+
+
 # -- release --------------------------------------------------------------------------------------
 
 

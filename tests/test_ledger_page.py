@@ -892,3 +892,35 @@ class TestMarkDeadAuthorizer(ActionCase):
         [(operator, action, entry)] = ASKED
         assert (operator.name, operator.via, operator.authenticated) == (USER, "flower", True)
         assert action is Action.MARK_DEAD and entry.key == key
+
+
+def refuse_overrides(
+    operator: Operator, action: Action, entry: Entry, details: Any = None
+) -> Decision:
+    """A ``ledger_authorizer`` that allows mark-dead, but not over a recent sign of life."""
+    if action is Action.MARK_DEAD and getattr(details, "override_heartbeat", False):
+        return Decision.deny("overriding a sign of life needs the on-call")
+    return Decision.allow()
+
+
+class TestOverrideAuthorizer(ActionCase):
+    conf = {
+        "ledger_flower_actions": True,
+        "ledger_authorizer": "test_ledger_page:refuse_overrides",
+    }
+
+    def test_the_authorizer_can_refuse_an_override_and_allow_a_plain_mark_dead(self) -> None:
+        key = self.blocked()
+        before = self.rows()
+        refused = self.post(
+            f"/ledger/entry/{key}/mark-dead",
+            {"reason": "killed it myself", "override_heartbeat": "on"},
+            xsrf_from="/ledger",
+        )
+        assert refused.code == 403 and b"needs the on-call" in refused.body
+        assert self.rows() == before and self.store.get_entry(key).dead_at is None
+        plain = self.post(
+            f"/ledger/entry/{key}/mark-dead", {"reason": "VM destroyed"}, xsrf_from="/ledger"
+        )
+        assert plain.code == 302
+        assert self.store.get_entry(key).dead_at is not None

@@ -54,3 +54,51 @@ def test_an_unknown_task_hides_every_value() -> None:
     )
     assert args == [HIDDEN, HIDDEN] and kwargs == {"iban": HIDDEN} and r.blind
     assert r.text("iban DE44500105175407324931") == "iban [redacted]"
+
+
+class Notify:
+    secret_args = ("token",)
+
+    def run(self, previous: Any, token: str) -> None: ...
+
+
+def test_a_snapshot_placement_is_redacted_by_each_tasks_own_rules() -> None:
+    """The rest of a chain, a callback's own link and an errback are other tasks' arguments:
+    each hidden by its own task's names (``secret_args`` of the link's task, ``ledger_redact``),
+    an unknown task's wholly, and every secret found is scrubbed from the rest."""
+    from celery_ledger.redact import redact_snapshot
+
+    notify = {"task": "shop.notify", "args": ["tok-123456"], "kwargs": {}, "options": {}}
+    audit = {"task": "shop.audit", "args": [], "kwargs": {"cvv": "7391-x"}, "options": {}}
+    notify["options"] = {"link": [audit]}
+    unknown = {"task": "elsewhere.alert", "args": ["DE44500105175407324931"], "kwargs": {}}
+    snapshot = {
+        "args": ["A-1"],
+        "kwargs": {"note": "echo tok-123456"},
+        "queue": "q",
+        "canvas": {"chain": [notify], "link_error": [unknown], "root_id": "r-1"},
+    }
+    tasks = {"shop.charge": Task(), "shop.notify": Notify(), "shop.audit": object()}
+    shown, r = redact_snapshot(snapshot, redact={"cvv"}, task=Task(), task_of=tasks.get)
+    (link,) = shown["canvas"]["chain"]
+    assert link["args"] == [REDACTED]  # secret_args of shop.notify, positional by its name
+    assert link["options"]["link"][0]["kwargs"] == {"cvv": REDACTED}
+    assert shown["canvas"]["link_error"][0]["args"] == [HIDDEN]
+    assert shown["kwargs"] == {"note": f"echo {REDACTED}"}  # a link's secret, scrubbed
+    assert shown["args"] == ["A-1"] and shown["queue"] == "q" and not r.blind
+    assert r.text("failed: DE44500105175407324931 7391-x") == f"failed: {REDACTED} {REDACTED}"
+    assert "token" in r.names and "cvv" in r.names
+    # An immutable signature gets no result first: its arguments are its parameters in order.
+    frozen = {"task": "shop.notify", "args": ["p", "tok-654321"], "kwargs": {}, "immutable": True}
+    shown, _ = redact_snapshot(
+        {"args": [], "kwargs": {}, "canvas": {"link": [frozen]}},
+        redact=(),
+        task=Task(),
+        task_of=tasks.get,
+    )
+    assert shown["canvas"]["link"][0]["args"] == ["p", REDACTED]
+    # No placement: exactly the arguments' redaction.
+    plain, r2 = redact_snapshot(
+        {"args": ["A-1"], "kwargs": {}}, redact=(), task=None, task_of=tasks.get
+    )
+    assert plain["args"] == [HIDDEN] and r2.blind

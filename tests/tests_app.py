@@ -329,3 +329,20 @@ def on_failure(self: LedgerTask, failed_id: str, tag: str) -> str:
     """A ``link_error`` errback keyed by the failed task's id: once per failed task."""
     self.step("effect", effect, tag, "errback")
     return failed_id
+
+
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.fail_while")
+def fail_while(self: LedgerTask, tag: str, marker: str) -> str:
+    """Fails while the file ``marker`` exists (the fault an operator fixes before a release),
+    then one effect."""
+    if os.path.exists(marker):
+        raise ValueError(f"{tag} failed")
+    self.step("effect", effect, tag, "succeeding")
+    return tag
+
+
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.on_success")
+def on_success(self: LedgerTask, result: Any, tag: str) -> Any:
+    """A ``link`` callback: one effect per callback task id."""
+    self.step("effect", effect, tag, "callback")
+    return result

@@ -9,6 +9,17 @@ authorizer answers allow. The hook is one callable, named by the ``ledger_author
             return Decision.deny("only the on-call may authorize a re-run")
         return Decision.allow()
 
+An authorizer may take a fourth parameter, ``details`` (positional or keyword): what else the
+operator asked with the action (``ActionDetails``), such as a mark-dead that overrides a recent
+sign of life of the old worker (``override_heartbeat``)::
+
+    def may_act(operator, action, entry, details):
+        if action is Action.MARK_DEAD and details.override_heartbeat:
+            return operator.name in ONCALL
+        return True
+
+One with the three parameters above is called with those three, as before.
+
 It runs after every other check of the request and before the one write, in the process
 that writes (the CLI, or Flower's), so it sees the entry as it is now. An authorizer that
 raises, or answers anything but a ``Decision`` or a bool, denies: the hook fails closed.
@@ -30,6 +41,7 @@ from __future__ import annotations
 
 import hmac
 import importlib
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,6 +94,16 @@ class Operator:
     #: True when something other than the operator vouched for ``name`` (Flower's login);
     #: False for the CLI's ``--by``, which is whatever was typed.
     authenticated: bool
+
+
+@dataclass(frozen=True)
+class ActionDetails:
+    """What else the operator asked with the action: the authorizer's ``details``."""
+
+    #: mark-dead only: mark it dead although the old owner showed a sign of life within the
+    #: grace window (the CLI's ``--override-heartbeat``, Flower's "override a recent sign of
+    #: life"). An authorizer may refuse the override and still allow a plain mark-dead.
+    override_heartbeat: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,8 +164,15 @@ def default_decision(tokens: frozenset[str], operator: Operator, action: Action)
     return Decision.deny("--by does not match any operator token (CELERY_LEDGER_OPERATOR_TOKENS)")
 
 
-def authorize(settings: Any, operator: Operator, action: Action, entry: Entry) -> Decision:
-    """Ask the configured authorizer (or the default rule) whether ``operator`` may act.
+def authorize(
+    settings: Any,
+    operator: Operator,
+    action: Action,
+    entry: Entry,
+    details: ActionDetails | None = None,
+) -> Decision:
+    """Ask the configured authorizer (or the default rule) whether ``operator`` may act,
+    with ``details`` (``ActionDetails()`` when not given) if the authorizer takes them.
 
     Never raises for the authorizer's own failures: they deny, with the failure as reason.
 
@@ -153,8 +182,9 @@ def authorize(settings: Any, operator: Operator, action: Action, entry: Entry) -
     hook = load_authorizer(settings.authorizer)
     if hook is None:
         return default_decision(settings.operator_tokens, operator, action)
+    details = details if details is not None else ActionDetails()
     try:
-        answer = hook(operator, action, entry)
+        answer = _call(hook, operator, action, entry, details)
     except Exception as exc:  # noqa: BLE001 - a broken authorizer must deny, not allow
         log.warning(
             "authorizer %r raised for %s by %s on key=%s task_id=%s fence=%s: %r",
@@ -175,3 +205,28 @@ def authorize(settings: Any, operator: Operator, action: Action, entry: Entry) -
         f"the authorizer answered {type(answer).__name__}, not a Decision or a bool; "
         "nothing was done"
     )
+
+
+def _call(
+    hook: Callable[..., Any],
+    operator: Operator,
+    action: Action,
+    entry: Entry,
+    details: ActionDetails,
+) -> Any:
+    """Call ``hook`` with ``details`` when its signature takes a fourth argument (or a
+    ``details`` keyword), else with the three arguments authorizers always had."""
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):  # no signature to read: the three arguments
+        return hook(operator, action, entry)
+    for args, kwargs in (
+        ((operator, action, entry, details), {}),
+        ((operator, action, entry), {"details": details}),
+    ):
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError:
+            continue
+        return hook(*args, **kwargs)
+    return hook(operator, action, entry)

@@ -28,7 +28,7 @@ from celery.utils.functional import arity_greater, maybe_list
 from celery_ledger import runtime
 from celery_ledger.codec import encode
 from celery_ledger.crashpoints import crash_point
-from celery_ledger.ledger import LINKS_STEP, Child, LedgerStore, OutboxMessage, child_task_id
+from celery_ledger.ledger import LINKS_STEP, Child, LedgerStore, OutboxMessage, link_task_id
 from celery_ledger.recovery.outbox import publish
 
 #: Options of a recorded link that the outbox sets itself (``task_id``) or that are a
@@ -62,14 +62,15 @@ class Links:
             request.callbacks = self.callbacks_left or None
 
 
-def links_of(task: Any, request: Any, key: str, retval: Any) -> Links:
+def links_of(task: Any, request: Any, key: str, retval: Any, *, fence: int) -> Links:
     """The next chain link and the ``link`` callbacks of ``request``, as outbox children of
-    ``key`` carrying ``retval`` (how the tracer would publish them: ``retval`` first, unless
-    the signature is immutable).
+    ``key``'s settle at ``fence``, carrying ``retval`` (how the tracer would publish them:
+    ``retval`` first, unless the signature is immutable).
 
     A link keeps its frozen task id (a chain's links are frozen when the chain is applied,
     and its ``AsyncResult`` points at them); a callback without one gets the outbox's
-    deterministic id, the same on every redelivery.
+    deterministic id for this settle (``ledger.link_task_id``), the same on every redelivery
+    and never an errback's id of an earlier, released failure.
 
     Raises:
         PayloadError: a link's arguments cannot be stored.
@@ -93,7 +94,7 @@ def links_of(task: Any, request: Any, key: str, retval: Any) -> Links:
         )
         if cipher is not None:  # encryption at rest, as for argument snapshots
             payload = cipher.seal(payload)
-        child_id = (sig.options or {}).get("task_id") or child_task_id(key, LINKS_STEP, 0, n)
+        child_id = (sig.options or {}).get("task_id") or link_task_id(key, fence, n)
         children.append(Child(child_id, sig.task, payload, n))
 
     chain = list(request.chain or ())
@@ -113,9 +114,10 @@ def links_of(task: Any, request: Any, key: str, retval: Any) -> Links:
     return Links(children, took_chain, left)
 
 
-def errback_links_of(task: Any, request: Any, key: str) -> Links:
+def errback_links_of(task: Any, request: Any, key: str, *, fence: int) -> Links:
     """The ``link_error`` callbacks of a failed ``request`` that Celery would publish as
-    messages (errbacks taking only the failed task's id), as outbox children of ``key``.
+    messages (errbacks taking only the failed task's id), as outbox children of ``key``'s
+    settle at ``fence`` (ids as ``links_of``'s).
 
     Errbacks Celery calls in the worker itself (taking the request, the exception and the
     traceback) are not messages and stay Celery's.
@@ -146,7 +148,7 @@ def errback_links_of(task: Any, request: Any, key: str) -> Links:
         )
         if cipher is not None:  # encryption at rest, as for argument snapshots
             payload = cipher.seal(payload)
-        child_id = (sig.options or {}).get("task_id") or child_task_id(key, LINKS_STEP, 0, n)
+        child_id = (sig.options or {}).get("task_id") or link_task_id(key, fence, n)
         children.append(Child(child_id, sig.task, payload, n))
     return Links(children, False, [], errbacks_left=left)
 
@@ -186,7 +188,7 @@ def publish_links(
                 child_id=c.child_id,
                 parent_key=key,
                 step=LINKS_STEP,
-                occurrence=0,
+                occurrence=fence,
                 n=c.n,
                 task_name=c.task_name,
                 payload=c.payload,

@@ -17,14 +17,21 @@ Rules, all failing closed:
   characters; shorter values are hidden where they are named but cannot be searched for in
   free text without hiding innocent digits.
 
-Its users: the Flower page, the CLI's ``show`` (``cli.ops._redact_view``), and the argument
-reprs of the worker's ``task-received`` event and log lines (``request.LedgerRequest``).
+A stored argument snapshot also holds other tasks' arguments: its canvas placement
+(``canvas``: the rest of a chain, the ``link``/``link_error`` callbacks, a chord's body, each
+possibly carrying more of them in its options). ``redact_snapshot`` hides each of those by its
+own task's rules, as if it were that task's arguments, and scrubs every secret it found from
+all of it.
+
+Its users: the Flower page and the CLI's ``show`` (``cli.ops._redact_view``), both through
+``redact_snapshot``, and the argument reprs of the worker's ``task-received`` event and log
+lines (``request.LedgerRequest``).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +111,78 @@ def redact_arguments(
         {k: (REDACTED if k in names else redaction.value(v)) for k, v in kwargs.items()},
         redaction,
     )
+
+
+def redact_snapshot(
+    snapshot: Mapping[str, Any],
+    *,
+    redact: Iterable[str],
+    task: Any | None,
+    task_of: Callable[[str], Any | None],
+) -> tuple[dict[str, Any], Redaction]:
+    """An argument snapshot safe to show, and the ``Redaction`` for everything else shown
+    with it.
+
+    Its ``args``/``kwargs`` are ``task``'s (``redact_arguments``); every task signature in its
+    ``canvas`` placement is redacted by the rules of the task it names (``task_of(name)``:
+    the registered task, None when unknown here, which hides all its values), nested ones
+    (a link's own ``link``, a chain's ``tasks``) by theirs. Each secret found anywhere is then
+    scrubbed from all of it: a value one task hides is not shown as another's.
+    """
+    names = secret_names(redact, task)
+    args, kwargs, own = redact_arguments(
+        snapshot.get("args") or [], snapshot.get("kwargs") or {}, names=names, task=task
+    )
+    shown = {**snapshot, "args": args, "kwargs": kwargs}
+    placement = snapshot.get("canvas")
+    if not placement:
+        return shown, own
+    found = [own]
+    shown["canvas"] = _canvas(placement, frozenset(redact), task_of, found)
+    merged = Redaction(
+        frozenset().union(*(r.names for r in found)),
+        tuple(sorted({v for r in found for v in r.values}, key=lambda v: (-len(v), v))),
+        blind=own.blind,
+    )
+    return {k: merged.value(v) if k in _ARGUMENTS else v for k, v in shown.items()}, merged
+
+
+#: The keys of a snapshot that hold arguments (its own, and its canvas placement's).
+_ARGUMENTS = frozenset({"args", "kwargs", "canvas"})
+
+
+def _canvas(
+    value: Any, redact: frozenset[str], task_of: Callable[[str], Any | None], found: list[Redaction]
+) -> Any:
+    """``value`` with every task signature in it redacted by its own task's rules; each
+    ``Redaction`` made is appended to ``found``."""
+    if isinstance(value, Mapping):
+        name = value.get("task")
+        if not (isinstance(name, str) and ("args" in value or "kwargs" in value)):
+            return {k: _canvas(v, redact, task_of, found) for k, v in value.items()}
+        task = task_of(name)
+        # Signatures nested in its arguments first (a chain's or group's ``tasks``, a chord's
+        # header and body), each by its own task's rules; then this task's rules over them.
+        args = [_canvas(v, redact, task_of, found) for v in value.get("args") or ()]
+        kwargs = {
+            k: _canvas(v, redact, task_of, found) for k, v in (value.get("kwargs") or {}).items()
+        }
+        # Unless immutable, it is called with the previous result (a callback, a chain link) or
+        # the failed task's id (an errback) first: its own arguments start at the second
+        # parameter, whose name decides.
+        lead = [] if value.get("immutable") else [None]
+        args, kwargs, redaction = redact_arguments(
+            [*lead, *args], kwargs, names=secret_names(redact, task), task=task
+        )
+        args = args[len(lead) :]
+        found.append(redaction)
+        out = {**value, "args": args, "kwargs": kwargs}
+        if "options" in value:  # its own link, link_error, chain: more signatures
+            out["options"] = _canvas(value["options"], redact, task_of, found)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_canvas(v, redact, task_of, found) for v in value]
+    return value
 
 
 def _parameter_names(task: Any, count: int) -> list[str | None]:

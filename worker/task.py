@@ -478,7 +478,7 @@ class LedgerTask(Task):
                     store,
                     key,
                     claim.fence,
-                    self._links(key, retval, failed=claim.error is not None),
+                    self._links(key, claim.fence, retval, failed=claim.error is not None),
                 )
             except LedgerUnavailable as exc:
                 # Which links the settle recorded cannot be read: neither publish them nor
@@ -604,7 +604,7 @@ class LedgerTask(Task):
                 raise
             # The next link receives the result as stored (decoded), if there is a next link.
             retval = decode(encoded) if req.chain or req.callbacks else None
-            links = self._links(attempt.key, retval)
+            links = self._links(attempt.key, attempt.fence, retval)
             crash_point(settings, "before-settle")
             if attempt.replayed:
                 self._emit("replayed", attempt.key, attempt.fence, steps=attempt.replayed)
@@ -621,10 +621,11 @@ class LedgerTask(Task):
             heartbeat.unregister(attempt)
             current_attempt.reset(token)
 
-    def _links(self, key: str, retval: Any, *, failed: bool = False) -> canvas.Links:
+    def _links(self, key: str, fence: int, retval: Any, *, failed: bool = False) -> canvas.Links:
         """The links this delivery publishes when it completes (``canvas.links_of``) or, if
-        ``failed``, its ``link_error`` callbacks (``canvas.errback_links_of``); none taken
-        over if one cannot be stored (the tracer then publishes them, as Celery does)."""
+        ``failed``, its ``link_error`` callbacks (``canvas.errback_links_of``), as the settle
+        at ``fence`` records them; none taken over if one cannot be stored (the tracer then
+        publishes them, as Celery does)."""
         req = self.request
         nothing = canvas.Links([], False, list(req.callbacks or ()))
         if failed:
@@ -635,8 +636,8 @@ class LedgerTask(Task):
             return nothing
         try:
             if failed:
-                return canvas.errback_links_of(self, req, key)
-            return canvas.links_of(self, req, key, retval)
+                return canvas.errback_links_of(self, req, key, fence=fence)
+            return canvas.links_of(self, req, key, retval, fence=fence)
         except PayloadError as exc:
             log.warning(
                 "links of key=%s task_id=%s not recorded (%s); Celery publishes them",
@@ -659,7 +660,7 @@ class LedgerTask(Task):
         if attempt.ambiguous is not None and self._ambiguity(attempt, args, kwargs).after_escape():
             return  # blocked, or fenced out: nothing left to settle
         # Its link_error callbacks are recorded with the failure, as a success's links are.
-        links = self._links(attempt.key, None, failed=True)
+        links = self._links(attempt.key, attempt.fence, None, failed=True)
         if attempt.settle(
             EntryStatus.FAILED, error=self._dump_exc(exc, attempt.settings), links=links.children
         ):

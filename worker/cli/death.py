@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from celery_ledger.announce import announce
-from celery_ledger.authorize import Action, Operator
+from celery_ledger.authorize import Action, ActionDetails, Operator
 from celery_ledger.cli.common import (
     echo,
     emit_json,
@@ -58,7 +58,13 @@ def mark_dead_cmd(
     store = open_store(ctx)
     key = resolve_key(store, ref)
     entry = store.get_entry(key)
-    _authorize(settings, Operator(by, "cli", authenticated=False), Action.MARK_DEAD, entry)
+    _authorize(
+        settings,
+        Operator(by, "cli", authenticated=False),
+        Action.MARK_DEAD,
+        entry,
+        ActionDetails(override_heartbeat=override_heartbeat),
+    )
     signal = store.mark_dead(
         key,
         by=by,

@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from celery_ledger.announce import announce
-from celery_ledger.authorize import Action, AuthorizerError, Operator, authorize
+from celery_ledger.authorize import Action, ActionDetails, AuthorizerError, Operator, authorize
 from celery_ledger.cli.common import (
     command_prefix,
     decode_stored,
@@ -393,10 +393,16 @@ def _parse_result(text: str | None, verdict: Verdict, limit: int) -> str | None:
     return encode(value, limit=limit, what="--result-json")
 
 
-def _authorize(settings: Any, operator: Operator, action: Action, entry: Any) -> None:
+def _authorize(
+    settings: Any,
+    operator: Operator,
+    action: Action,
+    entry: Any,
+    details: ActionDetails | None = None,
+) -> None:
     """Ask the authorizer (``ledger_authorizer``, else operator tokens) before the write."""
     try:
-        decision = authorize(settings, operator, action, entry)
+        decision = authorize(settings, operator, action, entry, details)
     except AuthorizerError as exc:
         raise click.ClickException(one_line(exc)) from None
     if not decision.allowed:
@@ -411,28 +417,31 @@ def _redact_view(ctx: click.Context, task_name: str, view: dict[str, Any]) -> li
     (``-A``) registers the task. Unlike the Flower page, an unknown task does not hide every
     value: whoever runs the CLI holds the ledger database's credentials and could read the
     row directly, and needs the arguments to choose a verdict. A positional argument of an
-    unknown task is hidden whenever any secret name is set (its name is unknown).
+    unknown task is hidden whenever any secret name is set (its name is unknown). The tasks
+    named in the snapshot's canvas placement (the rest of a chain, callbacks, errbacks) are
+    redacted by the same rules, each by its own (``redact_snapshot``), as Flower's page does.
     """
-    from celery_ledger.redact import Redaction, redact_arguments, secret_names
+    from celery_ledger.redact import Redaction, redact_snapshot, secret_names
 
     settings = load_settings(ctx)
     try:
-        task = load_app(ctx).tasks.get(task_name)
+        tasks = load_app(ctx).tasks
     except Exception:  # noqa: BLE001 - an app that cannot say knows no secret_args
-        task = None
-    names = secret_names(settings.redact, task)
-    if not names:
-        return []
-    redaction = Redaction(names)
+        tasks = {}
+
+    def task_of(name: str) -> Any:
+        task = tasks.get(name)
+        return task if task is not None else object()  # no signature: names unknown
+
+    task = task_of(task_name)
+    redaction = Redaction(secret_names(settings.redact, task))
     snapshot = view.get("snapshot")
     if isinstance(snapshot, dict):
-        args, kwargs, redaction = redact_arguments(
-            snapshot.get("args") or [],
-            snapshot.get("kwargs") or {},
-            names=names,
-            task=task if task is not None else object(),  # no signature: names unknown
+        view["snapshot"], redaction = redact_snapshot(
+            snapshot, redact=settings.redact, task=task, task_of=task_of
         )
-        view["snapshot"] = {**snapshot, "args": args, "kwargs": kwargs}
+    if not redaction.names:
+        return []  # nothing is secret: nothing was hidden
     for name in ("result", "error"):
         view[name] = redaction.value(view.get(name))
     view["reason"] = redaction.text(view.get("reason"))
@@ -440,7 +449,7 @@ def _redact_view(ctx: click.Context, task_name: str, view: dict[str, Any]) -> li
         step["external_ref"] = redaction.text(step["external_ref"])
     for event in view["events"]:
         event["detail"] = redaction.text(event["detail"])
-    return sorted(names)
+    return sorted(redaction.names)
 
 
 @click.command("release")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery_ledger.announce import announce
-from celery_ledger.authorize import Action, Operator, authorize
+from celery_ledger.authorize import Action, ActionDetails, Operator, authorize
 from celery_ledger.codec import encode
 from celery_ledger.flower.context import LedgerPage
 from celery_ledger.ledger import (
@@ -97,9 +97,15 @@ def parse_result(text: str | None, verdict: Verdict, limit: int) -> str | None:
         raise ActionRefused(str(exc), 400) from None
 
 
-def _authorized(page: LedgerPage, operator: Operator, action: Action, key: str) -> Any:
+def _authorized(
+    page: LedgerPage,
+    operator: Operator,
+    action: Action,
+    key: str,
+    details: ActionDetails | None = None,
+) -> Any:
     entry = page.store.get_entry(key)
-    decision = authorize(page.settings, operator, action, entry)
+    decision = authorize(page.settings, operator, action, entry, details)
     if not decision.allowed:
         raise ActionRefused(f"not allowed: {decision.reason or 'denied'}", 403)
     return entry
@@ -226,7 +232,7 @@ def mark_dead(
         EntryNotFound: no such key.
     """
     reason = parse_reason(reason_raw)
-    _authorized(page, operator, Action.MARK_DEAD, key)
+    _authorized(page, operator, Action.MARK_DEAD, key, ActionDetails(override_heartbeat=override))
     s = page.settings
     try:
         signal = page.store.mark_dead(

@@ -26,7 +26,7 @@ from celery_ledger.ledger import (
     StepStatus,
 )
 from celery_ledger.ledger.operator import RELEASABLE, TOMBSTONE_NOT_RELEASABLE
-from celery_ledger.redact import Redaction, redact_arguments, secret_names
+from celery_ledger.redact import Redaction, redact_snapshot, secret_names
 
 #: Longest JSON shown for one value (a result, an output); the rest is cut with a note.
 MAX_SHOWN_CHARS = 4000
@@ -265,10 +265,12 @@ def entry(page: LedgerPage, key: str) -> EntryView:
     arguments = None
     redaction = Redaction(names)
     if snapshot is not None:
-        args, kwargs, redaction = redact_arguments(
-            snapshot.get("args") or [], snapshot.get("kwargs") or {}, names=names, task=task
+        # The page shows the arguments only, but the placement's secrets (a chain link's,
+        # a callback's) are scrubbed from the result, errors and events shown with them.
+        shown, redaction = redact_snapshot(
+            snapshot, redact=page.settings.redact, task=task, task_of=page.task
         )
-        arguments = _json({"args": args, "kwargs": kwargs})
+        arguments = _json({"args": shown["args"], "kwargs": shown["kwargs"]})
     lease_left = None if e.lease_until is None else e.lease_until - now
     live_lease = e.status is EntryStatus.RUNNING and lease_left is not None and lease_left > 0
     # The store's one-shot rule: released, and no attempt has run the body since.
