@@ -9,15 +9,25 @@ producer registers the same names on its own ledger app (``register``), since on
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
 
-from celery_ledger import LedgerTask
+from celery_ledger import LedgerTask, Reconciled
+from helpers import effect_counts
 from tests_app import app, effect
 
 #: Worker option that imports this module.
 SEAMS_TASKS = ["-I", "seams_app"]
+
+
+def _provider_charged(step: Any) -> Reconciled:
+    """Asks the provider (the effects table) whether the charge of ``step``'s order happened."""
+    tag = step.args[0]
+    if effect_counts(os.environ["TEST_EFFECTS_URL"], tag).get((tag, "charge")):
+        return Reconciled.completed(f"charge:{tag}", note="the provider shows the charge")
+    return Reconciled.not_executed("the provider shows no charge")
 
 
 def register(target: Any) -> dict[str, Any]:
@@ -60,7 +70,31 @@ def register(target: Any) -> dict[str, Any]:
         time.sleep(seconds)
         return tag
 
-    return {"echo": echo, "retry_gated": retry_gated, "bare": bare, "sleepy": sleepy}
+    @target.task(
+        shared=False,
+        base=LedgerTask,
+        bind=True,
+        name="seams_app.paused_charge",
+        key_from=("order_id",),
+        reconciler=_provider_charged,
+    )
+    def paused_charge(self: LedgerTask, order_id: str, seconds: float) -> str:
+        """One effect step whose provider call takes ``seconds``: a pause inside it leaves
+        the call in flight, and the reconciler asks the provider."""
+
+        def charge() -> str:
+            time.sleep(seconds)
+            return effect(order_id, "charge")
+
+        return self.step("charge", charge)
+
+    return {
+        "echo": echo,
+        "retry_gated": retry_gated,
+        "bare": bare,
+        "sleepy": sleepy,
+        "paused_charge": paused_charge,
+    }
 
 
 TASKS = register(app)

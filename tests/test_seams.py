@@ -275,3 +275,74 @@ def test_a_backlog_does_not_multiply_itself(tmp_path, redis, pg_url):
     print(f"backlog of {n} tasks over 16 s: {seen}")
     assert seen and seen[0] >= n, seen
     assert max(seen) <= 2 * n, seen
+
+
+# == a reconciler's verdict beside a paused attempt =========================================
+
+#: Rounds of the paused-attempt test; each pauses a fresh worker inside its provider call.
+PAUSE_ROUNDS = 2
+#: The death grace in that test: a paused attempt's sign of life counts this long.
+GRACE = 8.0
+
+
+def test_a_reconcilers_not_executed_waits_out_a_paused_attempt(tmp_path, redis, pg_url):
+    """Issue 29, fault 17: a pool process is SIGSTOPped inside its provider call, just after
+    its ``started`` row, past its lease. The sweep re-sends the entry; the takeover asks the
+    reconciler, which finds no charge yet (``not_executed``). The step must not run again
+    while the paused attempt may still land its call: it waits until that attempt has been
+    silent for the death grace, then asks again. SIGCONT lands the old call: the provider
+    shows one charge, and the task replays it. Every round: exactly one charge."""
+    env = seams_env(
+        tmp_path,
+        redis,
+        pg_url,
+        CELERY_LEDGER_LEASE_SECONDS="3",
+        CELERY_LEDGER_DEATH_GRACE_SECONDS=str(GRACE),
+    )
+    app, tasks = producer(tmp_path, env)
+    store = LedgerStore(pg_url)
+    url = env["TEST_EFFECTS_URL"]
+    later: list[float] = []
+    try:
+        for r in range(PAUSE_ROUNDS):
+            order = f"p{r}"
+            key = key_of_order(order)
+            with processes(tmp_path, env) as procs:
+                w1 = procs.worker(f"w1r{r}", concurrency=1, extra=SEAMS_TASKS)
+                procs.beat(f"beat{r}")
+                result = tasks["paused_charge"].apply_async((order,), {"seconds": 2.0})
+                wait_for(
+                    lambda key=key: any(s.name == "charge" for s in steps_of(store, key)),
+                    timeout=60,
+                    interval=0.05,
+                    what="the charge to start on w1",
+                )
+                paused = time.monotonic()
+                w1.pause()
+                procs.worker(f"w2r{r}", concurrency=1, extra=SEAMS_TASKS)
+                wait_for(
+                    lambda key=key: "takeover" in [e.event for e in store.entry_events(key)],
+                    timeout=60,
+                    what="w2 to take the entry over",
+                )
+                time.sleep(1.0)  # w2 has asked its reconciler: no charge yet
+                w1.resume()
+                assert result.get(timeout=120) == f"charge:{order}"
+                later.append(time.monotonic() - paused)
+            assert effects_of(url, order) == {"charge": 1}, (r, effects_of(url, order))
+    finally:
+        store.dispose()
+    print(f"paused-attempt rounds finished {[round(x, 1) for x in later]} s after the pause")
+
+
+def key_of_order(order: str) -> str:
+    from helpers import business_key
+
+    return business_key("seams_app.paused_charge", order_id=order)
+
+
+def steps_of(store: LedgerStore, key: str) -> list[Any]:
+    try:
+        return list(store.load_steps(key))
+    except Exception:  # noqa: BLE001 - not claimed yet
+        return []
