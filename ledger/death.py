@@ -57,10 +57,24 @@ def grace_for(row: Any, *, grace_seconds: float, lease_seconds: float) -> float:
     (``lease_seconds``; two leases by default), and a task with a longer lease of its own
     (``row.lease_seconds``) renews less often, so its window grows in proportion. It never
     shrinks below ``grace_seconds``."""
-    own = row.lease_seconds
+    return scaled_grace(row.lease_seconds, grace_seconds=grace_seconds, lease_seconds=lease_seconds)
+
+
+def scaled_grace(own: float | None, *, grace_seconds: float, lease_seconds: float) -> float:
+    """``grace_for`` of an attempt renewed under its own lease ``own`` (None: the global)."""
     if own is None or lease_seconds <= 0 or own <= lease_seconds:
         return grace_seconds
     return grace_seconds * own / lease_seconds
+
+
+def last_sign_of_life(row: Any, lease_seconds: float) -> float | None:
+    """The latest sign of life an entry row holds of its attempts: the last claim or renewal
+    (``renewed_at``; for a row not renewed since ``0008_renewed_at``, a live lease less the
+    lease), or a superseded attempt's refused write (``seen_alive_at``). None: none."""
+    found = [t for t in (row.renewed_at, row.seen_alive_at) if t is not None]
+    if row.renewed_at is None and row.lease_until is not None:
+        found.append(row.lease_until - float(row.lease_seconds or lease_seconds))
+    return max(found) if found else None
 
 
 def signs_of_life(row: Any, now: float, *, grace_seconds: float, lease_seconds: float) -> list[str]:

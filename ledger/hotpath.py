@@ -22,6 +22,7 @@ from celery_ledger.ledger.admission import (
 from celery_ledger.ledger.core import Note, StoreCore
 from celery_ledger.ledger.crashloop import crash_loop_reason
 from celery_ledger.ledger.dbclock import db_now
+from celery_ledger.ledger.death import last_sign_of_life
 from celery_ledger.ledger.identity import is_declared
 from celery_ledger.ledger.schema import entries, steps
 from celery_ledger.ledger.states import EntryStatus, Gate, StepStatus
@@ -258,6 +259,11 @@ class HotPath(StoreCore):
             found=found,
             steps=self._load_steps(conn, req.key),
             executions=row.executions,
+            # Read before this claim's own renewal stamp replaced them (``death``).
+            prior_alive_at=last_sign_of_life(row, req.lease_seconds),
+            prior_lease=row.lease_seconds,
+            dead_fence=row.dead_fence,
+            now=row.now,
         )
 
     def _refuse_in_claim(

@@ -85,7 +85,9 @@ class SweepQueries(StoreCore):
                 )
                 .limit(limit)
             )
-            return self._interrupt(conn, keys, actor or node, f"previous boot of {node}")
+            # Its previous boot is gone: a death signal, as the fast path's (``_interrupt``).
+            why = f"previous boot of {node}"
+            return self._interrupt(conn, keys, actor or node, why, dead=True)
 
     def interrupt_owner(
         self, key: str, *, node: str, boot: str, pid: int | None, actor: str, why: str
@@ -105,11 +107,11 @@ class SweepQueries(StoreCore):
             ]
             if pid is not None:
                 cond.append(entries.c.owner_pid == pid)
-            found = self._interrupt(conn, select(entries.c.key).where(*cond), actor, why)
+            found = self._interrupt(conn, select(entries.c.key).where(*cond), actor, why, dead=True)
         return found[0] if found else None
 
     def _interrupt(
-        self, conn: Connection, keys: Select[Any], actor: str, why: str
+        self, conn: Connection, keys: Select[Any], actor: str, why: str, *, dead: bool = False
     ) -> list[Interrupted]:
         # Pick the keys exactly once. PostgreSQL may plan `key IN (SELECT ... LIMIT n FOR
         # UPDATE SKIP LOCKED)` as a nested loop that rescans the subquery per outer row; each
@@ -145,6 +147,7 @@ class SweepQueries(StoreCore):
                 lease_until=None,
                 updated_at=db_now(),
                 reason=why,
+                **(_death_signal(actor, why) if dead else {}),
             )
             .returning(
                 *sql.RETURNED,
@@ -558,3 +561,17 @@ class SweepQueries(StoreCore):
                     .where(entries.c.status == _RUNNING, entries.c.lease_until < db_now_stable())
                 ).scalar_one()
             )
+
+
+def _death_signal(actor: str, why: str) -> dict[str, Any]:
+    """The stamp of an interrupt that proves the attempt dead: the worker's parent saw its
+    pool process exit (the fast path), or a worker's previous boot is gone (the boot sweep).
+    It is ``mark-dead``'s stamp (every attempt up to the interrupted fence is dead), made by
+    the process that knows: the death-signal gate and a reconciler's ``not_executed``
+    verdict need no wait for such an attempt. (The old fence: SET reads the row as it was.)"""
+    return {
+        "dead_fence": entries.c.fence,
+        "dead_by": actor[:255],
+        "dead_reason": why[:2000],
+        "dead_at": db_now(),
+    }

@@ -98,6 +98,15 @@ class Claim:
     steps: tuple[StepRecord, ...] = ()
     #: How many attempts ran the body before this one.
     executions: int = 0
+    #: For TAKEOVER and re-runs: what the claim knew of the earlier attempts before it took
+    #: the entry: their last sign of life (a claim, a renewal, a refused write; database
+    #: clock), the lease it was renewed under, the fence up to which they are known dead
+    #: (``mark-dead``, the worker-lost fast path, a boot sweep), and the database clock then.
+    #: A reconciler's ``not_executed`` is trusted only past that sign's grace (``Ambiguity``).
+    prior_alive_at: float | None = None
+    prior_lease: float | None = None
+    dead_fence: int | None = None
+    now: float | None = None
 
 
 @dataclass(frozen=True)

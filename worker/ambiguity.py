@@ -17,9 +17,11 @@ Every write goes through the attempt (``Attempt.record_verdict``, ``start_body``
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
+from celery_ledger import runtime
 from celery_ledger.attempt import BODY_IDENT, Attempt, Ident
 from celery_ledger.codec import decode, encode
 from celery_ledger.ledger import (
@@ -36,10 +38,16 @@ from celery_ledger.ledger import (
     Verdict,
     step_provider_key,
 )
-from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciler, ask
+from celery_ledger.ledger.death import scaled_grace
+from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciled, Reconciler, ask
 from celery_ledger.timing import key_window_passed
 
 log = logging.getLogger(__name__)
+
+#: How many times a reconciler's ``not_executed`` waits for a sign of life to age past the
+#: death grace (``Ambiguity._after_silence``): one wait, and one more for the refused write a
+#: paused attempt makes when it wakes. Past that, an operator decides.
+SILENCE_ROUNDS = 3
 
 #: ``Ambiguity.before_body``'s answer when the body is to run (any other answer is the
 #: task's result, proven by a reconciler).
@@ -61,6 +69,9 @@ class Ambiguity:
         self.reconciler = reconciler
         self.args = args
         self.kwargs = kwargs
+        #: The claim this attempt began with (``before_body``): what it knew of the earlier
+        #: attempts (``_after_silence``).
+        self.claim: Claim | None = None
 
     def before_body(self, claim: Claim) -> Any:
         """Decide every step that started and never completed, before anything runs.
@@ -73,6 +84,7 @@ class Ambiguity:
             Fenced: this attempt was superseded.
         """
         attempt = self.attempt
+        self.claim = claim
         body = attempt.replay_row(BODY_IDENT)
         real_steps = [r for r in claim.steps if r.name != BODY_STEP]
         for row in real_steps:
@@ -154,6 +166,8 @@ class Ambiguity:
             kwargs=self.kwargs,
         )
         answer = ask(self.reconciler_for(name), step, timeout=attempt.settings.reconcile_timeout)
+        if answer.verdict is Verdict.NOT_EXECUTED:
+            answer = self._after_silence(ident, step, answer)
         if answer.verdict is Verdict.COMPLETED:
             try:
                 encoded = encode(
@@ -190,6 +204,70 @@ class Ambiguity:
             f"celery-ledger show {attempt.key}"
         )
         self.block(reason)
+
+    def _after_silence(self, ident: Ident, step: AmbiguousStep, answer: Reconciled) -> Reconciled:
+        """Trust a reconciler's ``not_executed`` about a step an earlier attempt started only
+        once that attempt is known dead (``mark-dead``, the worker-lost fast path, a boot
+        sweep: ``Claim.dead_fence``) or has shown no sign of life for the death grace
+        (``ledger_death_grace_seconds``, scaled to its own lease).
+
+        Why: the fence stops a superseded attempt's ledger writes, not its call in flight. An
+        attempt paused mid-call (SIGSTOP, a GC pause, a partition) past its lease, then
+        continued, lands the charge the provider could not show when it was asked; re-running
+        the step on that first answer charged twice. So this attempt waits, renewing its own
+        lease, with no effect run, until the earlier one has been silent for the grace (a
+        refused write it makes meanwhile counts as a sign of life), then asks again, when the
+        provider shows the late call. After ``SILENCE_ROUNDS`` waits that each met a new sign
+        of life, the answer is ``unknown``: an operator decides.
+        """
+        attempt, claim = self.attempt, self.claim
+        row = attempt.replay_row(ident)
+        # The fence that started it: its row's; a body without steps has none, and any
+        # earlier attempt may have run it.
+        started = row.fence if row is not None else attempt.fence - 1
+        if claim is None or claim.now is None or started >= attempt.fence:
+            return answer  # this attempt started it itself: nothing else may be in flight
+        if claim.dead_fence is not None and claim.dead_fence >= started:
+            return answer
+        alive_at = claim.prior_alive_at
+        if alive_at is None:
+            return answer
+        settings = attempt.settings
+        grace = scaled_grace(
+            claim.prior_lease,
+            grace_seconds=settings.death_grace_seconds,
+            lease_seconds=settings.lease_seconds,
+        )
+        store = runtime.store_for(attempt.task.app)
+        for _ in range(SILENCE_ROUNDS):
+            wait = alive_at + grace - store.now()
+            if wait <= 0:
+                return answer
+            log.warning(
+                "reconciler says step %s of key=%s did not execute, but the attempt that "
+                "started it (fence %s) showed a sign of life %.1fs ago; task_id=%s fence=%s "
+                "waits %.1fs and asks again",
+                step.step,
+                attempt.key,
+                started,
+                grace - wait,
+                attempt.task_id,
+                attempt.fence,
+                wait,
+            )
+            attempt.emit("waited", step=step.step, reason="death grace")
+            time.sleep(wait)
+            entry = store.get_entry(attempt.key)
+            if entry.seen_alive_at is not None and (entry.seen_alive_fence or 0) < attempt.fence:
+                alive_at = max(alive_at, entry.seen_alive_at)
+            answer = ask(self.reconciler_for(step.step), step, timeout=settings.reconcile_timeout)
+            if answer.verdict is not Verdict.NOT_EXECUTED:
+                return answer
+        if alive_at + grace <= store.now():
+            return answer
+        return Reconciled.unknown(
+            f"the attempt that started it (fence {started}) kept showing signs of life"
+        )
 
     def reconciler_for(self, step: str) -> Reconciler | None:
         """The task's reconciler for ``step`` (a mapping may name ``"*"`` for the rest)."""
