@@ -555,6 +555,9 @@ class ProtocolModel(RuleBasedStateMachine):
         assert self.store.stats().duplicate_executions == 0
 
 
+# Passing, a backend takes well under a minute; failing, Hypothesis shrinks the counterexample
+# for up to five minutes before it reports it: the timeout leaves it the time to.
+@pytest.mark.timeout(900)
 def test_protocol_model(ledger_url: str) -> None:
     """Random interleavings of the protocol keep every invariant (see the module docstring)."""
     machine = type("ProtocolModelRun", (ProtocolModel,), {"url": ledger_url})
