@@ -365,8 +365,9 @@ class ScheduleQueries(StoreCore):
         reason = (
             f"cancellation asked by {row.cancel_by or 'an operator'} ({row.cancel_reason or ''})"
             f" after step {row.step!r} started: step {row.step!r} may have executed (its "
-            "attempt was lost with no outcome recorded); check whether it ran, then release "
-            "it (--verified completed or not-executed) or cancel it again"
+            "attempt was lost with no outcome recorded); check whether it ran "
+            f"(celery-ledger show {row.key}), then release it (--verified completed or "
+            "not-executed) or cancel it again"
         )
         upd = (
             update(entries)

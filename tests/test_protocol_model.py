@@ -12,8 +12,7 @@ operator ``release`` and ``mark_dead``, and retention's prune to a tombstone.
 Where a decision lives in the runtime (``worker/``, which imports Celery), the model's worker
 follows the same rule, written down in ``_Attempt``: the ambiguity rule of
 ``worker/ambiguity.py`` (a non-idempotent step that started and never completed is decided by a
-reconciler's verdict, else the entry blocks), the deadline check after the claim
-(``worker/timing.check_deadline``) and the explanation of a refused start
+reconciler's verdict, else the entry blocks) and the explanation of a refused start
 (``timing.explain_refusal``). The recovery decoder (``recovery.sweep.read_snapshot``) is
 called as it is: it needs no Celery.
 
@@ -28,6 +27,7 @@ back with them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections import Counter
@@ -233,7 +233,15 @@ class ProtocolModel(RuleBasedStateMachine):
         cancel_recorded = before is not None and before.cancel_requested_at is not None
         deadline_passed = self.deadline_passed(before)
         self.deliveries += 1
-        claim = self.store.claim(_request(key, worker, f"t-{key}"))
+        # The claim is the admission gate (``ledger.admission``): it carries the delivery's
+        # deadline (the header, the task's option) and refuses a cancelled or expired one.
+        hist = self.history[key]
+        request = dataclasses.replace(
+            _request(key, worker, f"t-{key}"),
+            deadline_at=hist.header_deadline if carries_header else None,
+            deadline_after=TASK_DEADLINE[key],
+        )
+        claim = self.store.claim(request)
         if claim.gate not in (Gate.RUN, Gate.TAKEOVER):
             return
         # Invariant: nothing starts after a recorded cancellation. A claim that answers RUN or
@@ -246,11 +254,9 @@ class ProtocolModel(RuleBasedStateMachine):
         attempt = _Attempt(key, claim.fence, worker, {r.ident: r.status for r in claim.steps})
         if not self._before_body(attempt, claim, data):
             return
-        if not self._check_deadline(attempt, carries_header):
-            return
-        # Invariant: nothing starts after a passed deadline. The claim plus the runtime's
-        # deadline check are where an attempt decides to start its body: a deadline that had
-        # passed before this claim must stop it here.
+        # Invariant: nothing starts after a passed deadline. The claim is where an attempt
+        # decides to start its body: a deadline that had passed before this claim must stop
+        # it there.
         assert not deadline_passed, (
             f"{key}: attempt at fence {claim.fence} went into its body although the stored "
             f"deadline had passed before its claim (deadline now "
@@ -306,22 +312,6 @@ class ProtocolModel(RuleBasedStateMachine):
         if not ok:
             return False  # fenced: this attempt stops
         attempt.replay[ident] = StepStatus(verdict.value)
-        return True
-
-    def _check_deadline(self, attempt: _Attempt, carries_header: bool) -> bool:
-        """``timing.check_deadline``: a delivery with a deadline (the task's option, or its
-        header) stores it and stops, settled ``expired``, if it passed."""
-        hist = self.history[attempt.key]
-        at = hist.header_deadline if carries_header else None
-        rel = TASK_DEADLINE[attempt.key]
-        if at is None and rel is None:
-            return True
-        passed = self.store.set_deadline(attempt.key, attempt.fence, at=at, after_created=rel)
-        if passed is None:
-            return False
-        if passed:
-            self.store.settle(attempt.key, attempt.fence, EntryStatus.EXPIRED, error="expired")
-            return False
         return True
 
     # -- an attempt's body ------------------------------------------------------------------
