@@ -238,7 +238,13 @@ def test_resume_entry_reports_each_outcome_and_takes_the_crash_loop_rule_from_th
     assert resume(fine, 1) is ResumeOutcome.RESUMED
     assert resume(fine, 1) is ResumeOutcome.LOST_RACE  # another resumer won the CAS
     assert app.sent == [fine.task_id]
-    assert [o.value for o in ResumeOutcome] == ["resumed", "blocked", "no-snapshot", "lost-race"]
+    assert [o.value for o in ResumeOutcome] == [
+        "resumed",
+        "blocked",
+        "no-snapshot",
+        "lost-race",
+        "deferred",
+    ]
 
 
 def test_two_beats_resume_each_entry_once(tmp_path, redis, pg_url):

@@ -470,8 +470,8 @@ def test_a_held_task_whose_expires_passes_before_it_is_due_settles_expired_unrun
     tmp_path, redis, pg_url
 ):
     """A held task (no steps: its body is the effect) whose ``expires`` passes before its due
-    time: the sweep sends it with its deadline, the claim finds it passed, and the body never
-    runs."""
+    time: when it comes due, recovery's door (the admission gate) finds its deadline passed and
+    settles it expired instead of sending it; the body never runs."""
     env = time_env(tmp_path, redis, pg_url)
     app, tasks = producer(tmp_path, env)
     store = LedgerStore(pg_url)
@@ -487,7 +487,7 @@ def test_a_held_task_whose_expires_passes_before_it_is_due_settles_expired_unrun
             what="the held task to settle expired",
         )
     assert effects_of(pg_url, "bx") == {}
-    assert "woken" in event_names(store, key)
+    assert event_names(store, key) == ["scheduled", "expired"], event_names(store, key)
     store.dispose()
 
 
