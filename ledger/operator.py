@@ -19,7 +19,7 @@ from celery_ledger.ledger.death import death_gate
 from celery_ledger.ledger.errors import EntryNotFound, OperatorTextError, ReleaseRefused
 from celery_ledger.ledger.schema import entries, events, steps
 from celery_ledger.ledger.states import EntryStatus, SideEffect, StepStatus, Verdict
-from celery_ledger.ledger.values import Entry, EventRecord
+from celery_ledger.ledger.values import RESUME_OWNER, Entry, EventRecord
 
 #: Statuses an operator may release. Never completed (it has a result), never failed with a
 #: live attempt; a running entry only once its lease expired.
@@ -115,6 +115,15 @@ class LedgerStats:
     #: All entries (keys) in the ledger.
     entries: int
     duplicate_executions: int
+    #: Published tasks no worker has claimed yet (running under the resume marker with no
+    #: execution: a publish intent, or a re-send still in a queue): the backlog.
+    unclaimed: int = 0
+    #: Seconds since the oldest of them was published (database clock).
+    oldest_unclaimed_age: float = 0.0
+    #: How often their leases lapsed while they waited: each lapse was a re-send, or a
+    #: re-send the sweep deferred because the queue held messages (``recovery.backlog``).
+    #: Growing while ``unclaimed`` stays: a backlog, not lost messages.
+    unclaimed_lapses: int = 0
 
     @property
     def duplicate_execution_rate(self) -> float:
@@ -444,10 +453,18 @@ class OperatorQueries(StoreCore):
                     )
                 )
             }
+            # One pass over the running entries' index; an unclaimed one (no execution, under
+            # the resume marker) moved its fence twice per lapse: interrupt, resume or defer.
+            unclaimed = (entries.c.owner == RESUME_OWNER) & (entries.c.executions == 0)
             running = conn.execute(
                 select(
                     func.count(case((entries.c.lease_until < db_now_stable(), 1))),
                     func.coalesce(func.max(db_now() - entries.c.updated_at), 0.0),
+                    func.count(case((unclaimed, 1))),
+                    func.coalesce(
+                        func.max(case((unclaimed, db_now() - entries.c.created_at))), 0.0
+                    ),
+                    func.coalesce(func.sum(case((unclaimed, entries.c.fence - 1))), 0),
                 ).where(entries.c.status == EntryStatus.RUNNING.value)
             ).one()
             interruptions = conn.execute(
@@ -496,4 +513,7 @@ class OperatorQueries(StoreCore):
             int(interruptions),
             sum(by_status.values()),
             int(duplicates),
+            unclaimed=int(running[2]),
+            oldest_unclaimed_age=float(running[3]),
+            unclaimed_lapses=int(running[4]) // 2,
         )

@@ -161,3 +161,25 @@ def test_recovery_expires_what_it_would_send_again_after_its_deadline(store: Led
     assert store.get_entry("k-live").status is EntryStatus.RUNNING
     assert store.get_entry("k-ahead").status is EntryStatus.RUNNING
     assert store.expire_passed([], ERROR) == set()
+
+
+def test_stats_count_the_unclaimed_backlog_and_its_lapses(store: LedgerStore) -> None:
+    """``stats``: published tasks no worker claimed yet, the oldest one's age, and how often
+    their leases lapsed (each a re-send or a deferred one): what ``doctor`` and the metrics
+    call a backlog."""
+    for i in range(3):
+        assert store.record_intent(request(f"k-q{i}", task_id=f"t-q{i}", lease=0.05))
+    assert store.claim(request("k-ran", task_id="t-ran")).gate is Gate.RUN
+    time.sleep(0.2)
+    lapsed = store.interrupt_expired()
+    assert {i.key for i in lapsed} == {"k-q0", "k-q1", "k-q2"}
+    assert all(i.executions == 0 and i.created_at is not None for i in lapsed)
+    won = store.begin_resume_many(
+        [(i.key, i.fence) for i in lapsed], lease_seconds=60, event="deferred", detail="queued"
+    )
+    assert set(won) == {"k-q0", "k-q1", "k-q2"}
+    stats = store.stats()
+    assert stats.unclaimed == 3
+    assert stats.unclaimed_lapses == 3
+    assert stats.oldest_unclaimed_age >= 0.2
+    assert "deferred" in [e.event for e in store.entry_events("k-q0")]

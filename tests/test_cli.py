@@ -556,10 +556,12 @@ def test_doctor_passes_on_the_embedded_default(
         "acks",
         "chords",
         "beat",
+        "backlog",
         "reconcilers",
         "secrets",
     }
     assert data["ok"] is True and checks["schema"]["status"] == "PASS"
+    assert checks["backlog"]["status"] == "PASS", checks["backlog"]
     assert checks["beat"]["status"] == "PASS" and "celery-ledger-sweep" in checks["beat"]["reason"]
     out = cli("doctor").stdout
     assert out.splitlines()[0].split() == ["CHECK", "RESULT", "WHY"]

@@ -159,6 +159,19 @@ def _families(
         f"{PREFIX}_duplicate_execution_ratio",
         "duplicate_executions per ledger entry; the ledger's promise is 0",
     )
+    unclaimed = GaugeMetricFamily(
+        f"{PREFIX}_unclaimed_entries",
+        "Published tasks no worker has claimed yet (the backlog)",
+    )
+    oldest_unclaimed = GaugeMetricFamily(
+        f"{PREFIX}_oldest_unclaimed_age_seconds",
+        "Seconds since the oldest unclaimed task was published",
+    )
+    lapses = GaugeMetricFamily(
+        f"{PREFIX}_unclaimed_lapses",
+        "Lease lapses of unclaimed tasks (re-sends, or re-sends deferred while their queue "
+        "held messages): growing with unclaimed steady is a backlog",
+    )
     if stats is not None:
         up.add_metric([], 1.0)
         timing.add_metric([], query_seconds)
@@ -175,6 +188,9 @@ def _families(
         resumes.add_metric([], float(stats.interruptions))
         duplicates.add_metric([], float(stats.duplicate_executions))
         rate.add_metric([], stats.duplicate_execution_rate)
+        unclaimed.add_metric([], float(stats.unclaimed))
+        oldest_unclaimed.add_metric([], stats.oldest_unclaimed_age)
+        lapses.add_metric([], float(stats.unclaimed_lapses))
     elif failed:
         up.add_metric([], 0.0)
         timing.add_metric([], query_seconds)
@@ -190,6 +206,9 @@ def _families(
         resumes,
         duplicates,
         rate,
+        unclaimed,
+        oldest_unclaimed,
+        lapses,
     )
 
 

@@ -396,6 +396,24 @@ def _check_beat(app: Any, settings: Any, store: LedgerStore | None) -> Check:
     return Check("beat", "PASS", f"{BEAT_ENTRY} every {settings.sweep_interval:.0f}s")
 
 
+def _check_backlog(settings: Any, store: LedgerStore | None) -> Check:
+    """Published tasks no worker has claimed for longer than a publish intent's lease: a
+    backlog (the sweep defers their re-sends while their queue holds messages), or a queue
+    no worker consumes."""
+    if store is None:
+        return Check("backlog", "WARN", "not checked: the ledger's schema is not usable (schema)")
+    stats = store.stats()
+    if stats.unclaimed and stats.oldest_unclaimed_age > settings.publish_intent_seconds:
+        return Check(
+            "backlog",
+            "WARN",
+            f"{stats.unclaimed} published task(s) unclaimed, the oldest for "
+            f"{stats.oldest_unclaimed_age:.0f}s ({stats.unclaimed_lapses} lease lapses, "
+            "re-sent or deferred): is every queue consumed? (celery-ledger stats)",
+        )
+    return Check("backlog", "PASS", f"{stats.unclaimed} published task(s) waiting for a worker")
+
+
 def _check_reconcilers(tasks: list[Any]) -> Check:
     risky = (SideEffect.NON_IDEMPOTENT.value, SideEffect.IRREVERSIBLE.value)
     bare = [t.name for t in tasks if t.side_effect in risky and t.reconciler is None]
@@ -463,6 +481,7 @@ def doctor_cmd(ctx: click.Context, as_json: bool, strict: bool) -> None:
         _check_acks(app, tasks),
         _check_chords(app),
         _check_beat(app, settings, store),
+        _check_backlog(settings, store),
         _check_reconcilers(tasks),
         _check_secrets(settings, tasks),
     ]

@@ -659,6 +659,9 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
         "entries": stats.entries,
         "duplicate_executions": stats.duplicate_executions,
         "duplicate_execution_rate": stats.duplicate_execution_rate,
+        "unclaimed": stats.unclaimed,
+        "oldest_unclaimed_age_seconds": round(stats.oldest_unclaimed_age, 3),
+        "unclaimed_lapses": stats.unclaimed_lapses,
         "by_task": [
             {"task": t, "status": s, "count": n}
             for (t, s), n in sorted(stats.by_task_status.items())
@@ -684,6 +687,8 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
             ("entries", str(stats.entries)),
             ("duplicates", str(stats.duplicate_executions)),
             ("duplicate rate", f"{stats.duplicate_execution_rate:.4f} (target 0.0)"),
+            ("unclaimed", f"{stats.unclaimed} (oldest {duration(stats.oldest_unclaimed_age)})"),
+            ("lapses", f"{stats.unclaimed_lapses} (of unclaimed tasks: re-sent or deferred)"),
         ]
     )
     echo(ctx, formatter.getvalue().rstrip())
