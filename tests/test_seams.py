@@ -346,3 +346,28 @@ def steps_of(store: LedgerStore, key: str) -> list[Any]:
         return list(store.load_steps(key))
     except Exception:  # noqa: BLE001 - not claimed yet
         return []
+
+
+@pytest.mark.rabbitmq
+def test_a_backlog_does_not_multiply_itself_on_rabbitmq(tmp_path, rabbitmq, pg_url):
+    """Fault 14 on RabbitMQ: the sweep asks the queue's ready count with a passive declare;
+    while the backlog waits, no copy is added."""
+    from test_rabbitmq import queue_depth
+
+    env = seams_env(tmp_path, rabbitmq, pg_url, CELERY_LEDGER_LEASE_SECONDS="2")
+    app, tasks = producer(tmp_path, env)
+    backlog = f"backlog-{env['TEST_ID']}"
+    n = 30
+    seen: list[int] = []
+    with processes(tmp_path, env) as procs:
+        procs.worker("w1", concurrency=1, extra=SEAMS_TASKS)
+        procs.beat()
+        for i in range(n):
+            tasks["bare"].apply_async((f"r{i}",), queue=backlog)
+        until = time.monotonic() + 12.0
+        while time.monotonic() < until:
+            seen.append(queue_depth(rabbitmq, backlog))
+            time.sleep(0.5)
+    print(f"RabbitMQ backlog of {n} tasks over 12 s: {seen}")
+    assert seen and seen[0] >= n, seen
+    assert max(seen) <= 2 * n, seen
