@@ -183,3 +183,17 @@ def test_stats_count_the_unclaimed_backlog_and_its_lapses(store: LedgerStore) ->
     assert stats.unclaimed_lapses == 3
     assert stats.oldest_unclaimed_age >= 0.2
     assert "deferred" in [e.event for e in store.entry_events("k-q0")]
+
+
+def test_the_gate_compares_deadlines_as_numbers_on_both_databases(store: LedgerStore) -> None:
+    """SQLite 3.40 compares a column with the clock inside ``RETURNING`` wrongly for some
+    values (1e10, year 2286, read as passed; 5e8, 1985, as ahead): the gate's comparisons are
+    made on the values the statement returns, never in ``RETURNING`` itself."""
+    far = dataclasses.replace(request("k-far", task_id="t-far"), deadline_at=1e10)
+    assert store.claim(far).gate is Gate.RUN
+    past = dataclasses.replace(request("k-past", task_id="t-past"), deadline_at=5e8)
+    assert store.claim(past).gate is Gate.RETURN
+    fence = store.get_entry("k-far").fence
+    assert store.set_deadline("k-far", fence, at=2e10, after_created=None) is False
+    run = store.claim(request("k-set", task_id="t-set"))
+    assert store.set_deadline("k-set", run.fence, at=5e8, after_created=None) is True
