@@ -97,7 +97,10 @@ class HotPath(StoreCore):
             event="claimed",
             lazy=self._lazy(req.side_effect in _CLAIM_IS_INTENT),
         )
-        return (int(rows[0][2]), bool(rows[0][4])) if rows else None
+        if not rows:
+            return None
+        deadline, now = rows[0][4], rows[0][5]
+        return int(rows[0][2]), refusal(None, deadline, now) is Refusal.EXPIRED
 
     def _expire_new(self, req: ClaimRequest, fence: int) -> Claim:
         """The admission gate on a new entry: its delivery came with a deadline that had

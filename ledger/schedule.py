@@ -436,11 +436,14 @@ class ScheduleQueries(StoreCore):
                 entries.c.status == EntryStatus.RUNNING.value,
             )
             .values(deadline_at=earliest(entries.c.deadline_at, offered))
-            .returning((entries.c.deadline_at <= db_now()).label("passed"))
+            # Compared here, not in RETURNING (``statements.claim_insert`` says why).
+            .returning(entries.c.deadline_at, db_now().label("now"))
         )
         with self._one_statement() as conn:
             row = conn.execute(upd, {"abs": at, "rel": after_created}).first()
-        return None if row is None else bool(row.passed)
+        if row is None:
+            return None
+        return row.deadline_at is not None and row.deadline_at <= row.now
 
     def stop_reason(self, key: str, fence: int) -> str | None:
         """Why an effect step of the attempt at ``fence`` was refused: ``cancelled``,
