@@ -344,7 +344,7 @@ class TimeLoad:
                 r.blocked_items.append({"item": item.item_id, "reason": row.reason or ""})
                 if not row.reason:
                     r.violations.append(f"{item.item_id}: blocked with no reason")
-            elif status not in TERMINAL:
+            elif status is not None and status not in TERMINAL:
                 if int(row.executions) == 0:
                     r.never_claimed += 1  # an intent the broker dropped; the sweep re-sends it
                 else:

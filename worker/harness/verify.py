@@ -43,8 +43,11 @@ rate (effect rows beyond one per order and effect), the ledger's own count of un
 step re-runs, resumed entries and replayed steps. Every fifth ledgered order ends by sending a
 child task through the transactional outbox (issue 16), and with a ledger of its own database
 (``--ledger``) its receipt is a transaction step (the effects tables live in the ledger's
-database then): children that never ran to an end are counted as lost children. The exit
-status is 1 if the ledgered run lost or duplicated anything, its children included.
+database then): children that never ran to an end are counted as lost children. Beside them
+runs the time-and-cancellation workload (``time_load``: a backlog with short ``expires``, held
+countdowns, cancels mid-run, retries), counted on the ledger's database clock. The exit status
+is 1 if the ledgered run lost or duplicated anything, its children and its timed tasks
+included, or if an effect of a timed task started after its deadline or its cancellation.
 """
 
 from __future__ import annotations
@@ -697,10 +700,15 @@ def _run_verify(
             for w in works:  # a worker killed last is still starting: let it come up
                 w.finished = False
                 w.mark_progress()
+
+            def settle_update() -> None:
+                cancel_due()
+                phases.update(_status(works, chaos_log))
+
             stage.settle(
                 SETTLE_SECONDS,
                 interval=0.25,
-                update=lambda: (cancel_due(), phases.update(_status(works, chaos_log))),
+                update=settle_update,
                 restart_stalled=STALL_SECONDS,
                 restarted=lambda w, names: chaos_log.settle_restart(w.kind.id, names),
             )
@@ -856,6 +864,13 @@ def render(report: VerifyReport) -> str:
         f" Seed {report.seed}; {report.seconds:.0f}s on {report.broker} with ledger "
         f"{report.ledger}."
     )
+    if report.time is not None and not report.time.ok:
+        t = report.time
+        lines.append(
+            f"timed tasks: {t.effects_after_deadline} effect(s) started after a deadline, "
+            f"{t.effects_after_cancel} after a cancellation, {t.ungated_effects} with no gate, "
+            f"{t.lost} lost, {t.duplicate_effects} duplicated."
+        )
     if report.kept:
         lines.append(f"Data kept in {report.data_dir}.")
     return "\n".join(lines)
