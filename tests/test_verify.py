@@ -70,7 +70,37 @@ def verify(*args: str, timeout: float = 170) -> dict[str, Any]:
         )
     )
     print(report["chaos"]["counts"], report["chaos"]["skipped"], report["chaos"]["settle_restarts"])
+    print({k: v for k, v in report["time"].items() if k not in ("violations", "failed_items")})
     return report
+
+
+def check_time(report: dict[str, Any]) -> None:
+    """Issue 29: the time-and-cancellation workload under the same chaos: no effect began
+    after its task's deadline or cancellation (each effect's gate, its step's ``started_at``,
+    against the entry's ``deadline_at`` / ``cancel_requested_at``, all on the ledger's clock),
+    none lost, none duplicated, and every task terminal or parked with a reason."""
+    timed = report["time"]
+    assert timed["clock"] == "database"
+    assert timed["effects_after_deadline"] == 0, timed["violations"]
+    assert timed["effects_after_cancel"] == 0, timed["violations"]
+    assert timed["ungated_effects"] == 0, timed["violations"]
+    assert timed["violations"] == [], timed["violations"]
+    assert timed["lost"] == 0 and timed["never_claimed"] == 0, timed
+    assert timed["duplicate_effects"] == 0 and timed["ledger_duplicate_executions"] == 0, timed
+    ends = {"completed", "failed", "cancelled", "expired", "blocked"}
+    statuses = [(s, n) for group in timed["by_group"].values() for s, n in group.items()]
+    assert sum(n for _, n in statuses) == timed["items"], timed["by_group"]
+    assert {s for s, _ in statuses} <= ends, timed["by_group"]
+    assert all(b["reason"] for b in timed["blocked_items"]), timed["blocked_items"]
+    # The workload did what it is for: the backlog's 1 s deadlines passed before any worker
+    # was up (so those tasks ran nothing), holds were woken by the sweep, retries retried,
+    # and cancellations were recorded and ended tasks (mid-run, queued or held).
+    per_group = timed["items"] // 7
+    assert timed["by_group"]["expire-backlog"] == {"expired": per_group}, timed["by_group"]
+    assert timed["expired_unrun"] >= per_group, timed
+    assert timed["woken"] >= 1 and timed["retried"] >= 1, timed
+    assert timed["cancels_requested"] >= 1, timed
+    assert sum(g.get("cancelled", 0) for g in timed["by_group"].values()) >= 1, timed
 
 
 def check(report: dict[str, Any]) -> dict[str, Any]:
@@ -97,6 +127,7 @@ def check(report: dict[str, Any]) -> dict[str, Any]:
     counts = report["chaos"]["counts"]
     assert counts.get("kill-child", 0) + counts.get("kill-worker", 0) >= 1, counts
     assert all(a["t"] <= report["duration"] + 5 for a in report["chaos"]["actions"])
+    check_time(report)
     return led
 
 

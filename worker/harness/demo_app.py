@@ -45,7 +45,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import DBAPIError
 
 from celery_ledger.codec import decode
-from celery_ledger.harness import canvas_load
+from celery_ledger.harness import canvas_load, time_load
 from celery_ledger.ledger import BODY_STEP, EntryStatus, StepStatus, child_task_id, entry_key
 from celery_ledger.ledger.engine import READ_ONLY, make_engine
 from celery_ledger.ledger.schema import entries, events, outbox, steps
@@ -448,6 +448,7 @@ def register(app: Celery, db: EffectsDb, *, transactions: bool = False) -> None:
         return str(self.step(CHILD_EFFECT, db.record, run, order_id, CHILD_EFFECT))
 
     canvas_load.register(app, db)
+    time_load.register(app, db)
 
 
 _app: Celery | None = None

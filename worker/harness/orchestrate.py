@@ -300,6 +300,9 @@ class Workload:
         #: Chains sent beside the orders (with a chord: ``verify``'s canvas workload), or
         #: None: the run is over only once the canvas is complete too (or nothing moves).
         self.canvas_chains: int | None = None
+        #: ``verify``'s time-and-cancellation workload (``time_load.TimeLoad``), or None: the
+        #: run is over only once each of its tasks is terminal too.
+        self.time_load: Any = None
         self.enqueued_at = 0.0
         self.finished = False
         self.ledger_idle = ledger_idle
@@ -437,6 +440,11 @@ class Workload:
                 canvas = canvas_load.tally(self.snapshot, self.run, self.canvas_chains)
                 done = not canvas.incomplete
             if any(o.status not in final for o in outcomes.values()):
+                self.mark_progress()
+            if self.time_load is not None and self.time_load.pending(ledger_engine):
+                # A held task waits for its due time, a lost intent for its re-send: work
+                # the ledger owns, so the run is neither done nor idle.
+                done = False
                 self.mark_progress()
             idle = self.ledger_idle
         if done or time.monotonic() - self._progress_at > idle:

@@ -43,8 +43,11 @@ rate (effect rows beyond one per order and effect), the ledger's own count of un
 step re-runs, resumed entries and replayed steps. Every fifth ledgered order ends by sending a
 child task through the transactional outbox (issue 16), and with a ledger of its own database
 (``--ledger``) its receipt is a transaction step (the effects tables live in the ledger's
-database then): children that never ran to an end are counted as lost children. The exit
-status is 1 if the ledgered run lost or duplicated anything, its children included.
+database then): children that never ran to an end are counted as lost children. Beside them
+runs the time-and-cancellation workload (``time_load``: a backlog with short ``expires``, held
+countdowns, cancels mid-run, retries), counted on the ledger's database clock. The exit status
+is 1 if the ledgered run lost or duplicated anything, its children and its timed tasks
+included, or if an effect of a timed task started after its deadline or its cancellation.
 """
 
 from __future__ import annotations
@@ -62,11 +65,12 @@ from typing import Any
 import click
 from sqlalchemy.engine import make_url
 
-from celery_ledger.harness import canvas_load, demo_app
+from celery_ledger.harness import canvas_load, demo_app, time_load
 from celery_ledger.harness.canvas_load import CanvasReport
 from celery_ledger.harness.demo_app import RunReport
 from celery_ledger.harness.orchestrate import (
     LEASE_SECONDS,
+    PUBLISH_INTENT_SECONDS,
     Phases,
     RunKind,
     Sandbox,
@@ -80,6 +84,8 @@ from celery_ledger.harness.orchestrate import (
 )
 from celery_ledger.harness.processes import wait_ready
 from celery_ledger.harness.tcpproxy import TcpProxy
+from celery_ledger.harness.time_load import TimeLoad, TimeReport
+from celery_ledger.ledger import LedgerStore
 from celery_ledger.ledger.engine import is_sqlite
 
 log = logging.getLogger(__name__)
@@ -107,6 +113,16 @@ SETTLE_SECONDS = 120.0
 #: A ledgered run that records no effect for this long while the ledger owns work has a
 #: worker that stopped consuming (kombu, after a broker cut): its workers are restarted.
 STALL_SECONDS = 20.0
+
+#: The ledgered run's settings for the time-and-cancellation workload: a hold threshold short
+#: enough that held countdowns are woken within the run, and a retry whose message the broker
+#: dropped re-sent as soon as a lost publish is (the default, 300 s, would outlast the run).
+TIME_SETTINGS = {
+    "CELERY_LEDGER_HOLD_THRESHOLD_SECONDS": str(time_load.HOLD_THRESHOLD),
+    "CELERY_LEDGER_RETRY_GRACE_SECONDS": str(PUBLISH_INTENT_SECONDS),
+}
+#: The timed tasks published before any worker is up.
+BACKLOG_GROUPS = ("expire-backlog", "run-backlog")
 
 KINDS = (
     RunKind("ledgered", demo_app.LEDGERED, "celery-ledger", "(LedgerTask)", ledgered=True),
@@ -488,6 +504,8 @@ class VerifyReport:
     chaos: dict[str, Any]
     #: The ledgered run's chains and chord (``canvas_load``).
     canvas: CanvasReport | None = None
+    #: The ledgered run's time-and-cancellation workload (``time_load``).
+    time: TimeReport | None = None
     kept: bool = False
     data_dir: str = ""
     #: The ledgered workers' ``ledger_durability`` ("" : their default).
@@ -605,13 +623,28 @@ def _run_verify(
             env = {}
             if kind.ledgered:
                 env["CELERY_LEDGER_URL"] = outage.worker_url(box.ledger_url)
+                env.update(TIME_SETTINGS)
                 if durability:
                     env["CELERY_LEDGER_DURABILITY"] = durability
             if not broker_restart.unavailable:
                 env["CELERY_BROKER_URL"] = broker_restart.url
             stage.workload(kind, orders=tasks, concurrency=concurrency, env=env)
         works = stage.works
+        ledgered = next(w for w in works if w.kind.ledgered)
+        load = TimeLoad(ledgered.run, tasks, random.Random(f"{seed}-time"))
+        ledgered.time_load = load
+        # verify's own app and store for the workload: the ledger reached directly, never
+        # through the outage's proxy (a cancellation is the operator's, not a worker's).
+        load_app = demo_app.build_app({**ledgered.env, "CELERY_LEDGER_URL": box.ledger_url})
+        load_store = LedgerStore(box.ledger_url)
+        stage.cleanups.append(load_app.close)
+        stage.cleanups.append(load_store.dispose)
+        if not keep and not box.owns_ledger:
+            stage.cleanups.append(lambda: canvas_load.drop(stage.ledger_engine, load.keys()))
         with phases.phase("start"):
+            # A backlog: published while no worker is up (the short ``expires`` pass in it).
+            ledgered.declare_queue()
+            backlog = load.publish(load_app, BACKLOG_GROUPS)
             procs = []
             for w in works:
                 procs += [w.start_worker("w1"), w.start_worker("w2", env=second)]
@@ -631,18 +664,30 @@ def _run_verify(
                             canvas_load.drop(stage.ledger_engine, keys)
 
                         stage.cleanups.append(drop_canvas)
+            rest = load.publish(
+                load_app, tuple(g for g in time_load.GROUPS if g not in BACKLOG_GROUPS)
+            )
             phases.done(
                 f"{len(procs)} processes up; {tasks} orders sent to each run, "
-                f"{chains} chain(s) and a chord of {canvas_load.CHORD_SIZE} to the ledgered one"
+                f"{chains} chain(s) and a chord of {canvas_load.CHORD_SIZE} to the ledgered "
+                f"one, and {backlog + rest} timed tasks ({backlog} before any worker was up)"
             )
         with phases.phase("chaos"):
             chaos = Chaos(works, rng, outage, chaos_log, broker_restart, crash, crashes)
             deadline = time.monotonic() + duration
+
+            def cancel_due() -> None:
+                # Not while verify's own SQLite stall holds the write lock (the loop that
+                # ends it would wait behind it), nor while the ledger's server is down.
+                if not chaos.outage_on and not (crash is not None and crash.down):
+                    load.tick(load_app, load_store, ledgered.snapshot)
+
             try:
                 while time.monotonic() < deadline and not (
                     chaos.all_done() and _drained(works, stage.ledger_engine)
                 ):
                     chaos.tick()
+                    cancel_due()
                     phases.update(_status(works, chaos_log))
                     time.sleep(0.1)
             finally:
@@ -655,10 +700,15 @@ def _run_verify(
             for w in works:  # a worker killed last is still starting: let it come up
                 w.finished = False
                 w.mark_progress()
+
+            def settle_update() -> None:
+                cancel_due()
+                phases.update(_status(works, chaos_log))
+
             stage.settle(
                 SETTLE_SECONDS,
                 interval=0.25,
-                update=lambda: phases.update(_status(works, chaos_log)),
+                update=settle_update,
                 restart_stalled=STALL_SECONDS,
                 restarted=lambda w, names: chaos_log.settle_restart(w.kind.id, names),
             )
@@ -666,7 +716,7 @@ def _run_verify(
         stage.orch.stop_all()
         with phases.phase("count"):
             reports = stage.tally()
-            ledgered = next(w for w in works if w.kind.ledgered)
+            timed = load.tally(ledgered.db, stage.ledger_engine)
             canvas = canvas_load.tally(
                 demo_app.effect_counts(ledgered.db, ledgered.run),
                 ledgered.run,
@@ -682,6 +732,7 @@ def _run_verify(
         and led.ledger_duplicate_executions == 0
         and led.children_lost == 0
         and canvas.ok
+        and timed.ok
     )
     return VerifyReport(
         ok=ok,
@@ -694,6 +745,7 @@ def _run_verify(
         seconds=round(time.monotonic() - started, 1),
         runs=reports,
         canvas=canvas,
+        time=timed,
         chaos={
             "actions": chaos_log.actions,
             "counts": chaos_log.counts(),
@@ -791,6 +843,14 @@ def render(report: VerifyReport) -> str:
         lines.append(report.canvas.line())
         if report.canvas.incomplete:
             lines.append("  incomplete: " + ", ".join(report.canvas.incomplete[:10]))
+    if report.time is not None:
+        lines.append(report.time.line())
+        for violation in report.time.violations:
+            lines.append(f"  {violation}")
+        for b in report.time.blocked_items:
+            lines.append(f"  blocked {b['item']}: {b['reason']}")
+        if report.time.lost_items:
+            lines.append("  lost: " + ", ".join(report.time.lost_items))
     lines.append("")
     verdict = (
         click.style("PASS", fg="green", bold=True)
@@ -804,6 +864,13 @@ def render(report: VerifyReport) -> str:
         f" Seed {report.seed}; {report.seconds:.0f}s on {report.broker} with ledger "
         f"{report.ledger}."
     )
+    if report.time is not None and not report.time.ok:
+        t = report.time
+        lines.append(
+            f"timed tasks: {t.effects_after_deadline} effect(s) started after a deadline, "
+            f"{t.effects_after_cancel} after a cancellation, {t.ungated_effects} with no gate, "
+            f"{t.lost} lost, {t.duplicate_effects} duplicated."
+        )
     if report.kept:
         lines.append(f"Data kept in {report.data_dir}.")
     return "\n".join(lines)
