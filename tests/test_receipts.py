@@ -1,0 +1,109 @@
+"""Messages a whole-worker SIGKILL strands in the worker's prefetch, from a producer that does
+not know the ledger (issue 29, fault 15).
+
+A plain Celery producer (``send_task`` by name, no ledger app) records no publish intent: the
+worker's parent receives the message, nothing holds it, and if the whole worker is SIGKILLed
+while it waits for a pool process, Redis keeps it in ``unacked`` for ``visibility_timeout``
+(an hour by default, left so here: only the ledger may bring these back). The worker's parent
+knows every ledgered message's class, so it records the missing intent when it starts holding
+the message (``celery_ledger.receipts``): the sweep then finds each stranded message within
+lease + sweep interval, whoever published it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import redis as redis_client
+
+from helpers import effect_counts
+from procs import processes, test_env, wait_for
+from test_delivery import client_app
+
+pytestmark = pytest.mark.processes
+
+ORDERS = 10
+LEASE = 3.0
+SWEEP = 1.0
+#: A pool process's order takes this long: both busy, six more wait in the worker's prefetch
+#: (Celery's own default prefetch multiplier, 4, at ``-c 2``; the ledger's default is 1).
+PAUSE = 1.5
+WORKER = {"concurrency": 2, "extra": ("--prefetch-multiplier", "4")}
+#: From the kill to every order done: the stranded messages' lease + the sweep interval, the
+#: new worker's start and the ten orders' own run time, with room for a loaded machine. The
+#: visibility timeout that would otherwise bring them back is an hour.
+WITHIN = 60.0
+
+
+def done_orders(url: str, tags: list[str]) -> dict[str, dict[str, int]]:
+    """order id -> its effects, for the orders whose three steps all happened."""
+    counts: dict[str, dict[str, int]] = {}
+    for (tag, effect), n in effect_counts(url).items():
+        counts.setdefault(tag, {})[effect] = n
+    return {t: counts[t] for t in tags if len(counts.get(t, {})) == 3}
+
+
+def unacked_on(url: str, queue: str) -> list[str]:
+    """Delivery tags of the messages of ``queue`` that Redis keeps in ``unacked``."""
+    client = redis_client.Redis.from_url(url)
+    try:
+        found = []
+        for tag, raw in client.hgetall("unacked").items():
+            _, _, routing_key = json.loads(raw)
+            if routing_key == queue:
+                found.append(tag.decode())
+        return found
+    finally:
+        client.close()
+
+
+def test_plain_producer_messages_stranded_by_a_whole_worker_sigkill(tmp_path, redis, pg_url):
+    env = test_env(
+        tmp_path,
+        broker=redis,
+        ledger_url=pg_url,
+        CELERY_LEDGER_LEASE_SECONDS=str(LEASE),
+        CELERY_LEDGER_SWEEP_INTERVAL=str(SWEEP),
+    )
+    producer = client_app(env)  # no ledger app in this process: no publish intent
+    tags = [f"plain-{i}" for i in range(ORDERS)]
+    with processes(tmp_path, env) as procs:
+        first = procs.worker("w1", **WORKER)
+        results = [
+            producer.send_task("tests_app.order", args=(tag, i), kwargs={"pause": PAUSE})
+            for i, tag in enumerate(tags)
+        ]
+        # Both pool processes inside an order (its first step done), the rest fetched.
+        wait_for(
+            lambda: sum(n for (_, e), n in effect_counts(pg_url).items() if e == "reserve") >= 2,
+            timeout=30,
+            what="both pool processes under way",
+        )
+        time.sleep(0.5)  # past the receipt hold's 50 ms: the kill strands held messages
+        first.kill()  # SIGKILL the whole worker: parent and pool
+        killed_at = time.monotonic()
+        stranded = unacked_on(redis, env["TEST_QUEUE"])
+        # The running orders and the prefetched ones stay in unacked for the hour.
+        assert len(stranded) >= 3, f"the kill stranded too little to test: {stranded}"
+        procs.worker("w2", **WORKER)
+        procs.beat()
+        try:
+            wait_for(
+                lambda: len(done_orders(pg_url, tags)) == ORDERS,
+                timeout=WITHIN,
+                what="every order done although Redis keeps its stranded messages unacked",
+            )
+        finally:
+            missing = sorted(set(tags) - set(done_orders(pg_url, tags)))
+            print(
+                f"{len(stranded)} messages stranded in unacked; after "
+                f"{time.monotonic() - killed_at:.1f}s, orders not done: {missing}"
+            )
+        still = set(unacked_on(redis, env["TEST_QUEUE"]))
+        assert still & set(stranded), "Redis gave the messages back: the ledger was not tested"
+        for r in results:
+            assert r.get(timeout=30)["order_id"] in tags
+    effects = done_orders(pg_url, tags)
+    assert effects == {t: {"reserve": 1, "charge": 1, "receipt": 1} for t in tags}
