@@ -107,3 +107,20 @@ def test_plain_producer_messages_stranded_by_a_whole_worker_sigkill(tmp_path, re
             assert r.get(timeout=30)["order_id"] in tags
     effects = done_orders(pg_url, tags)
     assert effects == {t: {"reserve": 1, "charge": 1, "receipt": 1} for t in tags}
+
+
+def test_a_key_from_that_raises_does_not_stop_the_worker(tmp_path, redis, pg_url):
+    """The worker's parent computes the key of every ledgered message it receives (to hold
+    it, and to record its intent): a ``key_from`` that raises there is logged, and the worker
+    goes on; the delivery fails in its pool process, where the claim runs it again."""
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url)
+    producer = client_app(env)
+    with processes(tmp_path, env) as procs:
+        worker = procs.worker("w1", concurrency=1)
+        bad = producer.send_task("tests_app.keyed_by_code", args=("bad-1",), kwargs={"fail": True})
+        good = producer.send_task("tests_app.keyed_by_code", args=("good-1",))
+        with pytest.raises(Exception, match="no key for bad-1"):
+            bad.get(timeout=30)
+        assert good.get(timeout=30) == "keyed:good-1"
+        assert worker.alive, worker.log_tail()
+    assert effect_counts(pg_url) == {("good-1", "keyed"): 1}
