@@ -84,8 +84,10 @@ class LedgerRequest(Request):
             log.debug("no receipt hold for task_id=%s: %r", self.id, err)
             return
         self._held_key = key
-        # Nothing more per message: the intent a producer did not record is recorded by the
-        # receipts thread, and only for a key its hold found none of (``_record_intent``).
+        # Nothing more per message than a bound method in the hold: the intent a producer did
+        # not record is recorded by the receipts thread, only for a key that waited
+        # HOLD_AFTER unaccepted and that its batched hold found no intent of
+        # (``_record_intent``); a message a free pool process accepts at once is never written.
         receipts.hold(task.app, key, lease, record=self._record_intent)
 
     def _record_intent(self) -> bool:
