@@ -346,3 +346,17 @@ def on_success(self: LedgerTask, result: Any, tag: str) -> Any:
     """A ``link`` callback: one effect per callback task id."""
     self.step("effect", effect, tag, "callback")
     return result
+
+
+def _key_or_raise(tag: str, fail: bool = False) -> str:
+    """A ``key_from`` callable (user code the worker's parent runs too) that raises."""
+    if fail:
+        raise RuntimeError(f"no key for {tag}")
+    return tag
+
+
+@app.task(
+    shared=False, base=LedgerTask, bind=True, name="tests_app.keyed_by_code", key_from=_key_or_raise
+)
+def keyed_by_code(self: LedgerTask, tag: str, fail: bool = False) -> str:
+    return self.step("effect", effect, tag, "keyed")

@@ -3,7 +3,9 @@
 Three jobs. **Received, not started**: the parent holds the publish intent of every ledgered
 message it has received until a pool process accepts it (``celery_ledger.receipts``), so a
 worker killed while messages wait in its prefetch or its timer leaves intents that expire
-within the lease, not a queue backlog's bound.
+within the lease, not a queue backlog's bound. A message whose producer recorded no intent
+(sent by name from a process without the ``LedgerTask`` class) gets one here, from the
+message as received (``_record_intent``), when the receipts thread finds nothing to hold.
 
 **The worker-lost fast path**: when a pool process dies (SIGKILL, OOM killer), billiard
 reports ``WorkerLostError`` for the request it was running to the parent, which calls
@@ -19,6 +21,7 @@ that no sweep sends it again.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
@@ -26,12 +29,17 @@ from billiard.exceptions import WorkerLostError
 from celery.utils.saferepr import saferepr
 from celery.worker.request import Request
 
-from celery_ledger import runtime, timing
-from celery_ledger.ledger import LedgerError
+from celery_ledger import canvas, envelope, intents, runtime, timing
 from celery_ledger.receipts import receipts
+from celery_ledger.recovery.resend import DEADLINE
 from celery_ledger.redact import redact_arguments, secret_names
 
 log = logging.getLogger(__name__)
+
+#: What Celery's ``Request`` adds to the message's headers in ``_request_dict``: not headers.
+_NOT_HEADERS = frozenset(
+    ("properties", "reply_to", "correlation_id", "hostname", "delivery_info", "args", "kwargs")
+)
 
 
 class LedgerRequest(Request):
@@ -71,12 +79,58 @@ class LedgerRequest(Request):
             )
             settings = runtime.settings_for(task.app)
             lease = float(getattr(task, "lease_seconds", None) or settings.lease_seconds)
-        except (LedgerError, ValueError, TypeError) as err:
+        except Exception as err:  # noqa: BLE001 - key_from is user code, run in the parent
             # The claim will say what is wrong with it; a receipt never stops a delivery.
-            log.debug("no receipt hold for task_id=%s: %s", self.id, err)
+            log.debug("no receipt hold for task_id=%s: %r", self.id, err)
             return
         self._held_key = key
-        receipts.hold(task.app, key, lease)
+        # Nothing more per message than a bound method in the hold: the intent a producer did
+        # not record is recorded by the receipts thread, only for a key that waited
+        # HOLD_AFTER unaccepted and that its batched hold found no intent of
+        # (``_record_intent``); a message a free pool process accepts at once is never written.
+        receipts.hold(task.app, key, lease, record=self._record_intent)
+
+    def _record_intent(self) -> bool:
+        """Record the publish intent this message's producer did not (it sent the task by
+        name without knowing its class), with the envelope of the message as received
+        (``envelope.of_message``: its headers, routing, limits, canvas placement) and its
+        deadline. True if an intent was recorded now (one statement: insert if absent).
+
+        Run by the receipts thread, only for a held key that had no intent to hold. A message
+        due past ``ledger_hold_threshold_seconds`` waits in the worker's timer: it gets none,
+        since an intent's re-send carries no ETA and would run it early. Never raises:
+        ``key_from`` and the arguments are user code and data, run in the parent.
+        """
+        task = self.task
+        try:
+            headers = {k: v for k, v in self._request_dict.items() if k not in _NOT_HEADERS}
+            if not intents.wanted(task, headers):
+                return False
+            threshold = runtime.settings_for(task.app).hold_threshold_seconds
+            if self.eta is not None and self.eta.timestamp() - time.time() > threshold:
+                return False
+            payload = self._body if self._decoded else self._message.payload
+            embed = payload[2] if isinstance(payload, (list, tuple)) and len(payload) > 2 else None
+            sent = envelope.of_message(
+                tuple(self.args or ()),
+                dict(self.kwargs or {}),
+                headers,
+                routing_key=(self.delivery_info or {}).get("routing_key"),
+                properties=self._request_dict.get("properties"),
+                canvas=canvas.message_placement(headers, embed),
+            )
+            deadline = envelope.absolute_deadline(headers.get("expires"), headers.get(DEADLINE))
+            key = intents.record(task, sent, self.id, deadline=(deadline, None))
+        except Exception as err:  # noqa: BLE001 - never in the parent's way
+            log.warning("no intent recorded for received task_id=%s: %r", self.id, err)
+            return False
+        if key is not None:
+            log.debug(
+                "recorded the publish intent of received key=%s task_id=%s (its producer did not)",
+                key,
+                self.id,
+            )
+        return key is not None
 
     def _unhold(self) -> None:
         if self._held_key is not None:
@@ -135,7 +189,7 @@ class LedgerRequest(Request):
                 actor=self.hostname,
                 why=f"pool process {self.worker_pid} lost: {exc}",
             )
-        except (LedgerError, ValueError) as err:
+        except Exception as err:  # noqa: BLE001 - key_from is user code, run in the parent
             # The lease is the backstop: the sweep finds this entry when it expires.
             log.warning("worker-lost fast path failed for task_id=%s: %s", self.id, err)
             return
