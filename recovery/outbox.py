@@ -30,6 +30,8 @@ from celery_ledger.ledger import (
     SnapshotCipher,
     open_snapshot,
 )
+from celery_ledger.ledger.envelope import OPTIONS, Envelope
+from celery_ledger.recovery import resend
 from celery_ledger.recovery.publish import confirmed
 
 log = logging.getLogger(__name__)
@@ -53,17 +55,22 @@ def send_child(
     """
     payload = loads(open_snapshot(message.payload, cipher))
     options = dict(payload.get("options") or {})
-    headers = dict(options.pop("headers", None) or {})
-    headers[PARENT_HEADER] = message.parent_key
-    app.send_task(
-        message.task_name,
-        args=list(payload.get("args") or ()),
+    queue = options.pop("queue", None)
+    child = Envelope(
+        args=tuple(payload.get("args") or ()),
         kwargs=dict(payload.get("kwargs") or {}),
-        task_id=message.child_id,
-        headers=headers,
-        connection=connection,
-        **options,
+        queue=queue if isinstance(queue, str) else None,
+        options={k: options.pop(k) for k in OPTIONS if k in options},
     )
+    # The one message builder (``resend.message``); what is left of the options is the
+    # child's own timing (``countdown``, ``expires``), as the step gave it.
+    sent = resend.message(
+        message.child_id,
+        child,
+        extra_headers={PARENT_HEADER: message.parent_key},
+        redelivery=False,
+    )
+    app.send_task(message.task_name, connection=connection, **{**options, **sent})
 
 
 def publish(

@@ -13,8 +13,11 @@ the one the producer meant:
 | overdue retry | ``sweep.resend_retry`` | the retry's envelope, deadline |
 | wake (held countdown, sleep) | ``wake.wake_entry`` | envelope, deadline |
 
-The outbox publishes children that were never sent (``recovery.outbox``): their payload is the
-signature the step built, the message as the step meant it, and is sent as it is.
+| outbox child (``self.send``) | ``outbox.send_child`` | the child's envelope; see below |
+
+An outbox child's envelope is the signature the step recorded. Its message is not marked as the
+ledger's re-send: it is the child's first, whose publisher records the child's intent; and it
+keeps the child's own ``countdown`` and ``expires``, as the step gave them.
 """
 
 from __future__ import annotations
@@ -40,18 +43,24 @@ def message(
     *,
     deadline_at: float | None = None,
     extra_headers: dict[str, Any] | None = None,
+    redelivery: bool = True,
 ) -> dict[str, Any]:
     """The ``send_task`` options (besides the task name) that send ``envelope`` again under
     ``task_id``: its arguments, routing, priority, limits, the user's headers, its place in a
     canvas, its retry count, and the deadline as both the ``ledger_deadline`` header (read by
     the claim on the database clock) and Celery's ``expires`` (so a worker discards it, as
-    Celery would, if it waits in a backlog past its deadline)."""
+    Celery would, if it waits in a backlog past its deadline).
+
+    ``redelivery=False`` (an outbox child's publish): the message is that child's first, with
+    no entry yet, so it is not marked as the ledger's re-send and its publisher records its
+    intent as any publish does."""
     options = dict(envelope.options)
     headers: dict[str, Any] = {
         **dict(options.pop("headers", None) or {}),
         **(extra_headers or {}),
-        REDELIVERY: True,
     }
+    if redelivery:
+        headers[REDELIVERY] = True
     if envelope.ledger_key is not None:
         headers[KEY] = envelope.ledger_key
     sent: dict[str, Any] = {"task_id": task_id, **options, "headers": headers}
