@@ -163,18 +163,24 @@ class TransactionSteps(StoreCore):
         children: Sequence[Child] = (),
     ) -> bool:
         """Write the step's ``completed`` row and record its ``children``, in one transaction
-        (atomic), fenced on the entry like ``write_step``.
+        (atomic), fenced on the entry like ``write_step``: a plain step's completion, and a
+        reconciler's ``completed`` verdict with the children the step would have sent.
 
-        Without children this is ``write_step`` (one statement). Returns False when this
-        attempt was superseded or the row was completed already; no child is recorded then.
+        Without children this is ``write_step`` (one statement). Not gated (``admission``):
+        the row records an effect that happened, it begins none, so a cancellation requested
+        meanwhile does not refuse it (it refuses the next ``started`` row). Returns False when
+        this attempt was superseded or the row was completed already; no child is recorded
+        then.
         """
         if not children:
             return self.write_step(
                 key, fence, ident, seq=seq, status=StepStatus.COMPLETED, output=output
             )
         with self._txn() as conn:
-            return self.complete_on(
-                conn, key, fence, ident, seq=seq, output=output, children=children
+            dbapi = conn.connection.dbapi_connection
+            assert dbapi is not None
+            return self.complete_on_dbapi(
+                dbapi, key, fence, ident, seq=seq, output=output, children=children, gated=False
             )
 
     def complete_on(
@@ -211,16 +217,19 @@ class TransactionSteps(StoreCore):
         seq: int,
         output: str | None,
         children: Sequence[Child] = (),
+        gated: bool = True,
     ) -> bool:
         """``complete_on`` on a raw DBAPI connection of the same driver as the ledger's, in
         its open transaction (Django's connection inside ``transaction.atomic()``): the same
         compiled statement on another cursor. Returns False when the fence moved, the row is
-        completed already, or the admission gate refused it (a cancellation is pending, the
-        deadline passed): the caller must roll back."""
+        completed already, or (``gated``, a transaction step's commit) the admission gate
+        refused it (a cancellation is pending, the deadline passed): the caller must roll
+        back."""
         name, _, occurrence = ident
         # The gated upsert: a cancellation or a passed deadline refuses the commit as it
         # refuses an effect step's start (``admission``); the caller rolls back either way.
-        stmt = self._hot("step-commit")
+        # Ungated (``complete_step``): the plain completed row, the effect is behind it.
+        stmt = self._hot("step-commit" if gated else ("step", False, False))
         params = _completed_params(key, fence, ident, seq, output)
         cur = dbapi.cursor()
         try:

@@ -5,13 +5,19 @@ world (usually through the external reference the step recorded before its call)
 ``completed(output)``, ``not_executed()`` or ``unknown()``. Raising, returning anything else,
 or taking longer than the timeout all mean ``unknown``: the only answers that let work
 continue are the ones a reconciler gave explicitly.
+
+A step's children (``self.send``) are recorded with its ``completed`` row, so a step that died
+before that row recorded none, and a ``completed`` verdict means its body never runs again to
+send them. ``completed(output, children=[sig, ...])`` returns them: the signatures the step
+would have sent, in its order. They are recorded with the verdict's row in one transaction,
+under the ids the step would have used, and published like any step's children.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,11 +49,17 @@ class Reconciled:
     verdict: Verdict
     output: Any = None
     note: str = ""
+    #: With ``completed``: the task signatures the step would have sent (``self.send``).
+    children: tuple[Any, ...] = ()
 
     @classmethod
-    def completed(cls, output: Any = None, note: str = "") -> Reconciled:
-        """The step did execute; ``output`` is what it would have returned."""
-        return cls(Verdict.COMPLETED, output, note)
+    def completed(
+        cls, output: Any = None, note: str = "", children: Iterable[Any] = ()
+    ) -> Reconciled:
+        """The step did execute; ``output`` is what it would have returned, and ``children``
+        the signatures it would have sent through the outbox, in the order it sends them
+        (each gets the child id of that position: the n-th send of the step)."""
+        return cls(Verdict.COMPLETED, output, note, tuple(children))
 
     @classmethod
     def not_executed(cls, note: str = "") -> Reconciled:

@@ -18,6 +18,7 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, func, select
 from celery_ledger.ledger import (
     Child,
     ClaimRequest,
+    Gate,
     LedgerStore,
     Owner,
     StepStatus,
@@ -39,8 +40,13 @@ def store(ledger_url: str) -> Any:
     s.dispose()
 
 
-def claim(store: LedgerStore, task: str = "shop.parent") -> Any:
-    task_id = str(uuid.uuid4())
+def claim(
+    store: LedgerStore,
+    task: str = "shop.parent",
+    task_id: str | None = None,
+    owner: Owner = Owner("celery@a", "boot-1", 1),
+) -> Any:
+    task_id = task_id or str(uuid.uuid4())
     return store.claim(
         ClaimRequest(
             key=entry_key(task, task_id),
@@ -49,7 +55,7 @@ def claim(store: LedgerStore, task: str = "shop.parent") -> Any:
             args_hash="task-id",
             snapshot=None,
             side_effect="non_idempotent",
-            owner=Owner("celery@a", "boot-1", 1),
+            owner=owner,
             lease_seconds=60.0,
         )
     )
@@ -89,6 +95,67 @@ def test_children_are_recorded_with_the_completed_row_under_the_fence(store) -> 
         c.key, c.fence, ("notify", "h", 0), seq=1, output="1", children=again
     )
     assert len(store.children_of(c.key)) == 2
+
+
+def ambiguous_then_taken_over(store: LedgerStore) -> tuple[Any, Any]:
+    """An effect step ``charge`` started under fence 1, its process died (the fast path), and
+    a takeover claimed the entry: the step is ambiguous, and no child of it was recorded."""
+    task_id = str(uuid.uuid4())
+    first = claim(store, task_id=task_id)
+    assert store.write_step(first.key, first.fence, CHARGE, seq=1, status=StepStatus.STARTED)
+    assert store.interrupt_owner(
+        first.key, node="celery@a", boot="boot-1", pid=1, actor="test", why="pool process killed"
+    )
+    second = claim(store, task_id=task_id, owner=Owner("celery@b", "boot-2", 2))
+    assert second.key == first.key and second.gate is Gate.TAKEOVER
+    assert [s.status for s in second.steps] == [StepStatus.STARTED]
+    assert store.children_of(first.key) == []
+    return first, second
+
+
+CHARGE = ("charge", "h", 0)
+
+
+def test_a_reconciled_verdict_records_the_steps_children_with_its_completed_row(store) -> None:
+    """A reconciler's ``completed`` verdict with the children the step would have sent: the
+    row and the children in one transaction, under the takeover's fence, with the step's own
+    child ids; a stale fence (the dead attempt's) records neither."""
+    first, second = ambiguous_then_taken_over(store)
+    kids = [child(first.key, 0, "charge"), child(first.key, 1, "charge")]
+    assert not store.complete_step(
+        first.key, first.fence, CHARGE, seq=1, output='"ch"', children=kids
+    )
+    assert store.children_of(first.key) == []
+    assert store.complete_step(first.key, second.fence, CHARGE, seq=1, output='"ch"', children=kids)
+    (row,) = store.load_steps(first.key)
+    # A verdict is a proof, not a run: the step's attempts stay 1.
+    assert (row.status, row.fence, row.output, row.attempts) == (
+        StepStatus.COMPLETED,
+        second.fence,
+        '"ch"',
+        1,
+    )
+    listed = store.children_of(first.key)
+    assert [(m.child_id, m.step, m.n, m.fence, m.published) for m in listed] == [
+        (k.child_id, "charge", k.n, second.fence, False) for k in kids
+    ]
+    assert [m.child_id for m in store.unpublished()] == [k.child_id for k in kids]
+    assert store.stats().duplicate_executions == 0
+
+
+def test_a_reconciled_verdict_with_children_is_not_refused_by_a_pending_cancellation(
+    store,
+) -> None:
+    """The admission gate stops effects from beginning; a verdict begins none, it records
+    one that happened. A cancellation requested while the reconciler was asked must not
+    refuse the verdict's row because it carries children (without children it never was):
+    refused, the attempt would take itself for superseded and leave the step ambiguous."""
+    first, second = ambiguous_then_taken_over(store)
+    assert store.request_cancel(first.key, by="ops", reason="r", error="e").outcome == "requested"
+    kids = [child(first.key, 0, "charge")]
+    assert store.complete_step(first.key, second.fence, CHARGE, seq=1, output='"ch"', children=kids)
+    assert [s.status for s in store.load_steps(first.key)] == [StepStatus.COMPLETED]
+    assert [m.child_id for m in store.children_of(first.key)] == [kids[0].child_id]
 
 
 def test_unpublished_then_marked(store) -> None:

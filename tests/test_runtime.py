@@ -214,6 +214,51 @@ def test_snapshot_too_large_for_the_ledger_is_reported_with_its_setting(
     assert entry.status is EntryStatus.COMPLETED and entry.snapshot is None
 
 
+def test_a_reconciled_child_the_outbox_cannot_keep_parks_the_entry(tmp_path: Path) -> None:
+    """A reconciler's ``completed`` whose children cannot be recorded (not a signature) is no
+    answer: the entry is parked for an operator, and neither the verdict nor a child is
+    written (a verdict recorded without its children would lose them for good)."""
+    app = local_app(tmp_path)
+
+    @app.task(
+        base=LedgerTask,
+        bind=True,
+        name="rt.charge",
+        shared=False,
+        reconciler=lambda step: Reconciled.completed("charged", children=["not a signature"]),
+    )
+    def charge(self: LedgerTask, order_id: str) -> Any:
+        return self.step("charge", lambda: f"charged {order_id}")
+
+    store = runtime.store_for(app)
+    key = entry_key("rt.charge", "t-1")
+    dead = Owner(node="celery@gone", boot="old-boot", pid=4242)
+    snapshot = json.dumps({"args": ["o-1"], "kwargs": {}, "queue": None, "ledger_key": None})
+    claim = store.claim(
+        ClaimRequest(
+            key=key,
+            task_name="rt.charge",
+            task_id="t-1",
+            args_hash="task-id",
+            snapshot=snapshot,
+            side_effect="non_idempotent",
+            owner=dead,
+            lease_seconds=60.0,
+        )
+    )
+    ident = ("charge", arguments_hash([[], {}]), 0)
+    assert store.write_step(key, claim.fence, ident, seq=1, status=StepStatus.STARTED)
+    assert store.interrupt_owner(
+        key, node=dead.node, boot=dead.boot, pid=dead.pid, actor="test", why="killed"
+    )
+    charge.apply(args=("o-1",), task_id="t-1")
+    entry = store.get_entry(key)
+    assert entry.status is EntryStatus.BLOCKED, entry.status
+    assert "send() takes a task signature" in (entry.reason or ""), entry.reason
+    assert [s.status for s in store.load_steps(key)] == [StepStatus.STARTED]
+    assert store.children_of(key) == []
+
+
 def test_a_reconciled_verdict_is_retried_while_the_ledger_is_briefly_down(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,7 +17,13 @@ import pytest
 from test_broker_faults import OwnRedis
 from test_steps_crash import run_with_crash
 
-from celery_ledger.ledger import EntryNotFound, EntryStatus, LedgerStore, child_task_id
+from celery_ledger.ledger import (
+    EntryNotFound,
+    EntryStatus,
+    LedgerStore,
+    StepStatus,
+    child_task_id,
+)
 from helpers import business_key, effect_counts, event_names, key_of
 from procs import processes, test_env, wait_for
 from test_delivery import client_app
@@ -255,3 +261,67 @@ def test_children_published_while_the_broker_is_down_go_out_through_the_sweep(tm
         ("f1", "child-2"): 1,
     }
     assert all(m.published for m in store.children_of(parent))
+
+
+# -- (5) the children of an ambiguous effect step ride its reconciler's verdict ---------------
+
+
+@pytest.mark.parametrize(
+    "crash_at",
+    [
+        # The step sent its child and charged; killed before its completed row.
+        "step-returned:charge",
+        # The same, then the attempt that recorded the verdict is killed after publishing the
+        # child and before marking it: the sweep publishes it again, and its claim returns.
+        "step-returned:charge,children-published:charge",
+    ],
+)
+def test_the_children_of_an_ambiguous_step_ride_its_reconciled_verdict(
+    tmp_path, redis, pg_url, crash_at
+):
+    """``tests_app.charge_and_notify``: an effect step sends a child through the outbox and
+    charges, and its process dies before the step's ``completed`` row (so nothing recorded
+    the child). The takeover's reconciler finds the charge and answers
+    ``completed(output, children=[...])``: the child is recorded with the verdict, under the
+    id the step would have used, published, and runs exactly once."""
+    env = test_env(
+        tmp_path,
+        broker=redis,
+        ledger_url=pg_url,
+        CELERY_LEDGER_SWEEP_INTERVAL="1",
+        CELERY_LEDGER_CRASH_AT=crash_at,
+        CELERY_LEDGER_CRASH_ONCE=str(tmp_path / "crash-once"),
+    )
+    app = client_app(env)
+    parent = business_key("tests_app.charge_and_notify", tag="n1")
+    cid = child_task_id(parent, "charge", 0, 0)
+    store = LedgerStore(pg_url)
+    with processes(tmp_path, env) as procs:
+        procs.worker("w1", concurrency=1)
+        procs.beat()
+        result = app.send_task("tests_app.charge_and_notify", args=("n1",))
+        # The child first: before the fix the parent settles blocked or completed, and the
+        # child it sent is never run.
+        wait_for(
+            lambda: children_done(store, [cid]),
+            timeout=60,
+            what="the child the reconciler returned ran",
+        )
+        value = result.get(timeout=60)
+        if "children-published" in crash_at:
+            wait_for(
+                lambda: "returned" in event_names(store, key_of("tests_app.child_effect", cid)),
+                timeout=60,
+                what="the re-published child deduplicated by its claim",
+            )
+    for point in crash_at.split(","):
+        assert marker(tmp_path, point).exists(), f"the crash point {point} was never reached"
+    assert value == "charge:n1"
+    assert effect_counts(pg_url, "n1") == {("n1", "charge"): 1, ("n1", "child-0"): 1}
+    store = settled_once(pg_url, "tests_app.charge_and_notify", tag="n1")
+    # The step ran once: its row was completed by the verdict of a later fence, not re-run.
+    (row,) = store.load_steps(parent)
+    assert (row.name, row.status, row.fence > 1) == ("charge", StepStatus.COMPLETED, True)
+    listed = store.children_of(parent)
+    assert [(m.child_id, m.step, m.published) for m in listed] == [(cid, "charge", True)]
+    assert store.parent_of(cid).parent_key == parent

@@ -278,6 +278,36 @@ def child_effect(self: LedgerTask, tag: str, n: int) -> str:
     return effect(tag, f"child-{n}")
 
 
+def _charged_with_notice(step: Any) -> Reconciled:
+    """``charge_and_notify``'s reconciler: the effects table is the provider. A charge found
+    means the step completed, and the notice it sent goes with the verdict."""
+    tag = step.args[0]
+    answer = _effect_seen(tag, "charge")
+    if answer.verdict.value != "completed":
+        return answer
+    return Reconciled.completed(
+        f"charge:{tag}", note="charge found", children=[child_effect.s(tag, 0)]
+    )
+
+
+@app.task(
+    shared=False,
+    base=LedgerTask,
+    bind=True,
+    name="tests_app.charge_and_notify",
+    key_from=("tag",),
+    reconciler=_charged_with_notice,
+)
+def charge_and_notify(self: LedgerTask, tag: str) -> str:
+    """One effect step that sends a notice (a ledgered child) through the outbox and charges."""
+
+    def charge() -> str:
+        self.send(child_effect.s(tag, 0))
+        return effect(tag, "charge")
+
+    return self.step("charge", charge)
+
+
 @app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.fanout", key_from=("tag",))
 def fanout(self: LedgerTask, tag: str, children: int = 2) -> list[str]:
     """A plain step that sends ``children`` children, then a transaction step that sends one

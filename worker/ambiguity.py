@@ -6,7 +6,9 @@ What happens then follows the side-effect class (``SideEffect.rerun_when_ambiguo
 
 - ``read`` / ``idempotent`` / ``keyed``: re-run (a ``keyed`` step gets the same provider key);
 - otherwise the task's reconciler is asked (``recovery.reconcile.ask``): ``completed(output)``
-  is stored and replays, ``not_executed`` authorizes one re-run (never for ``irreversible``),
+  is stored and replays (with the children the reconciler returned for it, recorded with its
+  row and published, as the step would have), ``not_executed`` authorizes one re-run (never
+  for ``irreversible``),
   and ``unknown`` (or no reconciler, or one that raised or timed out) parks the entry
   ``blocked`` for an operator.
 
@@ -175,10 +177,13 @@ class Ambiguity:
                     limit=attempt.settings.max_result_bytes,
                     what=f"reconciled output of step {name!r}",
                 )
-            except PayloadError as exc:
+                # The children the step would have sent: its completed row, which records
+                # them, is this verdict's, and its body never runs again to send them.
+                sends = attempt.verdict_sends(ident, answer.children)
+            except (PayloadError, TypeError) as exc:
                 answer = type(answer).unknown(str(exc))
             else:
-                attempt.record_verdict(ident, Verdict.COMPLETED, encoded)
+                attempt.record_verdict(ident, Verdict.COMPLETED, encoded, sends=sends)
                 attempt.emit("reconciled", step=name, verdict="completed")
                 return (Verdict.COMPLETED, encoded)
         if (

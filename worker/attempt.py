@@ -543,19 +543,58 @@ class Attempt:
 
     # -- writes made outside a step: ambiguity resolution and the body row -----------------
 
-    def record_verdict(self, ident: Ident, verdict: Verdict, output: str | None = None) -> None:
+    def verdict_sends(self, ident: Ident, sigs: Sequence[Any]) -> Sends:
+        """The children a reconciler returned with a ``completed`` verdict on ``ident``, as
+        the step's own ``send`` calls would have recorded them: the same child ids (the n-th
+        send of that step and occurrence), payloads sealed the same way.
+
+        Raises:
+            TypeError: one is not a task signature, or has an option the outbox cannot keep.
+            PayloadError: its arguments cannot be stored.
+        """
+        sends = Sends(self.key, ident[0], ident[2])
+        for sig in sigs:
+            sends.add(sig, limit=self.settings.max_snapshot_bytes, cipher=self._cipher())
+            _warn_if_not_ledgered(self.task.app, sig.task)
+        return sends
+
+    def record_verdict(
+        self,
+        ident: Ident,
+        verdict: Verdict,
+        output: str | None = None,
+        *,
+        sends: Sends | None = None,
+    ) -> None:
         """Write what a reconciler proved about an ambiguous step: ``completed`` with its
         (encoded) output, which replays from now on, or ``not_executed``, which authorizes
         one re-run.
+
+        A ``completed`` verdict's ``sends`` (``verdict_sends``: the children the step would
+        have sent) are recorded with its row in one transaction (``store.complete_step``, as
+        the step itself records them) and published after it commits (``publish_children``):
+        the step's body will not run again to send them.
 
         Raises:
             Fenced: this attempt was superseded; nothing was written.
             LedgerUnavailable: the ledger stayed unreachable.
         """
         status = StepStatus.COMPLETED if verdict is Verdict.COMPLETED else StepStatus.NOT_EXECUTED
+        children = sends.children if sends is not None else []
+        if children and status is not StepStatus.COMPLETED:
+            raise ValueError("only a completed verdict carries children")
         row = self._replay.get(ident)
         seq = row.seq if row else 0
-        self._fenced(self._write(ident, seq, status, output=output), f"step {ident[0]} reconcile")
+        if children:
+            done = self._retrying(
+                lambda: self._store.complete_step(
+                    self.key, self.fence, ident, seq=seq, output=output, children=children
+                ),
+                f"step {ident[0]} reconcile",
+            )
+        else:
+            done = self._write(ident, seq, status, output=output)
+        self._fenced(done, f"step {ident[0]} reconcile")
         self._replay.put(
             StepRecord(
                 name=ident[0],
@@ -567,6 +606,8 @@ class Attempt:
                 output=output,
             )
         )
+        if sends is not None:
+            self.publish_children(ident, sends)
 
     def start_body(self) -> None:
         """Record the intent of a body that records no steps, before its one authorized re-run
