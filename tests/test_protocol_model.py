@@ -21,7 +21,8 @@ time of the model's rows moved back by d (``_shift``): exactly what the clock ad
 like to the store. Absolute times held outside the database (a message's deadline header) move
 back with them.
 
-``CELERY_LEDGER_MODEL_EXAMPLES`` raises the number of examples for a long run.
+``CELERY_LEDGER_MODEL_EXAMPLES`` raises the number of examples for a long run, and
+``CELERY_LEDGER_MODEL_TIMEOUT`` its timeout.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ pytestmark = pytest.mark.model
 #: Examples per backend: bounded for CI (well under a minute each); the environment variable
 #: raises it for a long run.
 EXAMPLES = int(os.environ.get("CELERY_LEDGER_MODEL_EXAMPLES", "60"))
+#: The test's own timeout (seconds): room to shrink a counterexample; a long run raises it.
+TIMEOUT = int(os.environ.get("CELERY_LEDGER_MODEL_TIMEOUT", "900"))
 STEPS_PER_EXAMPLE = int(os.environ.get("CELERY_LEDGER_MODEL_STEPS", "40"))
 
 KEYS = ("k0", "k1", "k2")
@@ -547,7 +550,7 @@ class ProtocolModel(RuleBasedStateMachine):
 
 # Passing, a backend takes well under a minute; failing, Hypothesis shrinks the counterexample
 # for up to five minutes before it reports it: the timeout leaves it the time to.
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(TIMEOUT)
 def test_protocol_model(ledger_url: str) -> None:
     """Random interleavings of the protocol keep every invariant (see the module docstring)."""
     machine = type("ProtocolModelRun", (ProtocolModel,), {"url": ledger_url})
