@@ -428,7 +428,11 @@ def test_mark_dead_judges_the_grace_by_the_tasks_own_lease(store: LedgerStore) -
         time.sleep(0.05)
     with pytest.raises(MarkDeadRefused, match="renewed the lease"):
         store.mark_dead(c.key, by="ann", reason="r", grace_seconds=1.0, lease_seconds=0.5)
-    assert store.get_entry(c.key).dead_at is None
+    # Nothing of ann's was written; the death signal is the fast path's own (the worker's
+    # parent saw the pool process exit: ``sweeps._death_signal``).
+    entry = store.get_entry(c.key)
+    assert entry.dead_by == NODE and entry.dead_reason == "pool process lost"
+    assert entry.dead_fence == c.fence
 
 
 def test_mark_dead_does_not_age_a_short_lease_by_the_global_one(store: LedgerStore) -> None:
