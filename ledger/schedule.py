@@ -230,14 +230,7 @@ class ScheduleQueries(StoreCore):
         if not rows:
             return None
         row = rows[0]
-        won = Resuming(
-            row.task_name,
-            row.task_id,
-            row.fence,
-            row.snapshot,
-            int(row.completed_steps),
-            row.deadline_at,
-        )
+        won = Resuming.from_row(row)
         return won, row.deadline_at
 
     # -- cancellation ---------------------------------------------------------------------

@@ -160,19 +160,7 @@ class SweepQueries(StoreCore):
         )
         stmt = sql.with_event(self.dialect, upd)
         rows = self._write_with_event(conn, stmt, {}, Note("interrupted", actor, why))
-        return [
-            Interrupted(
-                r.key,
-                r.task_name,
-                r.task_id,
-                r.fence,
-                r.interruptions,
-                bool(r.has_snapshot),
-                executions=r.executions,
-                created_at=r.created_at,
-            )
-            for r in rows
-        ]
+        return [Interrupted.from_row(r) for r in rows]
 
     def list_interrupted(self, *, limit: int = 500, resumable: bool = False) -> list[Interrupted]:
         """Interrupted entries, oldest first (read-only).
@@ -200,19 +188,7 @@ class SweepQueries(StoreCore):
             query = query.where(entries.c.snapshot.is_not(None))
         with self._read() as conn:
             rows = conn.execute(query).all()
-        return [
-            Interrupted(
-                r.key,
-                r.task_name,
-                r.task_id,
-                r.fence,
-                r.interruptions,
-                bool(r.has_snapshot),
-                executions=r.executions,
-                created_at=r.created_at,
-            )
-            for r in rows
-        ]
+        return [Interrupted.from_row(r) for r in rows]
 
     def count_unresumable(self, *, limit: int = 500) -> int:
         """How many interrupted entries have no argument snapshot, counting up to ``limit``
@@ -269,14 +245,7 @@ class SweepQueries(StoreCore):
         if not rows:
             return None
         row = rows[0]
-        return Resuming(
-            row.task_name,
-            row.task_id,
-            row.fence,
-            row.snapshot,
-            int(row.completed_steps),
-            row.deadline_at,
-        )
+        return Resuming.from_row(row)
 
     def snapshots_at(self, keys: Sequence[str]) -> dict[str, tuple[int, EntryStatus, str | None]]:
         """The fence, status and stored argument snapshot of each of ``keys`` that exists, in
@@ -370,17 +339,7 @@ class SweepQueries(StoreCore):
         with self._txn() as conn:
             stmt = sql.with_event(self.dialect, upd)
             rows = self._write_with_event(conn, stmt, {}, Note(event, actor, detail))
-        return {
-            row.key: Resuming(
-                row.task_name,
-                row.task_id,
-                row.fence,
-                row.snapshot,
-                int(row.completed_steps),
-                row.deadline_at,
-            )
-            for row in rows
-        }
+        return {row.key: Resuming.from_row(row) for row in rows}
 
     def list_overdue_retries(self, *, limit: int = 500) -> list[Overdue]:
         """``retrying`` entries whose due time passed on the database clock, with an argument
@@ -445,14 +404,7 @@ class SweepQueries(StoreCore):
         if not rows:
             return None
         row = rows[0]
-        return Resuming(
-            row.task_name,
-            row.task_id,
-            row.fence,
-            row.snapshot,
-            int(row.completed_steps),
-            row.deadline_at,
-        )
+        return Resuming.from_row(row)
 
     def block(
         self,

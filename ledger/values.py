@@ -206,6 +206,21 @@ class Interrupted:
     #: When the entry was created (database clock): how long it has waited.
     created_at: float | None = None
 
+    @classmethod
+    def from_row(cls, r: Any) -> Interrupted:
+        """From a row with the entry's key, task name and id, fence, interruptions,
+        ``has_snapshot``, executions and creation time (the sweep's reads and writes)."""
+        return cls(
+            r.key,
+            r.task_name,
+            r.task_id,
+            r.fence,
+            r.interruptions,
+            bool(r.has_snapshot),
+            executions=r.executions,
+            created_at=r.created_at,
+        )
+
 
 @dataclass(frozen=True)
 class Resuming:
@@ -221,6 +236,19 @@ class Resuming:
     completed_steps: int
     #: The entry's deadline (database clock), sent along with the envelope.
     deadline_at: float | None = None
+
+    @classmethod
+    def from_row(cls, row: Any) -> Resuming:
+        """From a row returning the task name and id, fence, snapshot, ``completed_steps``
+        and deadline (every compare-and-set that hands an entry to one re-sender)."""
+        return cls(
+            row.task_name,
+            row.task_id,
+            row.fence,
+            row.snapshot,
+            int(row.completed_steps),
+            row.deadline_at,
+        )
 
 
 @dataclass(frozen=True)
