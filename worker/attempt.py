@@ -102,6 +102,8 @@ class AttemptTask(Protocol):
     name: str
     side_effect: str
     app: Any
+    #: ``keyed`` tasks: how long the provider keeps an idempotency key (None: no window).
+    provider_key_ttl: float | None
 
 
 class EmitEvent(Protocol):

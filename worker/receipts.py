@@ -157,9 +157,11 @@ class Receipts:
             found: list[tuple[str, Recorder]] = []
             for key in keys:
                 held = self._held.get(key)
-                if held is None or held[3] is None:
+                if held is None:
                     continue
                 app, lease, at, record = held
+                if record is None:
+                    continue
                 found.append((key, record))
                 self._held[key] = (app, lease, at, None)
         recorded = []
