@@ -186,6 +186,8 @@ class ProtocolModel(RuleBasedStateMachine):
         self.deliveries = 0
 
     def teardown(self) -> None:
+        RUNS["examples"] += 1
+        RUNS["deliveries"] += self.deliveries
         self.store.dispose()
 
     # -- reading the store ------------------------------------------------------------------
@@ -550,10 +552,15 @@ class ProtocolModel(RuleBasedStateMachine):
 
 # Passing, a backend takes well under a minute; failing, Hypothesis shrinks the counterexample
 # for up to five minutes before it reports it: the timeout leaves it the time to.
+#: What the runs of this process did, printed after each (``pytest -s``: a long run's record).
+RUNS: Counter[str] = Counter()
+
+
 @pytest.mark.timeout(TIMEOUT)
 def test_protocol_model(ledger_url: str) -> None:
     """Random interleavings of the protocol keep every invariant (see the module docstring)."""
     machine = type("ProtocolModelRun", (ProtocolModel,), {"url": ledger_url})
+    RUNS.clear()
     run_state_machine_as_test(
         machine,
         settings=settings(
@@ -565,4 +572,8 @@ def test_protocol_model(ledger_url: str) -> None:
             phases=[Phase.explicit, Phase.generate, Phase.shrink],
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         ),
+    )
+    print(
+        f"protocol model on {ledger_url.split(':')[0]}: {RUNS['examples']} examples, "
+        f"{RUNS['deliveries']} deliveries, 0 counterexamples"
     )
