@@ -349,7 +349,9 @@ class LedgerTask(Task):
                 extra = bound.get(p.name) or {}
         material: dict[str, Any] = {}
         missing: list[str] = []
-        for name in self.key_from or ():
+        names = self.key_from
+        assert names is not None and not callable(names)
+        for name in names:
             param = params.get(name)
             if param is not None and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
                 if name in bound or param.default is not param.empty:
