@@ -7,6 +7,7 @@ The tree::
     ├── SchemaError
     │   └── SchemaTooNew         the database was migrated by newer code
     ├── IdentityError            key material or arguments are not canonical JSON
+    │   └── MissingKeyArgument   a call does not give an argument its business key names
     ├── PayloadError
     │   ├── PayloadNotSerializable
     │   └── PayloadTooLarge
@@ -60,6 +61,11 @@ class SchemaTooNew(SchemaError):
 
 class IdentityError(LedgerError, ValueError):
     """Raised when key material or arguments cannot be turned into canonical JSON."""
+
+
+class MissingKeyArgument(IdentityError):
+    """Raised when a call does not give an argument its business key is made of: without it,
+    every such call would share one key (issue 30). Nothing ran and nothing was recorded."""
 
 
 class PayloadError(LedgerError):

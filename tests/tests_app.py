@@ -11,6 +11,7 @@ import signal
 import time
 from typing import Any
 
+from celery.exceptions import Reject
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, func, insert, select
 from sqlalchemy.exc import DBAPIError
 
@@ -390,3 +391,25 @@ def _key_or_raise(tag: str, fail: bool = False) -> str:
 )
 def keyed_by_code(self: LedgerTask, tag: str, fail: bool = False) -> str:
     return self.step("effect", effect, tag, "keyed")
+
+
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.reject_once")
+def reject_once(self: LedgerTask, tag: str, requeue: bool = True) -> str:
+    """Issue 30 item 20: ``Reject`` on the first run of the body, return on the second."""
+    effect(tag, "body")
+    with effects_engine().connect() as conn:
+        runs = conn.execute(
+            select(func.count()).select_from(effects).where(effects.c.tag == tag)
+        ).scalar_one()
+    if runs == 1:
+        raise Reject(f"first delivery of {tag}", requeue=requeue)
+    return f"done:{tag}"
+
+
+@app.task(
+    shared=False, base=LedgerTask, bind=True, name="tests_app.kw_order", key_from=("order_id",)
+)
+def kw_order(self: LedgerTask, tag: str, **kwargs: Any) -> dict[str, Any]:
+    """Issue 30 item 12: ``key_from`` names an argument only ``**kwargs`` can bring."""
+    effect(tag, "body")
+    return {"tag": tag, **kwargs}

@@ -25,7 +25,7 @@ from datetime import datetime
 from typing import Any
 
 from celery import Task
-from celery.exceptions import Ignore, Retry
+from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 from celery.utils.time import maybe_make_aware
 
@@ -45,6 +45,7 @@ from celery_ledger.ledger import (
     LedgerBlocked,
     LedgerStore,
     LedgerUnavailable,
+    MissingKeyArgument,
     PayloadError,
     SideEffect,
     entry_key,
@@ -324,9 +325,58 @@ class LedgerTask(Task):
         elif callable(self.key_from):
             material = self.key_from(*args, **kwargs)
         else:
-            bound = self._signature().bind_partial(*args, **kwargs).arguments
-            material = {n: bound.get(n) for n in (self.key_from or ())}
+            material = self._named_key_material(args, kwargs)
         return entry_key(self.name, material)
+
+    def _named_key_material(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        """The key material of a ``key_from`` tuple: each named argument's value, found among
+        the parameters the call binds or in its ``**kwargs``.
+
+        A name the call does not give is an error, not ``None`` (issue 30): with ``None``
+        every call lacking it shared one business key, so the second got ``KeyConflict`` and
+        the third the first's result. A named parameter with a default that the call leaves
+        out keeps the material ``None`` it always had (entries already keyed so keep their key).
+
+        Raises:
+            MissingKeyArgument: the call gives no value for a name in ``key_from``.
+        """
+        sig = self._signature()
+        bound = sig.bind_partial(*args, **kwargs).arguments
+        params = sig.parameters
+        extra: Mapping[str, Any] = {}
+        for p in params.values():
+            if p.kind is p.VAR_KEYWORD:
+                extra = bound.get(p.name) or {}
+        material: dict[str, Any] = {}
+        missing: list[str] = []
+        names = self.key_from
+        assert names is not None and not callable(names)
+        for name in names:
+            param = params.get(name)
+            if param is not None and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                if name in bound or param.default is not param.empty:
+                    material[name] = bound.get(name)
+                    continue
+            elif name in extra:
+                material[name] = extra[name]
+                continue
+            missing.append(name)
+        if missing:
+            given = sorted(set(kwargs)) or "none"
+            raise MissingKeyArgument(
+                f"{self.name}: key_from names {', '.join(map(repr, missing))} but this call "
+                f"does not give {'it' if len(missing) == 1 else 'them'} (keyword arguments "
+                f"given: {given}, positional: {len(args)}); no business key can be made, "
+                "so nothing ran and nothing was recorded"
+            )
+        return material
+
+    def _check_key_arguments(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any], header_key: Any = None
+    ) -> None:
+        """Raise ``MissingKeyArgument`` if this call lacks an argument ``key_from`` names."""
+        if header_key is None and self.key_from is not None and not callable(self.key_from):
+            self._named_key_material(args, kwargs)
 
     def keyed_by_task_id(self, header_key: Any = None) -> bool:
         """Whether a delivery's entry is keyed by its task id (no business key)."""
@@ -357,6 +407,8 @@ class LedgerTask(Task):
         Raises:
             PayloadTooLarge: the arguments nest deeper than a worker can decode; nothing was
                 published or recorded.
+            MissingKeyArgument: (intents on, or a held countdown) the call lacks an argument
+                ``key_from`` names; nothing was published or recorded.
             KeyConflict: (intents on) a fresh publish whose key is recorded with other
                 arguments; nothing was published.
             Exception: whatever the publish raised; the intent this call recorded is
@@ -365,6 +417,11 @@ class LedgerTask(Task):
         headers = options.get("headers") or {}
         check_depth([args or (), kwargs or {}], what=f"arguments of {self.name}")
         due = timing.hold_due(self, options, linked=bool(link or link_error))
+        if due is not None or intents.wanted(self, headers):
+            # The ledger records this publish: a call its business key cannot be made for
+            # (it would fail at the worker) is refused before anything is recorded or
+            # published (issue 30).
+            self._check_key_arguments(args or (), kwargs or {}, headers.get("ledger_key"))
         if due is not None:  # issue 18: a long countdown is held by the ledger, not the broker
             held_id = task_id or uuid()
             if timing.hold(self, tuple(args or ()), dict(kwargs or {}), held_id, options, due):
@@ -546,6 +603,9 @@ class LedgerTask(Task):
                 status = EntryStatus.RETRYING if held is None else EntryStatus.SCHEDULED
                 attempt.settle(status, **due)
                 raise
+            except Reject as exc:
+                self._settle_reject(attempt, exc, settings)
+                raise
             except Fenced as exc:
                 try:  # a start refused by a cancellation or a deadline settles it (issue 18)
                     timing.explain_refusal(self, attempt, store)
@@ -669,6 +729,35 @@ class LedgerTask(Task):
                 runtime.store_for(self.app), self.app, attempt.key, attempt.fence, links.children
             )
 
+    def _settle_reject(self, attempt: Attempt, exc: Reject, settings: LedgerSettings) -> None:
+        """Settle an attempt whose body raised Celery's ``Reject`` (issue 30).
+
+        A ``Reject`` is not the task's failure: it tells the broker what to do with the
+        message, and the ledger follows it.
+
+        ``requeue=True``: the message goes back to the queue and the body is to run again
+        when it is redelivered. Settling ``failed`` stored the ``Reject`` as the result:
+        every redelivery RETURNed it and raised it again, requeueing forever while the body
+        never ran a second time. The attempt ended cleanly, as a ``self.retry()`` does, so it
+        settles ``retrying``: the requeued message's claim RUNs the body with completed steps
+        replaying, and should that message be lost, the sweep re-sends it once due (after
+        ``ledger_retry_grace_seconds``). A body that rejects every time requeues every time,
+        as under plain Celery; the ledger adds no loop of its own.
+
+        ``requeue=False``: the broker drops (or dead-letters) the message; nothing will run
+        it again. The entry ends ``failed`` with a reason saying so, so that the sweep never
+        re-sends it and a stray duplicate RETURNs it (raising a ``Reject`` that drops it).
+        Celery calls no ``link_error`` for a rejected task, so none are recorded.
+        """
+        if exc.requeue:
+            attempt.settle(EntryStatus.RETRYING, due_in=settings.retry_grace_seconds)
+            return
+        attempt.settle(
+            EntryStatus.FAILED,
+            error=self._dump_exc(exc, settings),
+            reason=f"rejected (requeue=False), message dropped: {exc.reason!r}"[:500],
+        )
+
     def _dump_exc(self, exc: BaseException, settings: LedgerSettings) -> str:
         limit = settings.max_exception_bytes
         try:
@@ -696,6 +785,10 @@ class LedgerTask(Task):
             exc = self.backend.exception_to_python(data)
         except Exception:  # noqa: BLE001
             exc = None
+        if isinstance(exc, Reject) and exc.requeue:
+            # Settled before issue 30 stored a requeueing Reject: raising it again requeued
+            # the message forever. The entry is settled; the message has nothing left to do.
+            return Reject(exc.reason, requeue=False)
         if isinstance(exc, Exception):
             return exc
         # Never raise a stored SystemExit/KeyboardInterrupt again (older versions stored
