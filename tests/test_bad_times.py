@@ -157,6 +157,10 @@ def _held_forever(url: str, due_at: float) -> str:
     return "k-forever"
 
 
+def _refuse_constant(name: str) -> Any:
+    raise AssertionError(f"not strict JSON: {name}")
+
+
 @pytest.mark.parametrize("due_at", [INF, 1e300], ids=["inf", "huge"])
 def test_list_and_show_render_a_stored_infinite_due_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, due_at: float
@@ -172,8 +176,8 @@ def test_list_and_show_render_a_stored_infinite_due_time(
         assert result.exception is None, f"{args}: raised {result.exception!r}"
         assert result.exit_code == 0, (args, result.output)
         assert key in result.stdout
-        if "--json" in args:
-            json.loads(result.stdout)
+        if "--json" in args:  # strict JSON: no Infinity/NaN that other parsers refuse
+            json.loads(result.stdout, parse_constant=_refuse_constant)
 
 
 @pytest.mark.parametrize("since", ["nan", "inf", "nanm"])
