@@ -108,6 +108,11 @@ class LedgerTask(Task):
                 f"task {cls.name}: side_effect={cls.side_effect!r} is not one of "
                 f"{[s.value for s in SideEffect]}"
             ) from None
+        if cls.deadline is not None:
+            try:
+                envelope.relative_seconds(cls.deadline, "deadline")
+            except ValueError as exc:
+                raise ValueError(f"task {cls.name}: {exc}") from None
         if cls.key_from is None or callable(cls.key_from):
             return
         if isinstance(cls.key_from, str):
@@ -355,6 +360,8 @@ class LedgerTask(Task):
         (``celery_ledger.intents``). An unreachable ledger never stops the publish.
 
         Raises:
+            ValueError: a ``countdown``, ``eta``, ``expires`` or ``ledger_deadline`` header
+                that is no finite time; nothing was published or recorded.
             PayloadTooLarge: the arguments nest deeper than a worker can decode; nothing was
                 published or recorded.
             KeyConflict: (intents on) a fresh publish whose key is recorded with other
@@ -363,6 +370,7 @@ class LedgerTask(Task):
                 withdrawn first, so the sweep never sends what the caller saw fail.
         """
         headers = options.get("headers") or {}
+        envelope.check_times(options)
         check_depth([args or (), kwargs or {}], what=f"arguments of {self.name}")
         due = timing.hold_due(self, options, linked=bool(link or link_error))
         if due is not None:  # issue 18: a long countdown is held by the ledger, not the broker
