@@ -346,7 +346,7 @@ def deadline_of(options: Mapping[str, Any]) -> tuple[float | None, float | None]
     return (min(found) if found else None), relative
 
 
-def absolute_deadline(expires: Any, header: Any) -> float | None:
+def absolute_deadline(expires: Any, header: Any, *, task_id: str | None = None) -> float | None:
     """The earliest of a delivery's ``expires`` (as Celery hands it to the worker: a datetime
     or ISO text; a number counts from now) and its ``ledger_deadline`` header."""
     found: list[float] = []
@@ -354,13 +354,13 @@ def absolute_deadline(expires: Any, header: Any) -> float | None:
         found.append(time.time() + float(expires))
     elif isinstance(expires, (str, datetime)):
         found.append(_timestamp(expires))
-    header_deadline = _header_deadline(header)
+    header_deadline = _header_deadline(header, task_id)
     if header_deadline is not None:
         found.append(header_deadline)
     return min(found) if found else None
 
 
-def _header_deadline(raw: Any) -> float | None:
+def _header_deadline(raw: Any, task_id: str | None = None) -> float | None:
     """A ``ledger_deadline`` header as seconds since the epoch; None when absent, or when it
     is no finite time (a producer that bypassed ``check_times``): that header is ignored with
     a warning, and the delivery runs without that deadline (its ``expires`` still counts)."""
@@ -369,7 +369,7 @@ def _header_deadline(raw: Any) -> float | None:
     try:
         return absolute_time(raw, DEADLINE)
     except ValueError as exc:
-        log.warning("%s; the header is ignored: no deadline from it", exc)
+        log.warning("task_id=%s: %s; the header is ignored: no deadline from it", task_id, exc)
         return None
 
 
