@@ -924,3 +924,35 @@ class TestOverrideAuthorizer(ActionCase):
         )
         assert plain.code == 302
         assert self.store.get_entry(key).dead_at is not None
+
+
+FOREVER = "f" * 64
+
+
+class TestHostileTimes(PageCase):
+    """Issue 30, items 4 and 13: a stored infinite due time renders; ``?age=nan`` is refused."""
+
+    def test_the_pages_render_an_entry_held_forever(self) -> None:
+        assert self.store.schedule(
+            ClaimRequest(
+                key=FOREVER,
+                task_name="shop.pay",
+                task_id="t-forever",
+                args_hash="task-id",
+                snapshot='{"args":["o-1",5,"4242"],"kwargs":{}}',
+                side_effect="non_idempotent",
+                owner=Owner("w@h", "b", 1),
+                lease_seconds=60.0,
+            ),
+            due_at=float("inf"),
+            deadline_at=float("inf"),
+        )
+        html = self.page(f"/ledger/entry/{FOREVER}")
+        assert FOREVER in html and "never" in html
+        self.page("/ledger")
+        self.page("/ledger/stuck")
+
+    def test_a_stuck_age_that_is_no_finite_number_is_refused(self) -> None:
+        for raw in ("nan", "inf"):
+            bad = self.page(f"/ledger/stuck?age={raw}")
+            assert "give seconds or a duration" in bad, raw

@@ -745,3 +745,25 @@ def test_a_revoke_from_an_app_without_the_ledger_is_recorded_by_the_worker(tmp_p
     assert effects_of(url, "rv") == {"s0": 1}
     assert store.get_entry(key).cancel_by.startswith("revoke@")
     store.dispose()
+
+
+def test_a_malformed_deadline_header_runs_the_task_without_that_deadline(tmp_path, redis, pg_url):
+    """Issue 30, items 13 and 14: a ``ledger_deadline`` header that is no finite time (from a
+    producer that bypassed ``apply_async``'s check) is ignored by the worker with a warning:
+    the task runs once, as if it had no such header; the claim never fails on it."""
+    env = time_env(tmp_path, redis, pg_url)
+    app = client_app(env)
+    store = LedgerStore(pg_url)
+    with processes(tmp_path, env) as procs:
+        procs.worker("w1", concurrency=1, extra=TIME_TASKS)
+        sent = {
+            tag: app.send_task("time_app.once", args=(tag,), headers={"ledger_deadline": raw})
+            for tag, raw in (("hdr-abc", "abc"), ("hdr-nan", float("nan")), ("hdr-list", [1]))
+        }
+        for result in sent.values():
+            result.get(timeout=60)
+    for tag, result in sent.items():
+        entry = store.get_entry(key_of("time_app.once", result.id))
+        assert entry.status is EntryStatus.COMPLETED, (tag, entry.status)
+        assert effects_of(pg_url, tag) == {"run": 1}, tag
+    store.dispose()

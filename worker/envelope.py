@@ -21,9 +21,10 @@ store keeps the earliest in the entry's own column (``ledger.admission``).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from celery.utils.time import maybe_make_aware
@@ -247,6 +248,83 @@ def _without_canvas(envelope: Envelope) -> Envelope:
     )
 
 
+# -- times a producer gives ----------------------------------------------------------------------
+
+
+def _in_range(ts: float) -> bool:
+    """Whether ``ts`` (seconds since the epoch) is a time Celery and the views can show."""
+    try:
+        datetime.fromtimestamp(ts, timezone.utc)
+    except (OverflowError, ValueError, OSError):
+        return False
+    return True
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{what}={value!r} is not a finite number of seconds")
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}={value!r} is not a finite number of seconds") from None
+    if not math.isfinite(seconds):
+        raise ValueError(f"{what}={value!r} is not a finite number of seconds")
+    return seconds
+
+
+def relative_seconds(value: Any, what: str) -> float:
+    """``value`` as seconds from now (``countdown``, a numeric ``expires``).
+
+    Raises:
+        ValueError: not a finite number, or now plus it is past what a date can hold.
+    """
+    seconds = _number(value, what)
+    if not _in_range(time.time() + seconds):
+        raise ValueError(f"{what}={value!r} is out of range: not a finite number of seconds")
+    return seconds
+
+
+def absolute_time(value: Any, what: str) -> float:
+    """``value`` as seconds since the epoch (the ``ledger_deadline`` header).
+
+    Raises:
+        ValueError: not a finite number, or past what a date can hold.
+    """
+    ts = _number(value, what)
+    if not _in_range(ts):
+        raise ValueError(f"{what}={value!r} is out of range: not a finite time in seconds")
+    return ts
+
+
+def check_times(options: Mapping[str, Any]) -> None:
+    """Refuse the times of an ``apply_async`` that are no finite time (``countdown``,
+    ``eta``, ``expires``, the ``ledger_deadline`` header): before anything is recorded or
+    published, as Celery refuses them only once the message is being built, in its own words.
+
+    Raises:
+        ValueError: in the ledger's words, naming the option.
+    """
+    countdown = options.get("countdown")
+    if countdown is not None:
+        relative_seconds(countdown, "countdown")
+    for name in ("eta", "expires"):
+        value = options.get(name)
+        if value is None or isinstance(value, datetime):
+            continue
+        if isinstance(value, str):
+            try:
+                datetime.fromisoformat(value)
+            except ValueError:
+                raise ValueError(
+                    f"{name}={value!r} is not a finite time (an ISO 8601 date and time)"
+                ) from None
+        elif name == "expires":
+            relative_seconds(value, name)
+    raw = (options.get("headers") or {}).get(DEADLINE)
+    if raw is not None:
+        absolute_time(raw, DEADLINE)
+
+
 # -- deadlines ---------------------------------------------------------------------------------
 
 
@@ -262,13 +340,13 @@ def deadline_of(options: Mapping[str, Any]) -> tuple[float | None, float | None]
         relative = float(expires)
     elif isinstance(expires, (str, datetime)):
         found.append(_timestamp(expires))
-    raw = (options.get("headers") or {}).get(DEADLINE)
-    if raw is not None:
-        found.append(float(raw))
+    header_deadline = _header_deadline((options.get("headers") or {}).get(DEADLINE))
+    if header_deadline is not None:
+        found.append(header_deadline)
     return (min(found) if found else None), relative
 
 
-def absolute_deadline(expires: Any, header: Any) -> float | None:
+def absolute_deadline(expires: Any, header: Any, *, task_id: str | None = None) -> float | None:
     """The earliest of a delivery's ``expires`` (as Celery hands it to the worker: a datetime
     or ISO text; a number counts from now) and its ``ledger_deadline`` header."""
     found: list[float] = []
@@ -276,9 +354,23 @@ def absolute_deadline(expires: Any, header: Any) -> float | None:
         found.append(time.time() + float(expires))
     elif isinstance(expires, (str, datetime)):
         found.append(_timestamp(expires))
-    if header is not None:
-        found.append(float(header))
+    header_deadline = _header_deadline(header, task_id)
+    if header_deadline is not None:
+        found.append(header_deadline)
     return min(found) if found else None
+
+
+def _header_deadline(raw: Any, task_id: str | None = None) -> float | None:
+    """A ``ledger_deadline`` header as seconds since the epoch; None when absent, or when it
+    is no finite time (a producer that bypassed ``check_times``): that header is ignored with
+    a warning, and the delivery runs without that deadline (its ``expires`` still counts)."""
+    if raw is None:
+        return None
+    try:
+        return absolute_time(raw, DEADLINE)
+    except ValueError as exc:
+        log.warning("task_id=%s: %s; the header is ignored: no deadline from it", task_id, exc)
+        return None
 
 
 def _timestamp(value: str | datetime) -> float:

@@ -109,6 +109,11 @@ class LedgerTask(Task):
                 f"task {cls.name}: side_effect={cls.side_effect!r} is not one of "
                 f"{[s.value for s in SideEffect]}"
             ) from None
+        if cls.deadline is not None:
+            try:
+                envelope.relative_seconds(cls.deadline, "deadline")
+            except ValueError as exc:
+                raise ValueError(f"task {cls.name}: {exc}") from None
         if cls.key_from is None or callable(cls.key_from):
             return
         if isinstance(cls.key_from, str):
@@ -405,6 +410,8 @@ class LedgerTask(Task):
         (``celery_ledger.intents``). An unreachable ledger never stops the publish.
 
         Raises:
+            ValueError: a ``countdown``, ``eta``, ``expires`` or ``ledger_deadline`` header
+                that is no finite time; nothing was published or recorded.
             PayloadTooLarge: the arguments nest deeper than a worker can decode; nothing was
                 published or recorded.
             MissingKeyArgument: (intents on, or a held countdown) the call lacks an argument
@@ -415,6 +422,7 @@ class LedgerTask(Task):
                 withdrawn first, so the sweep never sends what the caller saw fail.
         """
         headers = options.get("headers") or {}
+        envelope.check_times(options)
         check_depth([args or (), kwargs or {}], what=f"arguments of {self.name}")
         due = timing.hold_due(self, options, linked=bool(link or link_error))
         if due is not None or intents.wanted(self, headers):

@@ -225,7 +225,7 @@ def delivery_deadline(req: Any) -> float | None:
     """The absolute deadline a delivery carries (its ``expires``, its ``ledger_deadline``
     header), for its claim: the admission gate stores the earliest it knows and refuses the
     delivery once it passed on the database clock (``ledger.admission``)."""
-    return envelope.absolute_deadline(req.expires, header(req, "ledger_deadline"))
+    return envelope.absolute_deadline(req.expires, header(req, "ledger_deadline"), task_id=req.id)
 
 
 # -- cancellation and refused starts -----------------------------------------------------------

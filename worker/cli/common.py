@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import getpass
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -245,7 +246,19 @@ def echo(ctx: click.Context, text: str = "", *, err: bool = False) -> None:
 
 
 def emit_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+    """Strict JSON: a stored time that is no finite number (an infinite ``due_at``) is
+    printed as its text ("inf", "nan"), never as ``Infinity``, which JSON parsers refuse."""
+    click.echo(json.dumps(_finite(data), indent=2, sort_keys=True, default=str, allow_nan=False))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def print_table(
@@ -274,8 +287,13 @@ def print_table(
 
 
 def duration(seconds: float | None) -> str:
+    """``seconds`` in words; any stored value renders (an infinite one is "never")."""
     if seconds is None:
         return "-"
+    if math.isnan(seconds):
+        return "nan"
+    if seconds > _LONGEST:
+        return "never"
     s = int(max(seconds, 0))
     if s < 60:
         return f"{s}s"
@@ -286,10 +304,19 @@ def duration(seconds: float | None) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
+#: Longer than any date: a duration past it is shown as "never".
+_LONGEST = 10_000 * 366 * 86400
+
+
 def timestamp(ts: float | None) -> str:
+    """``ts`` as UTC; any stored value renders: one past what a date holds is "never" (its
+    raw number when it is not infinite), never an ``OverflowError``."""
     if ts is None:
         return "-"
-    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+    try:
+        return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+    except (OverflowError, ValueError, OSError):
+        return "never" if ts == math.inf else repr(ts)
 
 
 def parse_since(text: str) -> float:
@@ -301,6 +328,10 @@ def parse_since(text: str) -> float:
         raise click.ClickException(
             f"--since {text!r}: give seconds or a duration like 30s, 10m, 2h, 1d"
         ) from None
+    if not math.isfinite(value):
+        raise click.ClickException(
+            f"--since {text!r} is not a finite time: give seconds or a duration like 30s, 10m"
+        )
     if value < 0:
         raise click.ClickException(f"--since {text!r} must not be negative")
     return value
