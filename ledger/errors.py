@@ -7,7 +7,8 @@ The tree::
     ├── SchemaError
     │   └── SchemaTooNew         the database was migrated by newer code
     ├── IdentityError            key material or arguments are not canonical JSON
-    │   └── MissingKeyArgument   a call does not give an argument its business key names
+    │   ├── MissingKeyArgument   a call does not give an argument its business key names
+    │   └── MalformedArguments   a delivery's arguments cannot be keyed or stored
     ├── PayloadError
     │   ├── PayloadNotSerializable
     │   └── PayloadTooLarge
@@ -66,6 +67,13 @@ class IdentityError(LedgerError, ValueError):
 class MissingKeyArgument(IdentityError):
     """Raised when a call does not give an argument its business key is made of: without it,
     every such call would share one key (issue 30). Nothing ran and nothing was recorded."""
+
+
+class MalformedArguments(IdentityError):
+    """Raised at a worker when a delivery's arguments cannot be keyed or stored: they do not
+    fit the task's signature, its ``key_from`` raised on them, or they hold what JSON cannot
+    keep (a lone surrogate). Nothing ran; the delivery's entry, keyed by its task id, ends
+    ``failed`` with this reason, so that ``list`` and ``show`` find it (issue 30)."""
 
 
 class PayloadError(LedgerError):

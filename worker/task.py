@@ -41,10 +41,13 @@ from celery_ledger.ledger import (
     EntryStatus,
     Fenced,
     Gate,
+    IdentityError,
     KeyConflict,
     LedgerBlocked,
+    LedgerError,
     LedgerStore,
     LedgerUnavailable,
+    MalformedArguments,
     MissingKeyArgument,
     PayloadError,
     SideEffect,
@@ -497,8 +500,11 @@ class LedgerTask(Task):
         settings = runtime.settings_for(self.app)
         store = runtime.store_for(self.app)
         header_key = header(req, "ledger_key")
-        key, args_hash = self.ledger_key(args, kwargs, req.id, header_key)
         lease = float(self.lease_seconds or settings.lease_seconds)
+        try:
+            key, args_hash = self.ledger_key(args, kwargs, req.id, header_key)
+        except Exception as exc:  # noqa: BLE001 - key_from is user code, the arguments the sender's
+            raise self._refuse(store, exc, settings, lease) from None
         # A fresh publish (no retry count, not the ledger's own re-send) must bring the
         # arguments its task id was first claimed with; a retry may change them.
         fresh = not req.retries and not header(req, "ledger_redelivery")
@@ -564,11 +570,62 @@ class LedgerTask(Task):
             )
         if claim.gate is Gate.CONFLICT:
             what = "task id" if self.keyed_by_task_id(header_key) else f"business key {key}"
-            raise KeyConflict(
-                f"{self.name}[{req.id}]: {what} was first claimed with different "
-                "arguments; the body did not run (use a different key, or the same arguments)"
+            raise self._refuse(
+                store,
+                KeyConflict(
+                    f"{self.name}[{req.id}]: {what} was first claimed with different "
+                    "arguments; the body did not run (use a different key, or the same arguments)"
+                ),
+                settings,
+                lease,
             )
         return self._run_attempt(claim, store, settings, lease, args, kwargs)
+
+    def _refuse(
+        self, store: LedgerStore, exc: Exception, settings: LedgerSettings, lease: float
+    ) -> BaseException:
+        """End a delivery whose arguments cannot be keyed or stored, or that conflicts with
+        its key's first claim, and return its error.
+
+        Nothing runs. Its entry, keyed by the task id (under material no business key can
+        have), settles ``failed`` with the refusal as its reason, so that ``list`` and
+        ``show`` find what a careless sender sent (issue 30); a redelivery of the same
+        message RETURNs that failure. Should the ledger be unreachable, the refusal is
+        raised all the same: there is nothing to run later.
+        """
+        req = self.request
+        refusal: LedgerError = (
+            exc
+            if isinstance(exc, (IdentityError, KeyConflict))
+            else MalformedArguments(refusal_words(self, exc))
+        )
+        key = entry_key(self.name, {"refused_task_id": str(req.id)})
+        try:
+            claim = store.claim(
+                ClaimRequest(
+                    key=key,
+                    task_name=self.name,
+                    task_id=str(req.id),
+                    args_hash=REFUSED_ARGUMENTS,
+                    snapshot=None,
+                    side_effect=self.side_effect,
+                    owner=runtime.owner_for(req.hostname, per_process=bool(req.is_eager)),
+                    lease_seconds=lease,
+                )
+            )
+            if claim.gate is Gate.RUN:
+                store.settle(
+                    key,
+                    claim.fence,
+                    EntryStatus.FAILED,
+                    error=self._dump_exc(refusal, settings),
+                    reason=one_line(str(refusal), 500),
+                    actor=req.hostname,
+                )
+        except LedgerUnavailable as err:
+            log.warning("refused task_id=%s not recorded in the ledger: %s", req.id, err)
+        log.warning("refused task_id=%s: %s", req.id, one_line(str(refusal), 500))
+        return refusal
 
     def _run_attempt(
         self,
@@ -884,6 +941,30 @@ _GATE_EVENT = {
     Gate.CONFLICT: "conflict",
     Gate.HOLD: "held",
 }
+
+
+#: The ``args_hash`` of a refused delivery's entry: no arguments hash to it.
+REFUSED_ARGUMENTS = "refused"
+
+
+def one_line(text: str, limit: int) -> str:
+    """``text`` on one line, at most ``limit`` characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def refusal_words(task: LedgerTask, exc: Exception) -> str:
+    """Why a delivery's arguments could not be keyed or stored, in the ledger's words; never
+    the arguments themselves (a secret may be among them)."""
+    if isinstance(exc, UnicodeError):
+        what = "a string in them is not valid Unicode (a lone surrogate): no store keeps it"
+    elif isinstance(exc, TypeError) and not callable(task.key_from):
+        what = f"they do not fit its signature {task._signature()}: {one_line(str(exc), 200)}"
+    elif callable(task.key_from):
+        what = f"its key_from raised {type(exc).__name__}: {one_line(str(exc), 200)}"
+    else:
+        what = f"{type(exc).__name__}: {one_line(str(exc), 200)}"
+    return f"{task.name}: the delivery's arguments cannot be keyed or stored ({what}); nothing ran"
 
 
 def _value(status: EntryStatus | None) -> str | None:
