@@ -8,7 +8,8 @@ The tree::
     │   └── SchemaTooNew         the database was migrated by newer code
     ├── IdentityError            key material or arguments are not canonical JSON
     │   ├── MissingKeyArgument   a call does not give an argument its business key names
-    │   └── MalformedArguments   a delivery's arguments cannot be keyed or stored
+    │   ├── MalformedArguments   a delivery's arguments cannot be keyed or stored
+    │   └── MalformedMessage     a message's fields are of the wrong kind (args no list ...)
     ├── PayloadError
     │   ├── PayloadNotSerializable
     │   └── PayloadTooLarge
@@ -74,6 +75,12 @@ class MalformedArguments(IdentityError):
     fit the task's signature, its ``key_from`` raised on them, or they hold what JSON cannot
     keep (a lone surrogate). Nothing ran; the delivery's entry, keyed by its task id, ends
     ``failed`` with this reason, so that ``list`` and ``show`` find it (issue 30)."""
+
+
+class MalformedMessage(IdentityError):
+    """Raised in a worker's parent for a message whose fields are of the wrong kind: ``args``
+    no list, ``kwargs`` no mapping, a ``timelimit`` that is no pair of numbers (issue 30).
+    Nothing ran; its entry, keyed by its task id, ends ``failed`` with this reason."""
 
 
 class PayloadError(LedgerError):

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from celery.app.amqp import task_message
+from celery.utils import uuid
 from click.testing import CliRunner
 from test_metrics import free_port
 
@@ -92,6 +94,30 @@ BAD_DEADLINES: list[tuple[str, Any]] = [
     ("past", "PAST"),
 ]
 
+DROP = object()
+#: Malformed message fields: (field, value); ``DROP`` leaves a header out.
+SHAPES: list[tuple[str, Any]] = [
+    ("args", "abc"),
+    ("args", {"order_id": "x"}),
+    ("args", 7),
+    ("kwargs", ["a", 1]),
+    ("kwargs", "text"),
+    ("kwargs", 3.5),
+    ("embed", "no-canvas"),
+    ("embed", {"callbacks": "x", "chain": 5}),
+    ("argsrepr", DROP),
+    ("kwargsrepr", DROP),
+    ("retries", DROP),
+    ("retries", "many"),
+    ("root_id", DROP),
+    ("timelimit", "abc"),
+    ("timelimit", [float("nan"), None]),
+    ("expires", "tomorrow"),
+    ("eta", "not-a-date"),
+    ("group_index", "first"),
+    ("ledger_key", float("nan")),
+]
+
 SIGNATURES = {
     "fuzz_app.charge": ["order_id", "amount", "card", "currency"],
     "fuzz_app.note": ["text", "times"],
@@ -108,6 +134,7 @@ class Message:
     headers: dict[str, Any] = field(default_factory=dict)
     what: list[str] = field(default_factory=list)
     task_id: str = ""
+    shape: tuple[str, Any] | None = None
 
     def __str__(self) -> str:
         return f"message {self.n} ({self.task}: {', '.join(self.what) or 'valid'}, seed {SEED})"
@@ -150,7 +177,41 @@ def make_message(rng: random.Random, n: int) -> Message:
             label, value = rng.choice(BAD_DEADLINES)
             msg.headers["ledger_deadline"] = time.time() - 30 if value == "PAST" else value
             msg.what.append(f"deadline={label}")
+    if rng.random() < 0.15:
+        # the message's own fields (below what ``send_task`` lets through): args no list,
+        # kwargs no mapping, the canvas no mapping, or a header Celery writes left out
+        field_name, value = rng.choice(SHAPES)
+        msg.shape = (field_name, value)
+        msg.what.append(
+            f"{field_name}={type(value).__name__}" if value is not DROP else f"no {field_name}"
+        )
     return msg
+
+
+def send_raw(client: Any, msg: Message, queue: str) -> Any:
+    """Publish ``msg`` as Celery's protocol 2 does, with one of its fields malformed."""
+    task_id = uuid()
+    headers, properties, body, sent = client.amqp.create_task_message(
+        task_id, msg.task, msg.args, msg.kwargs
+    )
+    args, kwargs, embed = body
+    field_name, value = msg.shape
+    if field_name == "args":
+        body = (value, kwargs, embed)
+    elif field_name == "kwargs":
+        body = (args, value, embed)
+    elif field_name == "embed":
+        body = (args, kwargs, value)
+    elif value is DROP:
+        headers.pop(field_name, None)
+    else:
+        headers[field_name] = value
+    headers.update(msg.headers)
+    with client.producer_or_acquire() as producer:
+        client.amqp.send_task_message(
+            producer, msg.task, task_message(headers, properties, body, sent), queue=queue
+        )
+    return client.AsyncResult(task_id)
 
 
 def business_entry(msg: Message) -> str | None:
@@ -203,9 +264,12 @@ def test_two_hundred_malformed_messages_end_in_the_ledger_and_the_worker_lives(
         ).wait_ready(90)
         results = []
         for msg in messages:
-            result = client.send_task(
-                msg.task, args=msg.args, kwargs=msg.kwargs, headers=msg.headers or None
-            )
+            if msg.shape is not None:
+                result = send_raw(client, msg, env["TEST_QUEUE"])
+            else:
+                result = client.send_task(
+                    msg.task, args=msg.args, kwargs=msg.kwargs, headers=msg.headers or None
+                )
             msg.task_id = result.id
             results.append(result)
 
@@ -319,4 +383,42 @@ def test_two_hundred_malformed_messages_end_in_the_ledger_and_the_worker_lives(
             assert "4111111111111111" not in body, f"the card is shown for {msg}"
             status, _ = http_status(f"{base}/ledger/task/{msg.task_id}")
             assert status in (200, 302), f"task page for {msg}: {status}"
+    store.dispose()
+
+
+@pytest.mark.parametrize(
+    ("field_name", "value", "words"),
+    [
+        ("timelimit", "abc", "timelimit header"),
+        ("args", {"order_id": "x"}, "args are a dict"),
+        ("eta", "not-a-date", "invalid ETA"),
+    ],
+)
+def test_a_message_with_a_malformed_field_is_refused_and_the_worker_lives(
+    tmp_path: Path, field_name: str, value: Any, words: str
+) -> None:
+    """A ``timelimit`` header of ``"abc"`` ended the worker's main process (Celery unpacks it in
+    ``execute_using_pool``); every malformed field is refused in the parent instead, with an
+    entry of its own and the failure as the task's result, and the next message runs."""
+    ledger_url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    env = test_env(tmp_path, broker=None, ledger_url=ledger_url)
+    client = client_app(env)
+    store = LedgerStore(ledger_url)
+    group = ProcessGroup(tmp_path, app="fuzz_app", env=env, cwd=TESTS, pythonpath=[TESTS])
+    with group:
+        worker = group.worker(
+            "w1", queue=env["TEST_QUEUE"], node=f"w1-{env['TEST_ID']}@%h", concurrency=1
+        ).wait_ready(90)
+        msg = Message(0, "fuzz_app.note", [], {"text": "hi"}, shape=(field_name, value))
+        result = send_raw(client, msg, env["TEST_QUEUE"])
+        with pytest.raises(Exception, match="malformed") as info:
+            result.get(timeout=60)
+        assert type(info.value).__name__ == "MalformedMessage", repr(info.value)
+        after = client.send_task("fuzz_app.note", kwargs={"text": "after", "times": 1})
+        assert after.get(timeout=60) == len("after"), worker.log_tail()
+        assert worker.proc is not None and worker.proc.poll() is None
+    (key,) = store.find_keys(result.id)
+    entry = store.get_entry(key)
+    assert entry.status.value == "failed"
+    assert words in (entry.reason or ""), entry.reason
     store.dispose()

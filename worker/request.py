@@ -26,10 +26,12 @@ from typing import Any
 
 from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import WorkerLostError
+from celery.exceptions import InvalidTaskError
 from celery.utils.saferepr import saferepr
 from celery.worker.request import Request
 
-from celery_ledger import canvas, envelope, intents, runtime, timing
+from celery_ledger import canvas, envelope, intents, refusal, runtime, timing
+from celery_ledger.ledger import MalformedMessage
 from celery_ledger.receipts import receipts
 from celery_ledger.recovery.resend import DEADLINE
 from celery_ledger.redact import redact_arguments, secret_names
@@ -43,11 +45,40 @@ _NOT_HEADERS = frozenset(
 
 
 class LedgerRequest(Request):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().__init__(message, *args, **kwargs)
+            wrong = refusal.malformed_fields(self._request_dict, self._body_of(message))
+        except InvalidTaskError as exc:  # Celery's own words (an eta that is no time ...)
+            wrong = refusal.one_line(str(exc), 200)
+        except Exception as exc:  # noqa: BLE001 - a malformed field must not end the worker
+            wrong = f"Celery could not read it ({type(exc).__name__})"
+        if wrong is not None:
+            self._refuse_message(message, kwargs.get("task"), wrong)
         self._held_key: str | None = None
         self._redact_reprs()
         self._hold()
+
+    def _body_of(self, message: Any) -> Any:
+        return self._body if self._decoded else message.payload
+
+    @staticmethod
+    def _refuse_message(message: Any, task: Any, wrong: str) -> None:
+        """Refuse a message whose fields are malformed (issue 30): its own entry settles
+        ``failed`` with the reason, its result is that failure, and Celery's handling of an
+        invalid task message acks it. Raises ``InvalidTaskError``."""
+        headers = message.headers if isinstance(message.headers, dict) else {}
+        task_id = str(headers.get("id", ""))
+        name = getattr(task, "name", None) or str(headers.get("task", "?"))
+        refused = MalformedMessage(f"{name}: the message is malformed ({wrong}); nothing ran")
+        if task is not None and task_id:
+            store = runtime.store_for(task.app)
+            refusal.record(task, store, task_id, refused, actor="worker")
+            try:
+                task.backend.mark_as_failure(task_id, refused, traceback=None, call_errbacks=False)
+            except Exception as err:  # noqa: BLE001 - the result is the caller's, the refusal ours
+                log.warning("refused task_id=%s: its result not stored: %s", task_id, err)
+        raise InvalidTaskError(str(refused))
 
     def _redact_reprs(self) -> None:
         """Hide secret argument values (``secret_args``, ``ledger_redact``) in the argument

@@ -29,7 +29,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 from celery.utils.time import maybe_make_aware
 
-from celery_ledger import canvas, envelope, intents, runtime, timing
+from celery_ledger import canvas, envelope, intents, refusal, runtime, timing
 from celery_ledger.ambiguity import RUN_BODY, Ambiguity
 from celery_ledger.attempt import Attempt, current_attempt
 from celery_ledger.codec import arguments_hash, check_depth, decode, encode
@@ -41,13 +41,10 @@ from celery_ledger.ledger import (
     EntryStatus,
     Fenced,
     Gate,
-    IdentityError,
     KeyConflict,
     LedgerBlocked,
-    LedgerError,
     LedgerStore,
     LedgerUnavailable,
-    MalformedArguments,
     MissingKeyArgument,
     PayloadError,
     SideEffect,
@@ -504,7 +501,7 @@ class LedgerTask(Task):
         try:
             key, args_hash = self.ledger_key(args, kwargs, req.id, header_key)
         except Exception as exc:  # noqa: BLE001 - key_from is user code, the arguments the sender's
-            raise self._refuse(store, exc, settings, lease) from None
+            raise self._refuse(store, exc) from None
         # A fresh publish (no retry count, not the ledger's own re-send) must bring the
         # arguments its task id was first claimed with; a retry may change them.
         fresh = not req.retries and not header(req, "ledger_redelivery")
@@ -576,56 +573,16 @@ class LedgerTask(Task):
                     f"{self.name}[{req.id}]: {what} was first claimed with different "
                     "arguments; the body did not run (use a different key, or the same arguments)"
                 ),
-                settings,
-                lease,
             )
         return self._run_attempt(claim, store, settings, lease, args, kwargs)
 
-    def _refuse(
-        self, store: LedgerStore, exc: Exception, settings: LedgerSettings, lease: float
-    ) -> BaseException:
+    def _refuse(self, store: LedgerStore, exc: BaseException) -> BaseException:
         """End a delivery whose arguments cannot be keyed or stored, or that conflicts with
-        its key's first claim, and return its error.
-
-        Nothing runs. Its entry, keyed by the task id (under material no business key can
-        have), settles ``failed`` with the refusal as its reason, so that ``list`` and
-        ``show`` find what a careless sender sent (issue 30); a redelivery of the same
-        message RETURNs that failure. Should the ledger be unreachable, the refusal is
-        raised all the same: there is nothing to run later.
-        """
-        req = self.request
-        refusal: LedgerError = (
-            exc
-            if isinstance(exc, (IdentityError, KeyConflict))
-            else MalformedArguments(refusal_words(self, exc))
-        )
-        key = entry_key(self.name, {"refused_task_id": str(req.id)})
-        try:
-            claim = store.claim(
-                ClaimRequest(
-                    key=key,
-                    task_name=self.name,
-                    task_id=str(req.id),
-                    args_hash=REFUSED_ARGUMENTS,
-                    snapshot=None,
-                    side_effect=self.side_effect,
-                    owner=runtime.owner_for(req.hostname, per_process=bool(req.is_eager)),
-                    lease_seconds=lease,
-                )
-            )
-            if claim.gate is Gate.RUN:
-                store.settle(
-                    key,
-                    claim.fence,
-                    EntryStatus.FAILED,
-                    error=self._dump_exc(refusal, settings),
-                    reason=one_line(str(refusal), 500),
-                    actor=req.hostname,
-                )
-        except LedgerUnavailable as err:
-            log.warning("refused task_id=%s not recorded in the ledger: %s", req.id, err)
-        log.warning("refused task_id=%s: %s", req.id, one_line(str(refusal), 500))
-        return refusal
+        its key's first claim (``refusal``): nothing runs; its own entry settles ``failed``
+        with the refusal as its reason. Returns the error to raise."""
+        refused = refusal.as_refusal(self, exc)
+        refusal.record(self, store, str(self.request.id), refused, self.request.hostname)
+        return refused
 
     def _run_attempt(
         self,
@@ -824,25 +781,7 @@ class LedgerTask(Task):
         )
 
     def _dump_exc(self, exc: BaseException, settings: LedgerSettings) -> str:
-        limit = settings.max_exception_bytes
-        try:
-            return encode(
-                self.backend.prepare_exception(exc, "json"),
-                limit=limit,
-                what="stored exception",
-                setting="ledger_max_exception_bytes",
-            )
-        except Exception:  # noqa: BLE001 - an odd exception must not stop the settle
-            return encode(
-                {
-                    "exc_type": type(exc).__name__,
-                    "exc_message": [repr(exc)[:2000]],
-                    "exc_module": "builtins",
-                },
-                limit=limit,
-                what="stored exception",
-                setting="ledger_max_exception_bytes",
-            )
+        return refusal.stored_error(self, exc, settings.max_exception_bytes)
 
     def _stored_failure(self, error: str) -> BaseException:
         data = decode(error)
@@ -941,30 +880,6 @@ _GATE_EVENT = {
     Gate.CONFLICT: "conflict",
     Gate.HOLD: "held",
 }
-
-
-#: The ``args_hash`` of a refused delivery's entry: no arguments hash to it.
-REFUSED_ARGUMENTS = "refused"
-
-
-def one_line(text: str, limit: int) -> str:
-    """``text`` on one line, at most ``limit`` characters."""
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
-
-
-def refusal_words(task: LedgerTask, exc: Exception) -> str:
-    """Why a delivery's arguments could not be keyed or stored, in the ledger's words; never
-    the arguments themselves (a secret may be among them)."""
-    if isinstance(exc, UnicodeError):
-        what = "a string in them is not valid Unicode (a lone surrogate): no store keeps it"
-    elif isinstance(exc, TypeError) and not callable(task.key_from):
-        what = f"they do not fit its signature {task._signature()}: {one_line(str(exc), 200)}"
-    elif callable(task.key_from):
-        what = f"its key_from raised {type(exc).__name__}: {one_line(str(exc), 200)}"
-    else:
-        what = f"{type(exc).__name__}: {one_line(str(exc), 200)}"
-    return f"{task.name}: the delivery's arguments cannot be keyed or stored ({what}); nothing ran"
 
 
 def _value(status: EntryStatus | None) -> str | None:
