@@ -96,6 +96,11 @@ class NestedStepError(StepUsageError):
     """Raised when a step is started inside another step's function (steps do not nest)."""
 
 
+class TransactionEndedError(StepUsageError):
+    """Raised when a transaction step's block ended the step's transaction itself (a
+    ``commit()`` or ``rollback()`` on it): its writes no longer commit with the step's row."""
+
+
 class AttemptTask(Protocol):
     """What an attempt reads from its task (``LedgerTask``)."""
 
@@ -522,6 +527,21 @@ class Attempt:
         self._check_fence()
         return self._store.commit_step(
             conn, self.key, self.fence, ident, seq=seq, output=encoded, children=sends.children
+        )
+
+    def transaction_ended(self, ident: Ident, how: str) -> NoReturn:
+        """A transaction step's block ended the step's transaction (``how``): refuse to
+        record the step. The row is not written, what is still open rolls back, and the task
+        fails; what the block committed itself stays, and is not counted as the step done.
+
+        Raises:
+            TransactionEndedError: always.
+        """
+        raise TransactionEndedError(
+            f"transaction step {ident[0]!r}: its block ended the step's transaction "
+            f"({how}); the step commits its writes together with its row, so it was not "
+            "recorded as done. Do not commit or roll back inside the block (a savepoint, "
+            "begin_nested(), is fine)"
         )
 
     def refuse_transaction(self, ident: Ident) -> NoReturn:
