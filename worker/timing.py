@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-
 class TaskCancelled(Exception):  # noqa: N818 - reads as the outcome, like Celery's Ignore
     """The task was cancelled (``celery-ledger cancel``, ``revoke()``); no further effect ran."""
 
