@@ -56,6 +56,7 @@ _WAITING = (EntryStatus.SCHEDULED.value, EntryStatus.SLEEPING.value)
 #: resumed body never sleeps twice. A sleep woken by hand (``begin_wake(only_due=False)``)
 #: gets the time it was woken as its output, so the replay ends the sleep there.
 SLEEP_STEP = "ledger.sleep"
+
 #: Statuses a cancellation settles at once: nothing runs them right now.
 _IDLE = (
     EntryStatus.SCHEDULED.value,
