@@ -41,10 +41,13 @@ from celery_ledger.ledger.operator import (
     BODY_STEP,
     MAX_RELEASE_BY_CHARS,
     MAX_RELEASE_REASON_CHARS,
+    STEP_RETURNED,
+    STEP_RETURNED_WARNING,
     LedgerStats,
     OperatorQueries,
     Release,
     check_release_text,
+    step_returned,
 )
 from celery_ledger.ledger.outbox import (
     Child,
@@ -83,6 +86,9 @@ __all__ = [
     "check_release_text",
     "MAX_RELEASE_BY_CHARS",
     "MAX_RELEASE_REASON_CHARS",
+    "STEP_RETURNED",
+    "STEP_RETURNED_WARNING",
+    "step_returned",
     # Outbox
     "Child",
     "OutboxMessage",

@@ -39,6 +39,24 @@ TOMBSTONE_NOT_RELEASABLE = (
     "completed effect; it is not releasable (publish a new task for new work)"
 )
 
+#: In a blocked reason: the ambiguous effect step returned, and only its output could not be
+#: stored (over ``ledger_max_result_bytes``, a socket, a generator). It executed, so a
+#: ``not-executed`` release would run it again: ``show``, the CLI's ``release`` and Flower's
+#: release form warn with ``STEP_RETURNED_WARNING`` (``step_returned``).
+STEP_RETURNED = "returned, and only its output could not be stored"
+
+#: What an operator is told about an entry blocked on a step that returned.
+STEP_RETURNED_WARNING = (
+    "its step returned (only its output could not be stored): it executed, and a "
+    "not-executed release runs it again; release it --verified completed"
+)
+
+
+def step_returned(reason: str | None) -> bool:
+    """Whether a blocked ``reason`` says its step returned (``STEP_RETURNED``)."""
+    return reason is not None and STEP_RETURNED in reason
+
+
 #: Name of the implicit step that stands for the whole body of a task that recorded no steps.
 BODY_STEP = "__body__"
 

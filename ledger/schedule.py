@@ -21,7 +21,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Float, bindparam, case, delete, func, select, update
+from sqlalchemy import (
+    Connection,
+    Float,
+    String,
+    bindparam,
+    case,
+    cast,
+    delete,
+    func,
+    select,
+    update,
+)
 
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.admission import (
@@ -40,6 +51,12 @@ from celery_ledger.ledger.states import EntryStatus, StepStatus
 from celery_ledger.ledger.values import RESUME_OWNER, ClaimRequest, Resuming
 
 _WAITING = (EntryStatus.SCHEDULED.value, EntryStatus.SLEEPING.value)
+
+#: The step a durable sleep records (``self.sleep``): its output is the wake time, so a
+#: resumed body never sleeps twice. A sleep woken by hand (``begin_wake(only_due=False)``)
+#: gets the time it was woken as its output, so the replay ends the sleep there.
+SLEEP_STEP = "ledger.sleep"
+
 #: Statuses a cancellation settles at once: nothing runs them right now.
 _IDLE = (
     EntryStatus.SCHEDULED.value,
@@ -56,6 +73,22 @@ _IDLE_UNSETTLED = (
     EntryStatus.INTERRUPTED.value,
 )
 B = sql.B
+
+
+def _end_sleep(key: str) -> Any:
+    """Set the output of ``key``'s last step, when it is a completed sleep, to now (the
+    database clock, as the sleep's own wake time; a JSON number either way)."""
+    last = select(func.max(steps.c.seq)).where(steps.c.key == key).scalar_subquery()
+    return (
+        update(steps)
+        .where(
+            steps.c.key == key,
+            steps.c.name == SLEEP_STEP,
+            steps.c.status == StepStatus.COMPLETED.value,
+            steps.c.seq == last,
+        )
+        .values(output=cast(db_now(), String))
+    )
 
 
 class Due:
@@ -224,9 +257,19 @@ class ScheduleQueries(StoreCore):
                 completed,
             )
         )
-        with self._one_statement() as conn:
-            note = Note("woken", actor, f"{status.value}: due")
-            rows = self._write_with_event(conn, sql.with_event(self.dialect, upd), {}, note)
+        if only_due or status is not EntryStatus.SLEEPING:
+            with self._one_statement() as conn:
+                note = Note("woken", actor, f"{status.value}: due")
+                rows = self._write_with_event(conn, sql.with_event(self.dialect, upd), {}, note)
+        else:
+            # Woken by hand before its wake time: the sleep the entry is in ends now. Its step
+            # (the entry's last: the attempt settled ``sleeping`` right after it) replays the
+            # time of this wake, else the resumed body would sleep again until the old one.
+            with self._txn() as conn:
+                note = Note("woken", actor, "sleeping: woken by hand before its wake time")
+                rows = self._write_with_event(conn, sql.with_event(self.dialect, upd), {}, note)
+                if rows:
+                    conn.execute(_end_sleep(key))
         if not rows:
             return None
         row = rows[0]

@@ -22,6 +22,7 @@ from sqlalchemy import (
     case,
     delete,
     func,
+    literal_column,
     select,
     tuple_,
     update,
@@ -304,10 +305,13 @@ class SweepQueries(StoreCore):
             .cte("picked")
             .prefix_with("MATERIALIZED", dialect="postgresql")
         )
+        # SQLite renders a RETURNING clause without table names, subqueries included: a
+        # correlated ``steps.key = entries.key`` became ``"key" = "key"`` there and counted
+        # every entry's completed rows. The entry's key is named with its table, by hand.
+        entry_key = literal_column(f'{entries.name}."key"', String)
         completed = (
             select(func.count())
-            .where(steps.c.key == entries.c.key, steps.c.status == StepStatus.COMPLETED.value)
-            .correlate(entries)
+            .where(steps.c.key == entry_key, steps.c.status == StepStatus.COMPLETED.value)
             .scalar_subquery()
             .label("completed_steps")
         )

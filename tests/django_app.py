@@ -37,3 +37,21 @@ def credit(self: LedgerTask, order_id: str) -> list[str]:
         Credit.objects.create(order_id=order_id, kind="outer")
         second = self.django_transaction_step("bonus", _credit, order_id, "bonus")
     return [first, second]
+
+
+def _credit_rolled_back(order_id: str) -> str:
+    Credit.objects.create(order_id=order_id, kind="credit")
+    transaction.set_rollback(True)  # the ledger's transaction: refused (issue 30, item 6)
+    return f"credit:{order_id}"
+
+
+@app.task(
+    shared=False,
+    base=LedgerTask,
+    bind=True,
+    name="django_app.rolled_back",
+    key_from=("order_id",),
+)
+def rolled_back(self: LedgerTask, order_id: str) -> str:
+    """A Django transaction step whose function marks the step's transaction for rollback."""
+    return self.django_transaction_step("credit", _credit_rolled_back, order_id)

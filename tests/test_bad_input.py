@@ -77,7 +77,10 @@ def test_unserializable_step_output_leaves_the_step_ambiguous(tmp_path):
     store = LedgerStore(ledger)
     key = key_of("tests_app.unserializable_output", result.id)
     entry = store.get_entry(key)
-    assert entry.status is EntryStatus.BLOCKED and "'make' may have executed" in entry.reason
+    # The step returned: the reason says so, and that it executed (issue 30, item 19).
+    assert entry.status is EntryStatus.BLOCKED
+    assert "'make' returned, and only its output could not be stored" in entry.reason
+    assert "it executed" in entry.reason and "may have executed" not in entry.reason
     assert [s.status for s in store.load_steps(key)] == [StepStatus.STARTED]
 
 

@@ -44,6 +44,7 @@ from celery_ledger.ledger import (
     entry_key,
 )
 from celery_ledger.ledger.engine import make_engine
+from celery_ledger.ledger.operator import STEP_RETURNED
 from celery_ledger.ledger.schedule import PRUNED_FAILURE
 
 USER, PASSWORD = "alice", "s3cret-pass"
@@ -546,6 +547,26 @@ class TestActions(ActionCase):
         charge = [s for s in self.store.load_steps(key) if s.name == "charge"][0]
         assert charge.status is StepStatus.NOT_EXECUTED and charge.authorized == 1
         assert "re-enqueued with its task id" in self.page(resp.headers["Location"])
+
+    def test_the_release_form_warns_when_the_step_returned(self) -> None:
+        """Issue 30 (item 19): blocked on a step that returned and whose output could not be
+        stored: the form warns against not-executed and offers completed first."""
+        key = self.blocked()
+        plain = self.page(f"/ledger/entry/{key}")
+        assert 'id="release-warning"' not in plain
+        engine = make_engine(self.url)
+        try:
+            with engine.begin() as conn:
+                conn.execute(
+                    text("UPDATE ledger_entries SET reason = :r WHERE key = :k"),
+                    {"r": f"step 'charge' {STEP_RETURNED} (too large); it executed", "k": key},
+                )
+        finally:
+            engine.dispose()
+        html = self.page(f"/ledger/entry/{key}")
+        assert 'id="release-warning"' in html and "runs it again" in html
+        assert re.search(r'value="completed" id="verdict-completed" checked', html), html
+        assert "--verified completed" in html
 
     def test_release_is_one_shot(self) -> None:
         key = self.blocked(snapshot=False)  # nothing resumes it: it stays interrupted

@@ -788,6 +788,22 @@ def test_begin_resume_counts_the_completed_replay_rows(store: LedgerStore) -> No
     assert won is not None and won.completed_steps == 2
 
 
+def test_begin_resume_many_counts_each_entrys_own_completed_rows(store: LedgerStore) -> None:
+    """The batched resume counts each entry's own completed rows: an entry without steps
+    replays none, beside one with two (SQLite counted the whole table for both)."""
+    with_steps = store.claim(request("with-steps", lease=LEASE_SHORT))
+    for seq, name in enumerate(["a", "b"], 1):
+        assert store.write_step(
+            "with-steps", with_steps.fence, (name, "ih", 0), seq=seq, status=StepStatus.COMPLETED
+        )
+    assert store.claim(request("no-steps", lease=LEASE_SHORT)).gate is Gate.RUN
+    wait_lease_expired(store, "with-steps")
+    wait_lease_expired(store, "no-steps")
+    marked = {i.key: i.fence for i in store.interrupt_expired()}
+    won = store.begin_resume_many(sorted(marked.items()), lease_seconds=LEASE_LONG)
+    assert {k: w.completed_steps for k, w in won.items()} == {"with-steps": 2, "no-steps": 0}
+
+
 def test_begin_resume_lease_lapses_back_to_the_sweep(store: LedgerStore) -> None:
     fence = make_interrupted(store)
     resumed = store.begin_resume("key-1", fence, lease_seconds=LEASE_SHORT)

@@ -28,6 +28,7 @@ from celery_ledger.attempt import BODY_IDENT, Attempt, Ident
 from celery_ledger.codec import decode, encode
 from celery_ledger.ledger import (
     BODY_STEP,
+    STEP_RETURNED,
     TRANSACTION_STEP_REF,
     Claim,
     EntryStatus,
@@ -122,16 +123,20 @@ class Ambiguity:
         fenced out); False when the task settles ``failed`` as usual (the step was re-runnable,
         or its verdict is recorded).
         """
-        ident = self.attempt.ambiguous
+        attempt = self.attempt
+        ident = attempt.ambiguous
         assert ident is not None
         try:
-            self.resolve(ident, None)
+            self.resolve(ident, attempt.external_ref(ident), unstored=attempt.unstored_output)
         except (LedgerBlocked, Fenced):
             return True
         return False
 
-    def resolve(self, ident: Ident, ref: str | None) -> tuple[Verdict, str] | None:
-        """Decide one ambiguous step.
+    def resolve(
+        self, ident: Ident, ref: str | None, *, unstored: str | None = None
+    ) -> tuple[Verdict, str] | None:
+        """Decide one ambiguous step. ``unstored``: the step returned, and this is why its
+        output could not be stored (it executed; only the record of it is missing).
 
         Returns None when its class re-runs it, else the verdict recorded for it (with the
         encoded output of a ``completed`` one).
@@ -203,8 +208,15 @@ class Ambiguity:
             if rerun
             else ""
         )
+        # A step that returned did execute: the reason says so first, for the operator who
+        # would otherwise release it not-executed and run it twice (``show`` warns on it).
+        what = (
+            f"{STEP_RETURNED} ({unstored}); it executed"
+            if unstored is not None
+            else "may have executed"
+        )
         reason = (
-            f"step {name!r} may have executed (external ref: {ref or 'none'}; "
+            f"step {name!r} {what} (external ref: {ref or 'none'}; "
             f"reconciler: {why}{window}); reconcile or release: "
             f"celery-ledger show {attempt.key}"
         )

@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery, Task, current_app, signals
+from sqlalchemy.exc import ArgumentError
 
 from celery_ledger import canvas, envelope, fsbroker, intents, runtime, timing
 from celery_ledger.backoff import retry_while_unavailable
 from celery_ledger.ledger import LedgerError, LedgerUnavailable
+from celery_ledger.ledger.engine import make_engine
 from celery_ledger.recovery import SweepReport, boot_sweep, run_sweep
-from celery_ledger.settings import DEFAULT_DATA_DIR
+from celery_ledger.settings import DEFAULT_DATA_DIR, LedgerSettings
 from celery_ledger.task import LedgerTask
 
 log = logging.getLogger(__name__)
@@ -247,9 +249,10 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     # Before the pool forks: the parent and every pool process share this boot id.
     global _freeze_before_fork
     if sender is not None and _installed(sender.app):
+        settings = _usable_settings(sender.app)
         runtime.new_boot()
         timing.install_worker_revoke_hook()
-        _freeze_before_fork = runtime.settings_for(sender.app).freeze_gc_before_fork
+        _freeze_before_fork = settings.freeze_gc_before_fork
         canvas.keep_chord_unlock(sender.app)
         if getattr(sender, "task_events", False):
             # `celery worker -E` sets the worker's attribute, not the app setting that the
@@ -276,6 +279,29 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
                 exc,
                 exc_info=True,
             )
+
+
+def _usable_settings(app: Celery) -> LedgerSettings:
+    """The worker's ledger settings, every one checked (``LedgerSettings.validate``).
+
+    A worker that started with one it cannot use (a snapshot key that is no Fernet key, a
+    lease of NaN) would fail every task it took, and the sweep would re-run them later on a
+    healthy worker: the caller sees FAILURE, then SUCCESS. So it does not start.
+
+    Raises:
+        SystemExit: one line naming the setting (Celery's signal dispatch logs and swallows
+            an ``Exception`` from a receiver; a ``SystemExit`` ends the worker, non-zero).
+    """
+    try:
+        settings = runtime.settings_for(app)
+    except ValueError as exc:
+        raise SystemExit(f"celery-ledger: cannot start the worker: {exc}") from None
+    try:
+        make_engine(settings.url).dispose()  # parses the URL; connects to nothing
+    except (ValueError, ArgumentError) as exc:
+        # The URL itself is not quoted: it may hold a password.
+        raise SystemExit(f"celery-ledger: cannot start the worker: ledger_url: {exc}") from None
+    return settings
 
 
 #: Set by ``_on_worker_init`` when this process is a worker of a ledger app whose settings ask

@@ -96,6 +96,11 @@ class NestedStepError(StepUsageError):
     """Raised when a step is started inside another step's function (steps do not nest)."""
 
 
+class TransactionEndedError(StepUsageError):
+    """Raised when a transaction step's block ended the step's transaction itself (a
+    ``commit()`` or ``rollback()`` on it): its writes no longer commit with the step's row."""
+
+
 class AttemptTask(Protocol):
     """What an attempt reads from its task (``LedgerTask``)."""
 
@@ -155,6 +160,12 @@ class Attempt:
         self._current_has_row = False
         #: Set when an exception escaped from a started effect step: it may have crossed.
         self.ambiguous: Ident | None = None
+        #: Set with ``ambiguous`` when that step returned and only its output could not be
+        #: stored (why not): it did execute, and its blocked reason says so.
+        self.unstored_output: str | None = None
+        #: The external references this attempt recorded (``record_external_ref``), for the
+        #: reconciler of a step that then raised: its replay rows were read at the claim.
+        self._refs: dict[Ident, str] = {}
         self.replayed = 0
         #: ``self.replace(sig)`` was called: the replacement, ``name[task id]``.
         self.replaced_by: str | None = None
@@ -197,6 +208,14 @@ class Attempt:
         """Send a ``task-ledger-<kind>`` event for this attempt's entry and fence."""
         if self._emit is not None:
             self._emit(kind, self.key, self.fence, **fields)
+
+    def external_ref(self, ident: Ident) -> str | None:
+        """The external reference of step ``ident``: recorded by this attempt, else the one
+        its replay row had at the claim."""
+        if ident in self._refs:
+            return self._refs[ident]
+        row = self._replay.get(ident)
+        return row.external_ref if row is not None else None
 
     def replay_row(self, ident: Ident) -> StepRecord | None:
         """The replay row of ``ident`` as this attempt knows it (loaded at claim, or written
@@ -334,9 +353,10 @@ class Attempt:
             encoded = encode(
                 output, limit=self.settings.max_result_bytes, what=f"output of step {name!r}"
             )
-        except PayloadError:
+        except PayloadError as exc:
             if writes_intent:
                 self.ambiguous = ident
+                self.unstored_output = str(exc)
             raise
         try:
             # The children the step sent are recorded in the same write (a transaction when
@@ -509,6 +529,21 @@ class Attempt:
             conn, self.key, self.fence, ident, seq=seq, output=encoded, children=sends.children
         )
 
+    def transaction_ended(self, ident: Ident, how: str) -> NoReturn:
+        """A transaction step's block ended the step's transaction (``how``): refuse to
+        record the step. The row is not written, what is still open rolls back, and the task
+        fails; what the block committed itself stays, and is not counted as the step done.
+
+        Raises:
+            TransactionEndedError: always.
+        """
+        raise TransactionEndedError(
+            f"transaction step {ident[0]!r}: its block ended the step's transaction "
+            f"({how}); the step commits its writes together with its row, so it was not "
+            "recorded as done. Do not commit or roll back inside the block (a savepoint, "
+            "begin_nested(), is fine)"
+        )
+
     def refuse_transaction(self, ident: Ident) -> NoReturn:
         """A transaction step's row was refused (the fence moved): mark this attempt
         superseded and stop it. Called once the step's transaction rolled back, so that the
@@ -649,6 +684,7 @@ class Attempt:
             ),
             "record_external_ref",
         )
+        self._refs[ident] = ref
         crash_point(self.settings, f"step-ref:{ident[0]}")
 
     @property

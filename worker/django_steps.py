@@ -62,6 +62,10 @@ def django_transaction_step(
     try:
         with transaction.atomic(using=using):
             output = fn(*args, **kwargs)
+            # Django refuses commit() and rollback() inside atomic() itself; set_rollback(True)
+            # would roll the writes back with the row while the step returned as done.
+            if transaction.get_rollback(using=using):
+                attempt.transaction_ended(tx.ident, "transaction.set_rollback(True)")
             encoded = encode(
                 output,
                 limit=attempt.settings.max_result_bytes,

@@ -6,6 +6,7 @@ worker, a beat or the CLI first needs the ledger, and the result is cached on th
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -178,6 +179,13 @@ class LedgerSettings:
         return cached
 
     def validate(self) -> None:
+        """Raises ValueError naming the first setting that cannot be used."""
+        for name in sorted(_FLOATS):
+            # NaN passes every comparison below as "not too small"; inf makes a lease that
+            # never expires or a wait that never ends.
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise ValueError(f"ledger_{name} must be a finite number, not {value}")
         if self.durability not in DURABILITY:
             raise ValueError(
                 f"ledger_durability must be one of {', '.join(DURABILITY)}, not {self.durability!r}"
@@ -270,8 +278,9 @@ def _parse(name: str, raw: Any) -> Any:
             if isinstance(raw, bool) or raw is None:
                 return raw
             return str(raw).strip().lower() in ("1", "true", "yes", "on")
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"ledger setting {name}={raw!r}: {exc}") from None
+    except (TypeError, ValueError):
+        kind = "a number" if name in _FLOATS else "a whole number" if name in _INTS else "a list"
+        raise ValueError(f"ledger_{name}={raw!r} is not {kind}") from None
     if name == "durability" and isinstance(raw, str):
         return raw.strip().lower()
     if name == "authorizer" and isinstance(raw, str):

@@ -38,16 +38,13 @@ from celery_ledger import canvas, envelope, runtime
 from celery_ledger.codec import encode
 from celery_ledger.ledger import ClaimRequest, EntryStatus, LedgerError, LedgerStore
 from celery_ledger.ledger.admission import expired_failure
-from celery_ledger.ledger.schedule import PRUNED_FAILURE, cancelled_failure
+from celery_ledger.ledger.schedule import PRUNED_FAILURE, SLEEP_STEP, cancelled_failure
 from celery_ledger.redelivery import header
 
 if TYPE_CHECKING:
     from celery_ledger.attempt import Attempt
 
 log = logging.getLogger(__name__)
-
-#: The step a sleep records (its output is the wake time).
-SLEEP_STEP = "ledger.sleep"
 
 
 class TaskCancelled(Exception):  # noqa: N818 - reads as the outcome, like Celery's Ignore

@@ -54,6 +54,8 @@ class TransactionOwner(Protocol):
 
     def refuse_transaction(self, ident: Ident) -> NoReturn: ...
 
+    def transaction_ended(self, ident: Ident, how: str) -> NoReturn: ...
+
     def publish_children(self, ident: Ident, sends: Sends) -> None: ...
 
 
@@ -86,6 +88,8 @@ class TransactionStep:
         self._stack: contextlib.ExitStack | None = None
         self._handle: Any = None
         self._conn: Any = None
+        #: The transaction the step began on ``_conn``: the row is written only in it.
+        self._began: Any = None
         self._sends: Sends | None = None
         self._trace: Any = None
 
@@ -155,6 +159,7 @@ class TransactionStep:
         attempt = self._attempt
         stack = self._stack = contextlib.ExitStack()
         conn = self._conn = stack.enter_context(attempt.open_transaction())
+        self._began = conn.get_transaction()
         self._sends = attempt.enter_transaction(self.ident)
         stack.callback(attempt.leave_transaction)
         if self._session:
@@ -182,6 +187,12 @@ class TransactionStep:
         try:
             if self._session:
                 self._handle.flush()  # the Session's pending writes, before the row
+            # A block that committed or rolled back the step's transaction wrote (or will
+            # write) outside it: a row written now would count those writes as done with
+            # it, and a death before the row would run the block, and its commit, again.
+            began = self._began
+            if not began.is_active or self._conn.get_transaction() is not began:
+                attempt.transaction_ended(self.ident, "commit() or rollback() on its connection")
             encoded = encode(
                 self.output,
                 limit=attempt.settings.max_result_bytes,

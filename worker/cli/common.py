@@ -31,6 +31,7 @@ from sqlalchemy.engine import make_url
 
 from celery_ledger.ledger import (
     RESUME_OWNER,
+    STEP_RETURNED_WARNING,
     Entry,
     EntryNotFound,
     EntryStatus,
@@ -41,6 +42,7 @@ from celery_ledger.ledger import (
     SnapshotSealError,
     is_sealed,
     open_snapshot,
+    step_returned,
 )
 from celery_ledger.ledger.engine import is_sqlite, make_engine, normalize_url
 from celery_ledger.ledger.errors import as_unavailable
@@ -368,6 +370,12 @@ class NextAction:
 def next_action(entry: Entry, now: float, prefix: str) -> NextAction:
     """The one thing that moves this entry on, and the command that does it."""
     key = entry.key
+    if entry.status is EntryStatus.BLOCKED and step_returned(entry.reason):
+        return NextAction(
+            "release",
+            STEP_RETURNED_WARNING,
+            f"{prefix} release {key} --verified completed --by WHO --reason WHY",
+        )
     if entry.status is EntryStatus.BLOCKED:
         return NextAction(
             "release",

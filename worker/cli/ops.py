@@ -37,6 +37,7 @@ from celery_ledger.cli.common import (
 )
 from celery_ledger.codec import encode
 from celery_ledger.ledger import (
+    STEP_RETURNED_WARNING,
     TRANSACTION_STEP_REF,
     EntryNotFound,
     EntryStatus,
@@ -47,6 +48,7 @@ from celery_ledger.ledger import (
     check_release_text,
     cipher_from,
     is_sealed,
+    step_returned,
 )
 from celery_ledger.recovery import ResumeOutcome, resume_entry, run_sweep
 
@@ -488,7 +490,10 @@ def release_cmd(
     store = open_store(ctx)
     key = resolve_key(store, ref)
     action = Action.release(verdict)
-    _authorize(settings, Operator(by, "cli", authenticated=False), action, store.get_entry(key))
+    entry = store.get_entry(key)
+    _authorize(settings, Operator(by, "cli", authenticated=False), action, entry)
+    if verdict is Verdict.NOT_EXECUTED and step_returned(entry.reason):
+        click.echo(f"warning: {STEP_RETURNED_WARNING}", err=True)
     # One-shot, live-lease and completed refusals are decided in the release transaction.
     rel = store.release(
         key,

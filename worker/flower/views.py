@@ -25,7 +25,12 @@ from celery_ledger.ledger import (
     StepRecord,
     StepStatus,
 )
-from celery_ledger.ledger.operator import RELEASABLE, TOMBSTONE_NOT_RELEASABLE
+from celery_ledger.ledger.operator import (
+    RELEASABLE,
+    STEP_RETURNED_WARNING,
+    TOMBSTONE_NOT_RELEASABLE,
+    step_returned,
+)
 from celery_ledger.redact import Redaction, redact_snapshot, secret_names
 
 #: Longest JSON shown for one value (a result, an output); the rest is cut with a note.
@@ -247,6 +252,8 @@ class EntryView:
     release_blocked: str | None
     released_pending: bool
     notes: list[str] = field(default_factory=list)
+    #: Said beside the release form: a not-executed release would run a step that returned.
+    release_warning: str | None = None
 
 
 def entry(page: LedgerPage, key: str) -> EntryView:
@@ -304,6 +311,9 @@ def entry(page: LedgerPage, key: str) -> EntryView:
         can_resume=e.status is EntryStatus.INTERRUPTED and snapshot is not None,
         release_blocked=release_blocked,
         released_pending=released_pending,
+        release_warning=STEP_RETURNED_WARNING
+        if e.status is EntryStatus.BLOCKED and step_returned(e.reason)
+        else None,
     )
     if redaction.blind:
         view.notes.append(
