@@ -1,0 +1,121 @@
+"""Issue 30, hostile input at the operator's surfaces: the failing-first tests.
+
+``verify --duration nan``, ``metrics --port -1``, a URL that does not parse, a 55 KB key prefix
+and a cancel with a megabyte of reason each got Python's words (or a traceback, or "ledger
+database unavailable"). Each must be one line in the ledger's words, exit non-zero (Flower: a
+400), and change nothing. The CLI runs in-process (``test_cli_bad_input``'s fixture).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from test_cli_bad_input import assert_one_clear_line, blocked_entry, cli  # noqa: F401
+from test_ledger_page import PageCase
+
+from celery_ledger.ledger import EntryStatus, LedgerStore, OperatorTextError
+
+#: Longer than SQLite's LIKE pattern limit (50,000 bytes): it failed as "unavailable".
+HUGE_REF = "a" * 55_000
+
+
+# -- item 13: verify --duration nan ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_verify_refuses_a_duration_that_is_not_finite(value: str) -> None:
+    """``FloatRange(1, 3600)`` let NaN through (every comparison with NaN is false)."""
+    from celery_ledger.harness.verify import verify
+
+    with pytest.raises(click.BadParameter) as caught:
+        verify.make_context("verify", ["--duration", value])
+    assert "finite" in str(caught.value) or "range" in str(caught.value), caught.value
+
+
+# -- item 14: a URL that does not parse -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("url", ["postgresql://[::1", "postgresql://host:port/db"])
+def test_a_url_that_does_not_parse_is_one_line_in_the_ledgers_words(cli: Any, url: str) -> None:
+    err = assert_one_clear_line(cli("--url", url, "list"), "URL")
+    assert "int()" not in err and "literal" not in err, err
+
+
+# -- item 15: an over-long key or prefix is bad input, not an outage ------------------------------
+
+
+@pytest.mark.parametrize("command", [["show"], ["resume"], ["cancel", "--by", "a", "--reason", "r"]])
+def test_an_over_long_key_prefix_is_refused_as_bad_input(
+    cli: Any, tmp_path: Path, command: list[str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    blocked_entry(url)  # a table with a row: SQLite only then evaluates the LIKE
+    err = assert_one_clear_line(cli("--url", url, command[0], HUGE_REF, *command[1:]), "long")
+    assert "unavailable" not in err and len(err) < 400, err[:400]
+
+
+class TestFlowerRefusesAnOverLongReference(PageCase):
+    def test_the_search_box_answers_400_not_503(self) -> None:
+        self.blocked()
+        resp = self.get(f"/ledger/find?q={HUGE_REF}")
+        assert resp.code == 400, (resp.code, resp.body[:300])
+        assert b"long" in resp.body
+
+    def test_the_task_link_answers_400_not_503(self) -> None:
+        self.blocked()
+        resp = self.get(f"/ledger/task/{HUGE_REF}")
+        assert resp.code in (400, 404), (resp.code, resp.body[:300])
+
+
+# -- item 16: metrics --port -1, --address 999.1.1.1 ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "option", [["--port", "-1"], ["--port", "70000"], ["--port", "0", "--address", "999.1.1.1"]]
+)
+def test_metrics_refuses_an_address_it_cannot_listen_on(
+    cli: Any, tmp_path: Path, option: list[str]
+) -> None:
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    LedgerStore(url).dispose()
+    err = assert_one_clear_line(cli("--url", url, "metrics", *option))
+    assert "bind()" not in err and "Errno" not in err, err
+
+
+# -- item 17: cancel's own words, and the store's own check ---------------------------------------
+
+
+@pytest.mark.parametrize("field", ["--reason", "--by"])
+def test_cancel_refuses_a_megabyte_of_text_in_its_own_words(
+    cli: Any, tmp_path: Path, field: str
+) -> None:
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    key = blocked_entry(url)
+    options = {"--by": "alice", "--reason": "the customer asked"}
+    options[field] = "x" * 1_000_000
+    err = assert_one_clear_line(cli("--url", url, "cancel", key, *sum(options.items(), ())), field)
+    assert "cancel" in err and "release" not in err, err
+
+
+@pytest.mark.parametrize(
+    "by, reason",
+    [("alice", "x" * 1_000_000), ("alice", "stop\x1b[2J"), ("a" * 1000, "why"), ("al\nice", "r")],
+)
+def test_the_store_refuses_a_cancel_with_unbounded_or_control_text(
+    tmp_path: Path, by: str, reason: str
+) -> None:
+    """``LedgerStore.request_cancel`` (the Python cancel API) took what release and mark-dead
+    refuse at the store: a megabyte of reason and terminal escapes."""
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    key = blocked_entry(url)
+    store = LedgerStore(url)
+    try:
+        with pytest.raises(OperatorTextError, match="^cancel "):
+            store.request_cancel(key, by=by, reason=reason, error='"x"')
+        entry = store.get_entry(key)
+        assert entry.status is EntryStatus.BLOCKED and entry.cancel_reason is None
+    finally:
+        store.dispose()
