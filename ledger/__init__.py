@@ -20,6 +20,7 @@ from celery_ledger.ledger.errors import (
     PayloadError,
     PayloadNotSerializable,
     PayloadTooLarge,
+    ReferenceTooLong,
     ReleaseRefused,
     SchemaError,
     SchemaTooNew,
@@ -145,6 +146,7 @@ __all__ = [
     "DeathSignalRequired",
     "MarkDeadRefused",
     "SnapshotSealError",
+    "ReferenceTooLong",
     "EntryNotFound",
     "Fenced",
 ]

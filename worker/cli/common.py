@@ -42,7 +42,7 @@ from celery_ledger.ledger import (
     is_sealed,
     open_snapshot,
 )
-from celery_ledger.ledger.engine import is_sqlite, make_engine, normalize_url
+from celery_ledger.ledger.engine import is_sqlite, make_engine, parse_url
 from celery_ledger.ledger.errors import as_unavailable
 from celery_ledger.ledger.migrate import pending_revisions
 
@@ -119,7 +119,7 @@ def sqlite_path(url: str) -> str | None:
     """The file of a SQLite ledger URL (None: not SQLite, or in memory)."""
     if not is_sqlite(url):
         return None
-    path = make_url(normalize_url(url)).database
+    path = parse_url(url).database
     return None if not path or path == ":memory:" else path
 
 
