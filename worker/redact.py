@@ -14,8 +14,9 @@ Rules, all failing closed:
   the task is not importable here (so neither its signature nor its ``secret_args`` is known),
   every argument value is hidden and only the names and positions stay;
 - scrubbing replaces every occurrence of a secret value of at least ``MIN_SCRUB_LENGTH``
-  characters; shorter values are hidden where they are named but cannot be searched for in
-  free text without hiding innocent digits.
+  characters, raw and in each form JSON text escapes it to (a stored error, an audit
+  detail: ``P\\u00e4sswort``, ``\\"``); shorter values are hidden where they are named but
+  cannot be searched for in free text without hiding innocent digits.
 
 A stored argument snapshot also holds other tasks' arguments: its canvas placement
 (``canvas``: the rest of a chain, the ``link``/``link_error`` callbacks, a chord's body, each
@@ -31,8 +32,10 @@ lines (``request.LedgerRequest``).
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 #: What a hidden value is shown as.
@@ -53,11 +56,27 @@ class Redaction:
     #: True when every argument value was hidden because the task is unknown here.
     blind: bool = False
 
+    @cached_property
+    def _forms(self) -> tuple[str, ...]:
+        """Each secret value as raw text and as it reads inside JSON text (a stored error, an
+        audit detail): escaped with ``ensure_ascii`` (``P\\u00e4sswort``) and without (only
+        quotes, backslashes and control characters escaped). Longest first."""
+        forms = {
+            form
+            for secret in self.values
+            for form in (
+                secret,
+                json.dumps(secret)[1:-1],
+                json.dumps(secret, ensure_ascii=False)[1:-1],
+            )
+        }
+        return tuple(sorted(forms, key=lambda s: (-len(s), s)))
+
     def text(self, value: str | None) -> str | None:
-        """``value`` with every secret value replaced by ``REDACTED``."""
+        """``value`` with every secret value, raw or JSON-escaped, replaced by ``REDACTED``."""
         if value is None:
             return None
-        for secret in self.values:
+        for secret in self._forms:
             value = value.replace(secret, REDACTED)
         return value
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -114,22 +114,35 @@ class LedgerTask(Task):
                 envelope.relative_seconds(cls.deadline, "deadline")
             except ValueError as exc:
                 raise ValueError(f"task {cls.name}: {exc}") from None
-        if cls.key_from is None or callable(cls.key_from):
-            return
         if isinstance(cls.key_from, str):
             raise TypeError(
                 f"task {cls.name}: key_from must be a tuple of argument names or a "
                 f"callable, not the string {cls.key_from!r}"
             )
-        sig = inspect.signature(cls.run)
-        params = [p for p in sig.parameters.values() if p.name != "self"]
+        if cls.key_from is not None and not callable(cls.key_from):
+            cls._check_argument_names("key_from", cls.key_from)
+        # A misspelled secret name would hide nothing, and show the secret in clear.
+        secret_args = getattr(cls, "secret_args", None) or ()
+        cls._check_argument_names(
+            "secret_args", (secret_args,) if isinstance(secret_args, str) else secret_args
+        )
+
+    @classmethod
+    def _check_argument_names(cls, option: str, names: Iterable[str]) -> None:
+        """Refuse an option that names arguments the task's signature does not have (any
+        name is fine for a task that takes ``**kwargs``).
+
+        Raises:
+            ValueError: naming the option, the names and the signature.
+        """
+        params = [p for p in inspect.signature(cls.run).parameters.values() if p.name != "self"]
         if any(p.kind is p.VAR_KEYWORD for p in params):
             return
-        names = {p.name for p in params}
-        missing = [n for n in cls.key_from if n not in names]
+        known = {p.name for p in params}
+        missing = [n for n in names if n not in known]
         if missing:
             raise ValueError(
-                f"task {cls.name}: key_from names {missing}, which are not arguments of "
+                f"task {cls.name}: {option} names {missing}, which are not arguments of "
                 f"{cls.name}({', '.join(p.name for p in params)})"
             )
 
