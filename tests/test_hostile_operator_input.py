@@ -13,13 +13,17 @@ from typing import Any
 
 import click
 import pytest
-from test_cli_bad_input import assert_one_clear_line, blocked_entry, cli  # noqa: F401
+import test_cli_bad_input
+from test_cli_bad_input import assert_one_clear_line, blocked_entry
 from test_ledger_page import PageCase
 
 from celery_ledger.ledger import EntryStatus, LedgerStore, OperatorTextError
 
 #: Longer than SQLite's LIKE pattern limit (50,000 bytes): it failed as "unavailable".
 HUGE_REF = "a" * 55_000
+
+#: The in-process CLI of ``test_cli_bad_input`` (its own working directory, a clean env).
+cli = test_cli_bad_input.cli
 
 
 # -- item 13: verify --duration nan ---------------------------------------------------------------
@@ -47,7 +51,9 @@ def test_a_url_that_does_not_parse_is_one_line_in_the_ledgers_words(cli: Any, ur
 # -- item 15: an over-long key or prefix is bad input, not an outage ------------------------------
 
 
-@pytest.mark.parametrize("command", [["show"], ["resume"], ["cancel", "--by", "a", "--reason", "r"]])
+@pytest.mark.parametrize(
+    "command", [["show"], ["resume"], ["cancel", "--by", "a", "--reason", "r"]]
+)
 def test_an_over_long_key_prefix_is_refused_as_bad_input(
     cli: Any, tmp_path: Path, command: list[str]
 ) -> None:

@@ -113,7 +113,9 @@ def test_a_secret_is_scrubbed_from_json_in_every_escaped_form() -> None:
     secret = 'Pässwort "x" \\ tail'
     _, _, r = redact_arguments([], {"password": secret}, names=frozenset({"password"}), task=Task())
     for ensure_ascii in (True, False):
-        detail = json.dumps({"exc_message": [f"login failed for {secret}"]}, ensure_ascii=ensure_ascii)
+        detail = json.dumps(
+            {"exc_message": [f"login failed for {secret}"]}, ensure_ascii=ensure_ascii
+        )
         scrubbed = r.text(detail)
         assert REDACTED in scrubbed, scrubbed
         for part in ("P\\u00e4sswort", "Pässwort", '\\"x\\"'):
@@ -135,7 +137,9 @@ def test_secret_args_naming_no_parameter_fails_at_registration() -> None:
         return None
 
     app.task(base=LedgerTask, name="reg.pay", secret_args=("card_numbr",), shared=False)(pay)
-    with pytest.raises(ValueError, match=r"secret_args names \['card_numbr'\].*pay\(order_id, card_number\)"):
+    with pytest.raises(
+        ValueError, match=r"secret_args names \['card_numbr'\].*pay\(order_id, card_number\)"
+    ):
         app.finalize(auto=True)
         app.tasks["reg.pay"]
     good = Celery("reg2", broker="memory://", set_as_current=False)

@@ -51,6 +51,7 @@ from celery_ledger.ledger import (
     entry_key,
 )
 from celery_ledger.recovery.reconcile import Reconciler
+from celery_ledger.redact import scrub_for_call
 from celery_ledger.redelivery import header, ledger_unavailable, redeliver, wait_briefly
 from celery_ledger.replay import Identify
 from celery_ledger.settings import LedgerSettings
@@ -571,9 +572,11 @@ class LedgerTask(Task):
         if claim.gate is Gate.HOLD:
             raise Ignore()  # scheduled or sleeping: the ledger sends it when due
         if claim.gate is Gate.BLOCK:
+            why = scrub_for_call(
+                claim.reason or "", redact=settings.redact, task=self, args=args, kwargs=kwargs
+            )
             raise LedgerBlocked(
-                f"{self.name}[{req.id}] key {key} is blocked: {claim.reason}; "
-                f"see `celery-ledger show {key}`"
+                f"{self.name}[{req.id}] key {key} is blocked: {why}; see `celery-ledger show {key}`"
             )
         if claim.gate is Gate.CONFLICT:
             what = "task id" if self.keyed_by_task_id(header_key) else f"business key {key}"

@@ -26,7 +26,7 @@ from celery_ledger.ledger import (
     StepStatus,
 )
 from celery_ledger.ledger.operator import RELEASABLE, TOMBSTONE_NOT_RELEASABLE
-from celery_ledger.redact import Redaction, redact_snapshot, secret_names
+from celery_ledger.redact import Redaction, entry_redaction, secret_names
 
 #: Longest JSON shown for one value (a result, an output); the rest is cut with a note.
 MAX_SHOWN_CHARS = 4000
@@ -177,7 +177,7 @@ def stuck(
             since=r.since,
             age=duration(now - r.since),
             fence=r.entry.fence,
-            reason=stuck_reason(r.kind, r.entry, now, page),
+            reason=_scrubbed(page, r.entry).text(stuck_reason(r.kind, r.entry, now, page)) or "",
             action=next_action(r.entry, now, page.cli_prefix),
         )
         for r in found.rows
@@ -191,6 +191,14 @@ def stuck(
         "tasks": tasks,
         "kinds": q.STUCK_KINDS,
     }
+
+
+def _scrubbed(page: LedgerPage, e: Entry) -> Redaction:
+    """What to scrub from an entry's text shown in a list: its reason may quote a secret (an
+    external ref built from a card number)."""
+    snapshot, _ = decode_stored(e.snapshot, page.cipher)
+    task = page.task(e.task_name)
+    return entry_redaction(snapshot, redact=page.settings.redact, task=task, task_of=page.task)[1]
 
 
 # -- entry -------------------------------------------------------------------------------------
@@ -263,13 +271,12 @@ def entry(page: LedgerPage, key: str) -> EntryView:
     task = page.task(e.task_name)
     names = secret_names(page.settings.redact, task)
     arguments = None
-    redaction = Redaction(names)
-    if snapshot is not None:
-        # The page shows the arguments only, but the placement's secrets (a chain link's,
-        # a callback's) are scrubbed from the result, errors and events shown with them.
-        shown, redaction = redact_snapshot(
-            snapshot, redact=page.settings.redact, task=task, task_of=page.task
-        )
+    # The page shows the arguments only, but the placement's secrets (a chain link's, a
+    # callback's) are scrubbed from the result, errors and events shown with them.
+    shown, redaction = entry_redaction(
+        snapshot, redact=page.settings.redact, task=task, task_of=page.task
+    )
+    if shown is not None:
         arguments = _json({"args": shown["args"], "kwargs": shown["kwargs"]})
     lease_left = None if e.lease_until is None else e.lease_until - now
     live_lease = e.status is EntryStatus.RUNNING and lease_left is not None and lease_left > 0
