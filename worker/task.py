@@ -32,7 +32,7 @@ from celery.utils.time import maybe_make_aware
 from celery_ledger import canvas, envelope, intents, runtime, timing
 from celery_ledger.ambiguity import RUN_BODY, Ambiguity
 from celery_ledger.attempt import Attempt, current_attempt
-from celery_ledger.codec import arguments_hash, check_depth, decode, encode
+from celery_ledger.codec import arguments_hash, check_depth, check_text, decode, encode
 from celery_ledger.crashpoints import crash_point
 from celery_ledger.heartbeat import heartbeat
 from celery_ledger.ledger import (
@@ -438,6 +438,7 @@ class LedgerTask(Task):
         headers = options.get("headers") or {}
         envelope.check_times(options)
         check_depth([args or (), kwargs or {}], what=f"arguments of {self.name}")
+        check_text([args or (), kwargs or {}], what=f"the arguments of {self.name}")
         due = timing.hold_due(self, options, linked=bool(link or link_error))
         if due is not None or intents.wanted(self, headers):
             # The ledger records this publish: a call its business key cannot be made for
