@@ -125,3 +125,44 @@ def test_the_store_refuses_a_cancel_with_unbounded_or_control_text(
         assert entry.status is EntryStatus.BLOCKED and entry.cancel_reason is None
     finally:
         store.dispose()
+
+
+# -- a --url command without -A writes nothing in the current directory --------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["list"],
+        ["list", "--stuck", "--json"],
+        ["show", "k-blocked"],
+        ["stats"],
+        ["doctor"],
+        ["sweep"],
+        ["metrics", "--once"],
+        ["cancel", "k-nope", "--by", "a", "--reason", "r"],
+        ["migrate", "--plan"],
+    ],
+    ids=lambda a: " ".join(a[:2]),
+)
+def test_a_url_command_without_an_app_creates_no_data_directory_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str]
+) -> None:
+    """The CLI's default app (no ``-A``) made ``./.celery-ledger`` (its filesystem broker's
+    folders) in whatever directory the operator stood in, for a ledger named by ``--url``."""
+    from click.testing import CliRunner
+
+    from celery_ledger.cli.main import main
+
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    blocked_entry(url)
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    for name in ("CELERY_LEDGER_DATA_DIR", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    result = CliRunner().invoke(main, ["--url", url, *args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(
+        result.exception
+    )
+    assert list(here.iterdir()) == [], (sorted(p.name for p in here.iterdir()), result.output)
