@@ -166,3 +166,47 @@ def test_a_url_command_without_an_app_creates_no_data_directory_here(
         result.exception
     )
     assert list(here.iterdir()) == [], (sorted(p.name for p in here.iterdir()), result.output)
+
+
+def test_a_resume_without_an_app_and_no_embedded_broker_here_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ``-A`` the CLI's default app sends through ``./.celery-ledger``'s broker folders;
+    where they do not exist no worker reads them: refused in one line, before anything moves."""
+    from click.testing import CliRunner
+
+    from celery_ledger.cli.main import main
+    from celery_ledger.codec import encode
+    from celery_ledger.ledger import ClaimRequest, Owner
+
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    store = LedgerStore(url)
+    try:
+        claim = store.claim(
+            ClaimRequest(
+                key="k-int",
+                task_name="shop.charge",
+                task_id="t-int",
+                args_hash="task-id",
+                snapshot=encode({"args": [], "kwargs": {}}, limit=10_000, what="snapshot"),
+                side_effect="non_idempotent",
+                owner=Owner("w@h", "b", 1),
+                lease_seconds=60.0,
+            )
+        )
+        assert store.interrupt_owner(claim.key, node="w@h", boot="b", pid=1, actor="w@h", why="x")
+    finally:
+        store.dispose()
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    for name in ("CELERY_LEDGER_DATA_DIR", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    err = assert_one_clear_line(CliRunner().invoke(main, ["--url", url, "resume", "k-int"]), "-A")
+    assert "no embedded broker" in err, err
+    assert list(here.iterdir()) == []
+    check = LedgerStore(url)
+    try:
+        assert check.get_entry("k-int").status is EntryStatus.INTERRUPTED
+    finally:
+        check.dispose()

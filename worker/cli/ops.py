@@ -32,6 +32,7 @@ from celery_ledger.cli.common import (
     print_table,
     printable,
     resolve_key,
+    sending_app,
     status_colour,
     timestamp,
 )
@@ -587,6 +588,7 @@ def resume_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
     store = open_store(ctx)
     key = resolve_key(store, ref)
     entry = store.get_entry(key)
+    sending_app(ctx)  # before anything is written: a resume must reach a worker
     if entry.status.waits_for_time:  # issue 18: send a scheduled or sleeping entry now
         from celery_ledger.cli.schedule import resume_waiting
 
