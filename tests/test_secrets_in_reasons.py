@@ -111,3 +111,17 @@ class TestFlowerScrubsReasonsAndEscapedSecrets(PageCase):
         key = parked(self.store, "shop.pay", kwargs, EntryStatus.FAILED)
         html = self.page(f"/ledger/entry/{key}")
         assert CORE not in html, html[html.find(CORE) - 300 : html.find(CORE) + 100]
+
+    def test_the_entry_page_scrubs_an_operators_release_reason_that_quotes_a_secret(self) -> None:
+        """The operator's own why (a release, a mark-dead) is free text too, shown on the page
+        as the stuck list and ``show`` show it: scrubbed."""
+        from celery_ledger.ledger import Verdict
+
+        kwargs = {"order_id": "A-1", "amount": 1, "card_number": SECRET}
+        key = parked(self.store, "shop.pay", kwargs, EntryStatus.BLOCKED)
+        self.store.release(
+            key, Verdict.NOT_EXECUTED, by="alice", reason=f"provider has no charge for {SECRET}"
+        )
+        html = self.page(f"/ledger/entry/{key}")
+        assert 'id="entry-released"' in html
+        assert CORE not in html, html[html.find(CORE) - 300 : html.find(CORE) + 100]

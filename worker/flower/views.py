@@ -245,6 +245,9 @@ class EntryView:
     result: str | None
     error: str | None
     reason: str | None
+    #: The operator's why of a release and of a mark-dead, scrubbed as the reason is.
+    released_reason: str | None
+    dead_reason: str | None
     steps: list[StepView]
     events: list[EventView]
     action: NextAction
@@ -303,6 +306,8 @@ def entry(page: LedgerPage, key: str) -> EntryView:
         result=_shown(e.result, redaction),
         error=_shown(e.error, redaction),
         reason=redaction.text(e.reason),
+        released_reason=redaction.text(e.released_reason),
+        dead_reason=redaction.text(e.dead_reason),
         steps=[_step(s, e, live_lease, redaction) for s in steps],
         events=[_event(ev, redaction) for ev in events],
         action=next_action(e, now, page.cli_prefix),
