@@ -37,6 +37,22 @@ def get(port: int, path: str) -> str:
         return str(resp.read().decode())
 
 
+def crashing_worker(group: ProcessGroup, env: dict[str, str], point: str, tmp_path: Path) -> None:
+    """One ``-E`` worker whose pool process is SIGKILLed once at the crash point ``point``."""
+    group.worker(
+        "w1",
+        queue=env["TEST_QUEUE"],
+        node=f"w1-{env['TEST_ID']}@%h",
+        concurrency=1,
+        heartbeat=True,
+        extra=["-E"],
+        env={
+            "CELERY_LEDGER_CRASH_AT": point,
+            "CELERY_LEDGER_CRASH_ONCE": str(tmp_path / "crash"),
+        },
+    ).wait_ready(90)
+
+
 def test_secret_values_never_reach_flower_events_or_logs(
     tmp_path: Path, redis: str, pg_url: str
 ) -> None:
@@ -67,18 +83,7 @@ def test_secret_values_never_reach_flower_events_or_logs(
                     return False
 
             wait_for(flower_up, timeout=60, what="Flower")
-            group.worker(
-                "w1",
-                queue=env["TEST_QUEUE"],
-                node=f"w1-{env['TEST_ID']}@%h",
-                concurrency=1,
-                heartbeat=True,
-                extra=["-E"],
-                env={
-                    "CELERY_LEDGER_CRASH_AT": "step-started:charge",
-                    "CELERY_LEDGER_CRASH_ONCE": str(tmp_path / "crash"),
-                },
-            ).wait_ready(90)
+            crashing_worker(group, env, "step-started:charge", tmp_path)
 
             def send(order: str) -> str:
                 return str(
@@ -148,18 +153,7 @@ def test_a_blocked_reason_that_quotes_a_secret_never_reaches_the_log_or_list(
     key = entry_key("page_app.pay_ref", {"order_id": "ref-blk"})
     try:
         with group:
-            group.worker(
-                "w1",
-                queue=env["TEST_QUEUE"],
-                node=f"w1-{env['TEST_ID']}@%h",
-                concurrency=1,
-                heartbeat=True,
-                extra=["-E"],
-                env={
-                    "CELERY_LEDGER_CRASH_AT": "step-ref:charge",
-                    "CELERY_LEDGER_CRASH_ONCE": str(tmp_path / "crash"),
-                },
-            ).wait_ready(90)
+            crashing_worker(group, env, "step-ref:charge", tmp_path)
             client.send_task(
                 "page_app.pay_ref",
                 kwargs={"order_id": "ref-blk", "card_number": CARD},
