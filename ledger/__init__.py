@@ -22,6 +22,7 @@ from celery_ledger.ledger.errors import (
     PayloadError,
     PayloadNotSerializable,
     PayloadTooLarge,
+    ReferenceTooLong,
     ReleaseRefused,
     SchemaError,
     SchemaTooNew,
@@ -155,6 +156,7 @@ __all__ = [
     "DeathSignalRequired",
     "MarkDeadRefused",
     "SnapshotSealError",
+    "ReferenceTooLong",
     "EntryNotFound",
     "Fenced",
 ]

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
 
 #: How long a SQLite writer waits for the lock before failing. Long, because claims from many
 #: pool processes queue on one file lock; each holds it for well under a millisecond.
@@ -36,14 +37,32 @@ def normalize_url(url: str) -> str:
     return url
 
 
+def parse_url(url: str) -> URL:
+    """``url`` parsed (``postgresql://`` mapped onto psycopg 3).
+
+    Raises:
+        ValueError: in the ledger's words, when it is not a URL at all (SQLAlchemy's own words
+            for ``postgresql://[::1`` are "invalid literal for int()"). The URL itself is not
+            repeated: it may carry a password.
+    """
+    try:
+        return make_url(normalize_url(url))
+    except (ArgumentError, ValueError):
+        raise ValueError(
+            "the ledger URL cannot be parsed: give one like postgresql://user@host:5432/db "
+            "or sqlite:///path/to/ledger.sqlite3 (a port must be a number, an IPv6 host "
+            "is written [::1])"
+        ) from None
+
+
 def is_sqlite(url: str) -> bool:
-    return make_url(normalize_url(url)).get_backend_name() == "sqlite"
+    return parse_url(url).get_backend_name() == "sqlite"
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:
     """Create an engine for ``url`` with the ledger's connection settings applied."""
+    parsed = parse_url(url)
     url = normalize_url(url)
-    parsed = make_url(url)
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         if parsed.database and parsed.database != ":memory:":

@@ -20,6 +20,7 @@ The tree::
     │   └── DeathSignalRequired  a not-executed release of an ambiguous step, no mark-dead
     ├── MarkDeadRefused          the old owner showed signs of life within the grace window
     ├── SnapshotSealError        a sealed snapshot cannot be opened, or a key is not usable
+    ├── ReferenceTooLong         a key, prefix or task id to look up is longer than any stored
     └── EntryNotFound
 
     Fenced (BaseException)       this attempt was superseded and must stop
@@ -124,6 +125,12 @@ class MarkDeadRefused(LedgerError):
 class SnapshotSealError(LedgerError, ValueError):
     """Raised when a sealed (encrypted) argument snapshot cannot be opened here, or a
     ``ledger_snapshot_keys`` key is not a usable Fernet key."""
+
+
+class ReferenceTooLong(LedgerError, ValueError):
+    """Raised when a key, key prefix or task id to look an entry up by is longer than any
+    stored one: bad input, answered before the database is asked (SQLite refuses a LIKE
+    pattern over 50,000 bytes, which read as an outage)."""
 
 
 class EntryNotFound(LedgerError, KeyError):

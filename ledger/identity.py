@@ -16,6 +16,7 @@ __all__ = [
     "entry_key",
     "input_hash",
     "is_declared",
+    "lone_surrogate",
     "provider_key",
     "sha256_hex",
     "step_provider_key",
@@ -109,8 +110,24 @@ def canonical_json(value: Any) -> str:
 
 
 def sha256_hex(text: str) -> str:
-    """Return the hex SHA-256 of ``text`` encoded as UTF-8: every key and hash of the ledger."""
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    """Return the hex SHA-256 of ``text`` encoded as UTF-8: every key and hash of the ledger.
+
+    Raises:
+        IdentityError: ``text`` holds a lone surrogate (``"\\ud800"``): JSON carries one,
+            but it is not Unicode text and UTF-8 cannot encode it.
+    """
+    try:
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    except UnicodeEncodeError as exc:
+        raise IdentityError(lone_surrogate(text[exc.start], "key material or arguments")) from None
+
+
+def lone_surrogate(char: str, what: str) -> str:
+    """Why ``what``, holding the lone surrogate ``char``, cannot be hashed or stored."""
+    return (
+        f"{what} hold the lone surrogate {char!r}, which is not Unicode text (UTF-8 cannot "
+        "encode it): the ledger cannot hash it; send valid text, or bytes as base64"
+    )
 
 
 def entry_key(task_name: str, key_material: Any) -> str:

@@ -16,7 +16,12 @@ from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.core import Note, StoreCore
 from celery_ledger.ledger.dbclock import db_now, db_now_stable
 from celery_ledger.ledger.death import death_gate
-from celery_ledger.ledger.errors import EntryNotFound, OperatorTextError, ReleaseRefused
+from celery_ledger.ledger.errors import (
+    EntryNotFound,
+    OperatorTextError,
+    ReferenceTooLong,
+    ReleaseRefused,
+)
 from celery_ledger.ledger.schema import entries, events, steps
 from celery_ledger.ledger.states import EntryStatus, SideEffect, StepStatus, Verdict
 from celery_ledger.ledger.values import RESUME_OWNER, Entry, EventRecord
@@ -60,6 +65,10 @@ def step_returned(reason: str | None) -> bool:
 #: Name of the implicit step that stands for the whole body of a task that recorded no steps.
 BODY_STEP = "__body__"
 
+#: Longest key, key prefix or task id an entry can be found by: a task id's column width (a
+#: key is 64). A longer one matches nothing, and is refused as bad input before SQLite reads it
+#: (its LIKE refuses a pattern over 50,000 bytes, an error that reads as an outage).
+MAX_REFERENCE_CHARS = 255
 #: Longest ``by`` of a release: a name or an operator token, printed in every ``show`` and
 #: audit line (and the width of its column, ``released_by``).
 MAX_RELEASE_BY_CHARS = 255
@@ -169,7 +178,16 @@ class OperatorQueries(StoreCore):
         return Entry.from_row(row)
 
     def find_keys(self, prefix_or_task_id: str, *, limit: int = 5) -> list[str]:
-        """Keys that start with ``prefix_or_task_id`` or whose task id equals it."""
+        """Keys that start with ``prefix_or_task_id`` or whose task id equals it.
+
+        Raises:
+            ReferenceTooLong: it is longer than ``MAX_REFERENCE_CHARS``; nothing is read.
+        """
+        if len(prefix_or_task_id) > MAX_REFERENCE_CHARS:
+            raise ReferenceTooLong(
+                f"a key, key prefix or task id is at most {MAX_REFERENCE_CHARS} characters; "
+                f"this one is {len(prefix_or_task_id)} long, so nothing matches it"
+            )
         with self._read() as conn:
             return [
                 k

@@ -46,6 +46,7 @@ from celery_ledger.ledger.admission import (
 from celery_ledger.ledger.core import Note, StoreCore
 from celery_ledger.ledger.dbclock import db_now, db_now_stable
 from celery_ledger.ledger.errors import EntryNotFound
+from celery_ledger.ledger.operator import check_release_text
 from celery_ledger.ledger.schema import CANCEL_PENDING, entries, steps
 from celery_ledger.ledger.states import EntryStatus, StepStatus
 from celery_ledger.ledger.values import RESUME_OWNER, ClaimRequest, Resuming
@@ -290,7 +291,10 @@ class ScheduleQueries(StoreCore):
 
         Raises:
             EntryNotFound: no entry has this key.
+            OperatorTextError: ``by`` or ``reason`` is blank, too long or not printable (the
+                rules of a release, ``check_release_text``); nothing is read or written.
         """
+        check_release_text(by, reason, action="cancel")
         with self._txn() as conn:
             row = conn.execute(
                 select(entries).where(entries.c.key == key).with_for_update()

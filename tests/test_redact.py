@@ -102,3 +102,53 @@ def test_a_snapshot_placement_is_redacted_by_each_tasks_own_rules() -> None:
         {"args": ["A-1"], "kwargs": {}}, redact=(), task=None, task_of=tasks.get
     )
     assert plain["args"] == [HIDDEN] and r2.blind
+
+
+def test_a_secret_is_scrubbed_from_json_in_every_escaped_form() -> None:
+    """Issue 30, item 5(b): an audit detail or a stored error is JSON text, where a secret
+    with a non-ASCII letter, a quote or a backslash is escaped (``P\\u00e4sswort``,
+    ``\\"``, ``\\\\``); scrubbing only the raw text missed every one of them."""
+    import json
+
+    secret = 'Pässwort "x" \\ tail'
+    _, _, r = redact_arguments([], {"password": secret}, names=frozenset({"password"}), task=Task())
+    for ensure_ascii in (True, False):
+        detail = json.dumps(
+            {"exc_message": [f"login failed for {secret}"]}, ensure_ascii=ensure_ascii
+        )
+        scrubbed = r.text(detail)
+        assert REDACTED in scrubbed, scrubbed
+        for part in ("P\\u00e4sswort", "Pässwort", '\\"x\\"'):
+            assert part not in scrubbed, (ensure_ascii, scrubbed)
+    assert r.text(f"raw {secret}") == f"raw {REDACTED}"
+
+
+def test_secret_args_naming_no_parameter_fails_at_registration() -> None:
+    """Issue 30, item 5(c): ``secret_args=("card_numbr",)`` was accepted and the card shown
+    in clear; the names are checked against the signature, as ``key_from``'s are."""
+    import pytest
+    from celery import Celery
+
+    from celery_ledger import LedgerTask
+
+    app = Celery("reg", broker="memory://", set_as_current=False)
+
+    def pay(order_id: str, card_number: str) -> None:
+        return None
+
+    app.task(base=LedgerTask, name="reg.pay", secret_args=("card_numbr",), shared=False)(pay)
+    with pytest.raises(
+        ValueError, match=r"secret_args names \['card_numbr'\].*pay\(order_id, card_number\)"
+    ):
+        app.finalize(auto=True)
+        app.tasks["reg.pay"]
+    good = Celery("reg2", broker="memory://", set_as_current=False)
+
+    def open_account(**fields: str) -> None:
+        return None
+
+    # A name any call may give through **kwargs cannot be checked: accepted.
+    good.task(base=LedgerTask, name="reg.open", secret_args=("pin",), shared=False)(open_account)
+    good.task(base=LedgerTask, name="reg.pay", secret_args="card_number", shared=False)(pay)
+    good.finalize(auto=True)
+    assert good.tasks["reg.pay"].secret_args == "card_number"

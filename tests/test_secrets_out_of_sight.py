@@ -37,6 +37,22 @@ def get(port: int, path: str) -> str:
         return str(resp.read().decode())
 
 
+def crashing_worker(group: ProcessGroup, env: dict[str, str], point: str, tmp_path: Path) -> None:
+    """One ``-E`` worker whose pool process is SIGKILLed once at the crash point ``point``."""
+    group.worker(
+        "w1",
+        queue=env["TEST_QUEUE"],
+        node=f"w1-{env['TEST_ID']}@%h",
+        concurrency=1,
+        heartbeat=True,
+        extra=["-E"],
+        env={
+            "CELERY_LEDGER_CRASH_AT": point,
+            "CELERY_LEDGER_CRASH_ONCE": str(tmp_path / "crash"),
+        },
+    ).wait_ready(90)
+
+
 def test_secret_values_never_reach_flower_events_or_logs(
     tmp_path: Path, redis: str, pg_url: str
 ) -> None:
@@ -67,18 +83,7 @@ def test_secret_values_never_reach_flower_events_or_logs(
                     return False
 
             wait_for(flower_up, timeout=60, what="Flower")
-            group.worker(
-                "w1",
-                queue=env["TEST_QUEUE"],
-                node=f"w1-{env['TEST_ID']}@%h",
-                concurrency=1,
-                heartbeat=True,
-                extra=["-E"],
-                env={
-                    "CELERY_LEDGER_CRASH_AT": "step-started:charge",
-                    "CELERY_LEDGER_CRASH_ONCE": str(tmp_path / "crash"),
-                },
-            ).wait_ready(90)
+            crashing_worker(group, env, "step-started:charge", tmp_path)
 
             def send(order: str) -> str:
                 return str(
@@ -123,6 +128,61 @@ def test_secret_values_never_reach_flower_events_or_logs(
             pages += [get(port, f"/ledger/entry/{blocked_key}")]
             for page in pages:
                 assert CARD not in page
+            for proc in group.started:
+                assert CARD not in proc.log_text(), proc.name
+    finally:
+        store.dispose()
+
+
+def test_a_blocked_reason_that_quotes_a_secret_never_reaches_the_log_or_list(
+    tmp_path: Path, redis: str, pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30, item 5(a): a step recorded an external ref built from the card number, and
+    its worker died after it. The redelivery blocks the entry with a reason that quotes the
+    ref: the worker's log line, the ``LedgerBlocked`` Celery logs, and ``list --json`` printed
+    the card, while ``show`` scrubbed it."""
+    from click.testing import CliRunner
+
+    from celery_ledger.cli.main import main
+
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url)
+    client = Celery("client", broker=redis, backend=redis)
+    store = LedgerStore(pg_url)
+    store.now()
+    group = ProcessGroup(tmp_path, app="page_app", env=env, cwd=TESTS, pythonpath=[TESTS])
+    key = entry_key("page_app.pay_ref", {"order_id": "ref-blk"})
+    try:
+        with group:
+            crashing_worker(group, env, "step-ref:charge", tmp_path)
+            client.send_task(
+                "page_app.pay_ref",
+                kwargs={"order_id": "ref-blk", "card_number": CARD},
+                queue=env["TEST_QUEUE"],
+            )
+
+            def blocked() -> bool:
+                try:
+                    return store.get_entry(key).status is EntryStatus.BLOCKED
+                except EntryNotFound:
+                    return False
+
+            wait_for(blocked, timeout=90, interval=0.3, what="the order blocked")
+            # The ledger keeps the reason whole: the ref is what the operator reconciles by.
+            assert CARD in (store.get_entry(key).reason or "")
+            monkeypatch.chdir(TESTS)
+            monkeypatch.syspath_prepend(str(TESTS))
+            for name, value in env.items():
+                monkeypatch.setenv(name, value)
+            listed = CliRunner().invoke(
+                main, ["-A", "page_app", "--url", pg_url, "list", "--json", "--limit", "1000"]
+            )
+            assert listed.exit_code == 0, listed.output
+            assert key in listed.output and CARD not in listed.output
+
+            def logged() -> bool:
+                return any("blocked key=" in p.log_text() for p in group.started)
+
+            wait_for(logged, timeout=30, interval=0.3, what="the worker's blocked line")
             for proc in group.started:
                 assert CARD not in proc.log_text(), proc.name
     finally:

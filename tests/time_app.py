@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +143,15 @@ def register(target: Any) -> dict[str, Any]:
         """Must start its effect within a second of being published (``deadline``)."""
         return self.step("run", effect, tag, "run")
 
+    @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.sleep_naive")
+    def sleep_naive(self: LedgerTask, tag: str, seconds: float) -> str:
+        """``wait_until`` a naive datetime: UTC, as Celery reads a naive ``eta``."""
+        utc_wall = datetime.now(timezone.utc).replace(tzinfo=None)
+        self.wait_until(utc_wall + timedelta(seconds=seconds))
+        return self.step("run", effect, tag, "run")
+
     return {
+        "sleep_naive": sleep_naive,
         "soon": soon,
         "bare": bare,
         "bare_retry_far": bare_retry_far,

@@ -52,9 +52,15 @@ def create_app(
     broker_url: str | None = None,
     result_backend: str | None = None,
     ledger_url: str | None = None,
+    make_dirs: bool = True,
     **conf: Any,
 ) -> Celery:
-    """A ledger-aware Celery app; defaults to the embedded, server-less setup."""
+    """A ledger-aware Celery app; defaults to the embedded, server-less setup.
+
+    ``make_dirs``: create the embedded data directory now (the filesystem broker's folders,
+    the results database's). The CLI's default app (no ``-A``) passes False: it reads the
+    settings, and must not leave ``./.celery-ledger`` wherever an operator runs it.
+    """
     env = os.environ
     data = Path(data_dir or env.get("CELERY_LEDGER_DATA_DIR", DEFAULT_DATA_DIR)).resolve()
     broker = broker_url or env.get("CELERY_BROKER_URL") or "filesystem://"
@@ -82,8 +88,9 @@ def create_app(
         # created and not written yet, and the worker dies of it (``celery_ledger.fsbroker``).
         app.conf.broker_transport = fsbroker.TRANSPORT
         queue_dir = data / "broker"
-        queue_dir.mkdir(parents=True, exist_ok=True)
-        (data / "broker-processed").mkdir(parents=True, exist_ok=True)
+        if make_dirs:
+            queue_dir.mkdir(parents=True, exist_ok=True)
+            (data / "broker-processed").mkdir(parents=True, exist_ok=True)
         app.conf.broker_transport_options = {
             "data_folder_in": str(queue_dir),
             "data_folder_out": str(queue_dir),
@@ -92,7 +99,7 @@ def create_app(
             # Fanout/control exchanges; kombu's default is ./control in the current directory.
             "control_folder": str(data / "broker-control"),
         }
-    if backend.startswith("db+sqlite"):
+    if backend.startswith("db+sqlite") and make_dirs:
         data.mkdir(parents=True, exist_ok=True)
     if env.get("CELERY_TASK_DEFAULT_QUEUE_TYPE") == "quorum":
         # RabbitMQ quorum queues (Celery 5.5+), on a topic exchange: countdown messages (a

@@ -46,6 +46,7 @@ from celery_ledger.ledger import (
 )
 from celery_ledger.outbox import Sends
 from celery_ledger.recovery.outbox import publish
+from celery_ledger.redact import scrub_for_call
 from celery_ledger.replay import Drift, Ident, Identify, ReplayBook, check_step_name, identity_of
 from celery_ledger.settings import LedgerSettings
 from celery_ledger.transaction import TransactionStep
@@ -232,8 +233,22 @@ class Attempt:
         """
         if not self.block(reason):
             raise Fenced(f"key {self.key} fence {self.fence}: block refused")
-        self.emit("blocked", reason=reason)
-        raise LedgerBlocked(f"{self.task.name}[{self.task_id}] key {self.key}: {reason}")
+        shown = self.scrub(reason)
+        self.emit("blocked", reason=shown)
+        raise LedgerBlocked(f"{self.task.name}[{self.task_id}] key {self.key}: {shown}")
+
+    def scrub(self, text: str) -> str:
+        """``text`` as it may leave the worker (a log line, an event, the exception Celery
+        logs and stores), with this call's secret argument values scrubbed. The ledger keeps
+        it whole; ``show`` and the page scrub it when they show it."""
+        request = getattr(self.task, "request", None)
+        return scrub_for_call(
+            text,
+            redact=self.settings.redact,
+            task=self.task,
+            args=getattr(request, "args", None),
+            kwargs=getattr(request, "kwargs", None),
+        )
 
     def _check_fence(self) -> None:
         if self.superseded is not None:
@@ -758,6 +773,10 @@ class Attempt:
     def block(self, reason: str) -> bool:
         """Park the entry ``blocked`` with ``reason`` for an operator (``settle``)."""
         log.warning(
-            "blocked key=%s task_id=%s fence=%s: %s", self.key, self.task_id, self.fence, reason
+            "blocked key=%s task_id=%s fence=%s: %s",
+            self.key,
+            self.task_id,
+            self.fence,
+            self.scrub(reason),
         )
         return self.settle(EntryStatus.BLOCKED, reason=reason)

@@ -20,7 +20,7 @@ from celery_ledger.ledger import (
     canonical_json,
 )
 from celery_ledger.ledger.errors import IdentityError
-from celery_ledger.ledger.identity import sha256_hex
+from celery_ledger.ledger.identity import lone_surrogate, sha256_hex
 
 
 def encode(
@@ -126,6 +126,29 @@ def check_depth(value: Any, *, what: str, limit: int = MAX_ARGUMENT_DEPTH) -> No
 
 
 _NESTED = (dict, list, tuple)
+
+
+def check_text(value: Any, *, what: str) -> None:
+    """Refuse ``value`` if a string in it (a value or a dict key) holds a lone surrogate: a
+    worker could decode the message but not hash its arguments (``sha256_hex``).
+
+    Raises:
+        IdentityError: naming the surrogate; nothing is sent.
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise IdentityError(lone_surrogate(item[exc.start], what)) from None
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
 
 
 def decode(text: str | None) -> Any:

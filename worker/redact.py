@@ -14,8 +14,9 @@ Rules, all failing closed:
   the task is not importable here (so neither its signature nor its ``secret_args`` is known),
   every argument value is hidden and only the names and positions stay;
 - scrubbing replaces every occurrence of a secret value of at least ``MIN_SCRUB_LENGTH``
-  characters; shorter values are hidden where they are named but cannot be searched for in
-  free text without hiding innocent digits.
+  characters, raw and in each form JSON text escapes it to (a stored error, an audit
+  detail: ``P\\u00e4sswort``, ``\\"``); shorter values are hidden where they are named but
+  cannot be searched for in free text without hiding innocent digits.
 
 A stored argument snapshot also holds other tasks' arguments: its canvas placement
 (``canvas``: the rest of a chain, the ``link``/``link_error`` callbacks, a chord's body, each
@@ -23,16 +24,19 @@ possibly carrying more of them in its options). ``redact_snapshot`` hides each o
 own task's rules, as if it were that task's arguments, and scrubs every secret it found from
 all of it.
 
-Its users: the Flower page and the CLI's ``show`` (``cli.ops._redact_view``), both through
-``redact_snapshot``, and the argument reprs of the worker's ``task-received`` event and log
-lines (``request.LedgerRequest``).
+Its users: the Flower page (entry and stuck list) and the CLI's ``show`` and ``list``
+(``cli.ops._redaction``), all through ``entry_redaction``; a blocked reason as it leaves the
+worker (``scrub_for_call``: its log line, event and ``LedgerBlocked``); and the argument reprs
+of the worker's ``task-received`` event and log lines (``request.LedgerRequest``).
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 #: What a hidden value is shown as.
@@ -53,11 +57,27 @@ class Redaction:
     #: True when every argument value was hidden because the task is unknown here.
     blind: bool = False
 
+    @cached_property
+    def _forms(self) -> tuple[str, ...]:
+        """Each secret value as raw text and as it reads inside JSON text (a stored error, an
+        audit detail): escaped with ``ensure_ascii`` (``P\\u00e4sswort``) and without (only
+        quotes, backslashes and control characters escaped). Longest first."""
+        forms = {
+            form
+            for secret in self.values
+            for form in (
+                secret,
+                json.dumps(secret)[1:-1],
+                json.dumps(secret, ensure_ascii=False)[1:-1],
+            )
+        }
+        return tuple(sorted(forms, key=lambda s: (-len(s), s)))
+
     def text(self, value: str | None) -> str | None:
-        """``value`` with every secret value replaced by ``REDACTED``."""
+        """``value`` with every secret value, raw or JSON-escaped, replaced by ``REDACTED``."""
         if value is None:
             return None
-        for secret in self.values:
+        for secret in self._forms:
             value = value.replace(secret, REDACTED)
         return value
 
@@ -113,6 +133,23 @@ def redact_arguments(
     )
 
 
+def scrub_for_call(text: str, *, redact: Iterable[str], task: Any, args: Any, kwargs: Any) -> str:
+    """``text`` (a reason) with the secret argument values of one call of ``task`` scrubbed,
+    before it leaves the worker: a log line, an event, the exception Celery logs. A reason may
+    quote a secret (an external ref built from a card number). Fails closed: when the
+    arguments cannot be read, the whole text is hidden."""
+    names = secret_names(redact, task)
+    if not names:
+        return text
+    try:
+        _, _, redaction = redact_arguments(
+            list(args or ()), dict(kwargs or {}), names=names, task=task
+        )
+    except Exception:  # noqa: BLE001 - fail closed
+        return REDACTED
+    return redaction.text(text) or ""
+
+
 def redact_snapshot(
     snapshot: Mapping[str, Any],
     *,
@@ -145,6 +182,23 @@ def redact_snapshot(
         blind=own.blind,
     )
     return {k: merged.value(v) if k in _ARGUMENTS else v for k, v in shown.items()}, merged
+
+
+def entry_redaction(
+    snapshot: Any,
+    *,
+    redact: Iterable[str],
+    task: Any | None,
+    task_of: Callable[[str], Any | None],
+) -> tuple[dict[str, Any] | None, Redaction]:
+    """An entry's decoded ``snapshot`` safe to show (None when it has none that reads), and
+    the ``Redaction`` for every other text shown of the entry: its reason, result, error,
+    step refs and audit details, wherever they are shown (a list row as much as ``show``).
+    Without a snapshot only the names are known, so nothing can be scrubbed by value.
+    """
+    if not isinstance(snapshot, Mapping):
+        return None, Redaction(secret_names(redact, task))
+    return redact_snapshot(snapshot, redact=redact, task=task, task_of=task_of)
 
 
 #: The keys of a snapshot that hold arguments (its own, and its canvas placement's).

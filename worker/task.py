@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -32,7 +32,7 @@ from celery.utils.time import maybe_make_aware
 from celery_ledger import canvas, envelope, intents, refusal, runtime, timing
 from celery_ledger.ambiguity import RUN_BODY, Ambiguity
 from celery_ledger.attempt import Attempt, current_attempt
-from celery_ledger.codec import arguments_hash, check_depth, decode, encode
+from celery_ledger.codec import arguments_hash, check_depth, check_text, decode, encode
 from celery_ledger.crashpoints import crash_point
 from celery_ledger.heartbeat import heartbeat
 from celery_ledger.ledger import (
@@ -51,6 +51,7 @@ from celery_ledger.ledger import (
     entry_key,
 )
 from celery_ledger.recovery.reconcile import Reconciler
+from celery_ledger.redact import scrub_for_call
 from celery_ledger.redelivery import header, ledger_unavailable, redeliver, wait_briefly
 from celery_ledger.replay import Identify
 from celery_ledger.settings import LedgerSettings
@@ -114,22 +115,35 @@ class LedgerTask(Task):
                 envelope.relative_seconds(cls.deadline, "deadline")
             except ValueError as exc:
                 raise ValueError(f"task {cls.name}: {exc}") from None
-        if cls.key_from is None or callable(cls.key_from):
-            return
         if isinstance(cls.key_from, str):
             raise TypeError(
                 f"task {cls.name}: key_from must be a tuple of argument names or a "
                 f"callable, not the string {cls.key_from!r}"
             )
-        sig = inspect.signature(cls.run)
-        params = [p for p in sig.parameters.values() if p.name != "self"]
+        if cls.key_from is not None and not callable(cls.key_from):
+            cls._check_argument_names("key_from", cls.key_from)
+        # A misspelled secret name would hide nothing, and show the secret in clear.
+        secret_args = getattr(cls, "secret_args", None) or ()
+        cls._check_argument_names(
+            "secret_args", (secret_args,) if isinstance(secret_args, str) else secret_args
+        )
+
+    @classmethod
+    def _check_argument_names(cls, option: str, names: Iterable[str]) -> None:
+        """Refuse an option that names arguments the task's signature does not have (any
+        name is fine for a task that takes ``**kwargs``).
+
+        Raises:
+            ValueError: naming the option, the names and the signature.
+        """
+        params = [p for p in inspect.signature(cls.run).parameters.values() if p.name != "self"]
         if any(p.kind is p.VAR_KEYWORD for p in params):
             return
-        names = {p.name for p in params}
-        missing = [n for n in cls.key_from if n not in names]
+        known = {p.name for p in params}
+        missing = [n for n in names if n not in known]
         if missing:
             raise ValueError(
-                f"task {cls.name}: key_from names {missing}, which are not arguments of "
+                f"task {cls.name}: {option} names {missing}, which are not arguments of "
                 f"{cls.name}({', '.join(p.name for p in params)})"
             )
 
@@ -424,6 +438,7 @@ class LedgerTask(Task):
         headers = options.get("headers") or {}
         envelope.check_times(options)
         check_depth([args or (), kwargs or {}], what=f"arguments of {self.name}")
+        check_text([args or (), kwargs or {}], what=f"the arguments of {self.name}")
         due = timing.hold_due(self, options, linked=bool(link or link_error))
         if due is not None or intents.wanted(self, headers):
             # The ledger records this publish: a call its business key cannot be made for
@@ -561,9 +576,11 @@ class LedgerTask(Task):
         if claim.gate is Gate.HOLD:
             raise Ignore()  # scheduled or sleeping: the ledger sends it when due
         if claim.gate is Gate.BLOCK:
+            why = scrub_for_call(
+                claim.reason or "", redact=settings.redact, task=self, args=args, kwargs=kwargs
+            )
             raise LedgerBlocked(
-                f"{self.name}[{req.id}] key {key} is blocked: {claim.reason}; "
-                f"see `celery-ledger show {key}`"
+                f"{self.name}[{req.id}] key {key} is blocked: {why}; see `celery-ledger show {key}`"
             )
         if claim.gate is Gate.CONFLICT:
             what = "task id" if self.keyed_by_task_id(header_key) else f"business key {key}"

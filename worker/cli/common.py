@@ -21,6 +21,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import click
@@ -44,7 +45,7 @@ from celery_ledger.ledger import (
     open_snapshot,
     step_returned,
 )
-from celery_ledger.ledger.engine import is_sqlite, make_engine, normalize_url
+from celery_ledger.ledger.engine import is_sqlite, make_engine, parse_url
 from celery_ledger.ledger.errors import as_unavailable
 from celery_ledger.ledger.migrate import pending_revisions
 
@@ -121,7 +122,7 @@ def sqlite_path(url: str) -> str | None:
     """The file of a SQLite ledger URL (None: not SQLite, or in memory)."""
     if not is_sqlite(url):
         return None
-    path = make_url(normalize_url(url)).database
+    path = parse_url(url).database
     return None if not path or path == ":memory:" else path
 
 
@@ -213,6 +214,28 @@ def load_app(ctx: click.Context) -> Any:
         return ctx.obj.app
     except Exception as exc:  # noqa: BLE001 - an app that does not import is bad input
         raise click.ClickException(f"cannot load the Celery app: {one_line(exc)}") from exc
+
+
+def sending_app(ctx: click.Context) -> Any:
+    """The Celery app a command sends a task through (``resume``).
+
+    Raises:
+        click.ClickException: no ``-A`` was given and the embedded default's broker folder
+            does not exist here: a message sent there would wait for a worker that never
+            reads it (the CLI creates no ``./.celery-ledger``).
+    """
+    from celery_ledger import fsbroker
+
+    app = load_app(ctx)
+    folder = None
+    if app.conf.broker_transport == fsbroker.TRANSPORT:
+        folder = (app.conf.broker_transport_options or {}).get("data_folder_in")
+    if folder and not Path(folder).is_dir():
+        raise click.ClickException(
+            f"no embedded broker at {folder}: give -A with the app whose workers run the "
+            "task, or run from its project directory, or set CELERY_LEDGER_DATA_DIR"
+        )
+    return app
 
 
 def load_settings(ctx: click.Context) -> Any:

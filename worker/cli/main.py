@@ -14,6 +14,7 @@ Each command family lives in a module of its own and is added here:
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Any
 
@@ -53,7 +54,10 @@ class LedgerContext:
             else:
                 from celery_ledger.app import create_app
 
-                self._app = create_app()
+                # The embedded default's data directory is ./.celery-ledger: made here, it
+                # would litter wherever an operator runs a --url command. Only one named by
+                # CELERY_LEDGER_DATA_DIR is made (a resume sends through its broker folders).
+                self._app = create_app(make_dirs="CELERY_LEDGER_DATA_DIR" in os.environ)
         return self._app
 
     @property

@@ -42,7 +42,13 @@ def metrics_command(obj: Any, port: int, address: str, ttl: float, once: bool) -
         registry.register(collector)
         click.echo(generate_latest(registry).decode(), nl=False)
         return
-    server = serve(collector, address=address, port=port)
+    if not 0 <= port <= 65535:
+        raise click.ClickException(f"--port {port} is not a TCP port: give 0 to 65535")
+    try:
+        server = serve(collector, address=address, port=port)
+    except (OSError, OverflowError) as exc:  # socket.gaierror is an OSError
+        why = getattr(exc, "strerror", None) or exc
+        raise click.ClickException(f"cannot serve metrics on {address}:{port}: {why}") from None
     click.echo(
         f"celery-ledger metrics on http://{address}:{server.server_port}/metrics (ttl {ttl:g}s)",
         err=True,

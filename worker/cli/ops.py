@@ -32,6 +32,7 @@ from celery_ledger.cli.common import (
     print_table,
     printable,
     resolve_key,
+    sending_app,
     status_colour,
     timestamp,
 )
@@ -93,6 +94,11 @@ def list_cmd(
     now = store.now()
     prefix = command_prefix(ctx)
     views = [entry_view(e, now, prefix) for e in found]
+    cipher = None
+    for e, view in zip(found, views, strict=True):
+        if is_sealed(e.snapshot) and cipher is None:
+            cipher = cipher_from(load_settings(ctx).snapshot_keys)
+        _scrub_view(view, _redaction(ctx, e.task_name, decode_stored(e.snapshot, cipher)[0])[1])
     if as_json:
         emit_json({"now": now, "entries": views})
         return
@@ -412,8 +418,11 @@ def _authorize(
         raise click.ClickException(f"{decision.reason or 'not allowed'}; nothing was {verb}")
 
 
-def _redact_view(ctx: click.Context, task_name: str, view: dict[str, Any]) -> list[str]:
-    """Hide secret argument values in ``view`` (``celery_ledger.redact``); the names hidden.
+def _redaction(
+    ctx: click.Context, task_name: str, snapshot: Any
+) -> tuple[dict[str, Any] | None, Any]:
+    """An entry's snapshot safe to show, and the ``Redaction`` for the rest of its text
+    (``celery_ledger.redact.entry_redaction``).
 
     The secret names are ``ledger_redact`` plus the task's ``secret_args`` when the CLI's app
     (``-A``) registers the task. Unlike the Flower page, an unknown task does not hide every
@@ -423,7 +432,7 @@ def _redact_view(ctx: click.Context, task_name: str, view: dict[str, Any]) -> li
     named in the snapshot's canvas placement (the rest of a chain, callbacks, errbacks) are
     redacted by the same rules, each by its own (``redact_snapshot``), as Flower's page does.
     """
-    from celery_ledger.redact import Redaction, redact_snapshot, secret_names
+    from celery_ledger.redact import entry_redaction
 
     settings = load_settings(ctx)
     try:
@@ -435,18 +444,31 @@ def _redact_view(ctx: click.Context, task_name: str, view: dict[str, Any]) -> li
         task = tasks.get(name)
         return task if task is not None else object()  # no signature: names unknown
 
-    task = task_of(task_name)
-    redaction = Redaction(secret_names(settings.redact, task))
-    snapshot = view.get("snapshot")
-    if isinstance(snapshot, dict):
-        view["snapshot"], redaction = redact_snapshot(
-            snapshot, redact=settings.redact, task=task, task_of=task_of
-        )
+    return entry_redaction(
+        snapshot, redact=settings.redact, task=task_of(task_name), task_of=task_of
+    )
+
+
+def _scrub_view(view: dict[str, Any], redaction: Any) -> None:
+    """Scrub the free text of an ``entry_view`` (its reason, a release's or mark-dead's why,
+    the hint that may quote them): a reason may quote a secret."""
+    view["reason"] = redaction.text(view.get("reason"))
+    view["hint"] = redaction.text(view.get("hint"))
+    for stamp in ("released", "marked_dead"):
+        if view.get(stamp):
+            view[stamp]["reason"] = redaction.text(view[stamp]["reason"])
+
+
+def _redact_view(ctx: click.Context, task_name: str, view: dict[str, Any]) -> list[str]:
+    """Hide secret argument values in ``view`` (``_redaction``); the names hidden."""
+    shown, redaction = _redaction(ctx, task_name, view.get("snapshot"))
+    if shown is not None:
+        view["snapshot"] = shown
     if not redaction.names:
         return []  # nothing is secret: nothing was hidden
     for name in ("result", "error"):
         view[name] = redaction.value(view.get(name))
-    view["reason"] = redaction.text(view.get("reason"))
+    _scrub_view(view, redaction)
     for step in view["steps"]:
         step["external_ref"] = redaction.text(step["external_ref"])
     for event in view["events"]:
@@ -571,6 +593,7 @@ def resume_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
     store = open_store(ctx)
     key = resolve_key(store, ref)
     entry = store.get_entry(key)
+    sending_app(ctx)  # before anything is written: a resume must reach a worker
     if entry.status.waits_for_time:  # issue 18: send a scheduled or sleeping entry now
         from celery_ledger.cli.schedule import resume_waiting
 

@@ -45,7 +45,7 @@ def cancel_cmd(
         raise click.ClickException(
             "--reason WHY is required: a cancellation is stamped with its why"
         )
-    check_release_text(by, reason, by_name="--by", reason_name="--reason")
+    check_release_text(by, reason, by_name="--by", reason_name="--reason", action="cancel")
     settings = load_settings(ctx)
     if settings.operator_tokens and by not in settings.operator_tokens:
         raise click.ClickException("--by must be an operator token; nothing was cancelled")

@@ -33,7 +33,7 @@ from celery_ledger.flower import actions, views
 from celery_ledger.flower import queries as q
 from celery_ledger.flower.context import LedgerPage, page_for
 from celery_ledger.flower.hook import TEMPLATES, LedgerTemplateLoader, flower_templates
-from celery_ledger.ledger import EntryNotFound, LedgerError, entry_key
+from celery_ledger.ledger import EntryNotFound, LedgerError, ReferenceTooLong, entry_key
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,8 @@ class LedgerHandler(BaseHandler):
             return await IOLoop.current().run_in_executor(self.application.executor, fn, *args)
         except EntryNotFound as exc:
             raise web.HTTPError(404, str(exc)) from None
+        except ReferenceTooLong as exc:  # bad input, not an outage
+            raise web.HTTPError(400, str(exc)) from None
         except (LedgerError, sa_exc.SQLAlchemyError) as exc:
             log.warning("celery-ledger page: ledger unavailable: %s", exc)
             raise web.HTTPError(

@@ -31,7 +31,7 @@ from celery_ledger.ledger.operator import (
     TOMBSTONE_NOT_RELEASABLE,
     step_returned,
 )
-from celery_ledger.redact import Redaction, redact_snapshot, secret_names
+from celery_ledger.redact import Redaction, entry_redaction, secret_names
 
 #: Longest JSON shown for one value (a result, an output); the rest is cut with a note.
 MAX_SHOWN_CHARS = 4000
@@ -182,7 +182,7 @@ def stuck(
             since=r.since,
             age=duration(now - r.since),
             fence=r.entry.fence,
-            reason=stuck_reason(r.kind, r.entry, now, page),
+            reason=_scrubbed(page, r.entry).text(stuck_reason(r.kind, r.entry, now, page)) or "",
             action=next_action(r.entry, now, page.cli_prefix),
         )
         for r in found.rows
@@ -196,6 +196,14 @@ def stuck(
         "tasks": tasks,
         "kinds": q.STUCK_KINDS,
     }
+
+
+def _scrubbed(page: LedgerPage, e: Entry) -> Redaction:
+    """What to scrub from an entry's text shown in a list: its reason may quote a secret (an
+    external ref built from a card number)."""
+    snapshot, _ = decode_stored(e.snapshot, page.cipher)
+    task = page.task(e.task_name)
+    return entry_redaction(snapshot, redact=page.settings.redact, task=task, task_of=page.task)[1]
 
 
 # -- entry -------------------------------------------------------------------------------------
@@ -242,6 +250,9 @@ class EntryView:
     result: str | None
     error: str | None
     reason: str | None
+    #: The operator's why of a release and of a mark-dead, scrubbed as the reason is.
+    released_reason: str | None
+    dead_reason: str | None
     steps: list[StepView]
     events: list[EventView]
     action: NextAction
@@ -270,13 +281,12 @@ def entry(page: LedgerPage, key: str) -> EntryView:
     task = page.task(e.task_name)
     names = secret_names(page.settings.redact, task)
     arguments = None
-    redaction = Redaction(names)
-    if snapshot is not None:
-        # The page shows the arguments only, but the placement's secrets (a chain link's,
-        # a callback's) are scrubbed from the result, errors and events shown with them.
-        shown, redaction = redact_snapshot(
-            snapshot, redact=page.settings.redact, task=task, task_of=page.task
-        )
+    # The page shows the arguments only, but the placement's secrets (a chain link's, a
+    # callback's) are scrubbed from the result, errors and events shown with them.
+    shown, redaction = entry_redaction(
+        snapshot, redact=page.settings.redact, task=task, task_of=page.task
+    )
+    if shown is not None:
         arguments = _json({"args": shown["args"], "kwargs": shown["kwargs"]})
     lease_left = None if e.lease_until is None else e.lease_until - now
     live_lease = e.status is EntryStatus.RUNNING and lease_left is not None and lease_left > 0
@@ -303,6 +313,8 @@ def entry(page: LedgerPage, key: str) -> EntryView:
         result=_shown(e.result, redaction),
         error=_shown(e.error, redaction),
         reason=redaction.text(e.reason),
+        released_reason=redaction.text(e.released_reason),
+        dead_reason=redaction.text(e.dead_reason),
         steps=[_step(s, e, live_lease, redaction) for s in steps],
         events=[_event(ev, redaction) for ev in events],
         action=next_action(e, now, page.cli_prefix),

@@ -53,6 +53,7 @@ included, or if an effect of a timed task started after its deadline or its canc
 from __future__ import annotations
 
 import logging
+import math
 import random
 import sqlite3
 import threading
@@ -876,6 +877,12 @@ def render(report: VerifyReport) -> str:
     return "\n".join(lines)
 
 
+def _finite(param: click.Parameter, value: float) -> float:
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number of seconds", param=param)
+    return value
+
+
 @click.command("verify")
 @click.option(
     "--tasks",
@@ -886,7 +893,9 @@ def render(report: VerifyReport) -> str:
 )
 @click.option(
     "--duration",
+    # FloatRange alone lets NaN through: every comparison with NaN is false.
     type=click.FloatRange(1, 3600),
+    callback=lambda ctx, param, value: _finite(param, value),
     default=60.0,
     show_default=True,
     help="Longest the chaos loop runs, in seconds.",
