@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from celery_ledger.app import create_app, install, sweep_now
-    from celery_ledger.attempt import NestedStepError, StepUsageError
+    from celery_ledger.attempt import NestedStepError, SendRefused, StepUsageError
     from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciled
     from celery_ledger.settings import LedgerSettings
     from celery_ledger.task import LedgerTask
@@ -29,6 +29,7 @@ _EXPORTS = {
     "LedgerTask": "celery_ledger.task",
     "StepUsageError": "celery_ledger.attempt",
     "NestedStepError": "celery_ledger.attempt",
+    "SendRefused": "celery_ledger.attempt",
     # Reconcilers
     "AmbiguousStep": "celery_ledger.recovery.reconcile",
     "Reconciled": "celery_ledger.recovery.reconcile",
@@ -43,6 +44,7 @@ __all__ = [
     "LedgerTask",
     "StepUsageError",
     "NestedStepError",
+    "SendRefused",
     "AmbiguousStep",
     "Reconciled",
     "create_app",

@@ -1,0 +1,188 @@
+"""Issue 30, the outbox under hostile input (items 2, 7, 8): the failing-first tests.
+
+Through a real worker (Redis broker, PostgreSQL ledger), and beat's sweep where the outbox is
+published later. ``outbox_app.send_bad`` charges in an effect step, then sends one child that
+is wrong in one way:
+
+- item 7: a misuse of ``self.send()`` is a programming error: the task fails with a reason
+  naming the cause; it is never blocked as "may have executed";
+- item 8: a child nested deeper than a worker can decode is refused at send, as ``apply_async``
+  refuses it;
+- item 2: an option the broker publish refuses every time (``countdown`` NaN, ``"soon"``,
+  ``1e12``) is refused at send; a bad child already recorded never holds back the others, and
+  it is counted and shown.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import pytest
+from outbox_app import OUTBOX_TASKS
+
+from celery_ledger.ledger import (
+    Child,
+    ClaimRequest,
+    EntryNotFound,
+    EntryStatus,
+    LedgerStore,
+    Owner,
+    child_task_id,
+    entry_key,
+)
+from helpers import business_key, effect_counts, key_of
+from procs import processes, test_env, wait_for
+from test_delivery import client_app
+
+pytestmark = pytest.mark.processes
+
+#: kind -> a word the failure's reason must hold (the cause, in the ledger's words).
+MISUSES = {
+    "eta": "eta",
+    "task_id": "task_id",
+    "string": "signature",
+    "not-json": "JSON",
+    "huge": "ledger_max_snapshot_bytes",
+    "nested": "levels deep",
+    "countdown-nan": "countdown",
+    "countdown-soon": "countdown",
+    "countdown-huge": "countdown",
+    "expires-nan": "expires",
+    "priority-word": "priority",
+}
+
+
+def settled(store: LedgerStore, key: str) -> bool:
+    try:
+        return store.get_entry(key).status not in (EntryStatus.RUNNING, EntryStatus.INTERRUPTED)
+    except EntryNotFound:
+        return False
+
+
+def test_a_misused_send_fails_the_task_with_its_cause_and_records_no_child(
+    tmp_path, redis, pg_url
+):
+    """Items 7 and 8, and item 2's "validated at send": each misuse fails its task (never
+    blocked), the failure names the cause, the step's effect ran once, and the outbox holds
+    nothing for it; a good send in the same worker still goes out."""
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url)
+    app = client_app(env)
+    store = LedgerStore(pg_url)
+    keys = {kind: business_key("outbox_app.send_bad", tag=f"m-{kind}") for kind in MISUSES}
+    with processes(tmp_path, env) as procs:
+        procs.worker("w1", concurrency=2, extra=OUTBOX_TASKS)
+        for kind in MISUSES:
+            app.send_task("outbox_app.send_bad", args=(f"m-{kind}", kind))
+        good = app.send_task("outbox_app.send_bad", args=("m-good", "good"))
+        child_id = good.get(timeout=90)
+        wait_for(
+            lambda: all(settled(store, k) for k in keys.values()),
+            timeout=120,
+            what="every misuse settled",
+        )
+        wait_for(
+            lambda: settled(store, key_of("tests_app.child_effect", child_id)),
+            timeout=60,
+            what="the good child ran",
+        )
+    app.close()
+    failures = []
+    for kind, word in MISUSES.items():
+        entry = store.get_entry(keys[kind])
+        text = f"{entry.reason or ''} {entry.error or ''}"
+        if entry.status is not EntryStatus.FAILED or word not in text:
+            failures.append(f"{kind}: {entry.status.value} {text[:300]!r}")
+        if store.children_of(keys[kind]):
+            failures.append(f"{kind}: a child was recorded")
+        if effect_counts(pg_url, f"m-{kind}").get((f"m-{kind}", "charge")) != 1:
+            failures.append(f"{kind}: charged {effect_counts(pg_url, f'm-{kind}')}")
+    assert not failures, "\n".join(failures)
+    assert store.stats().duplicate_executions == 0
+
+
+def test_send_of_a_task_no_app_registers_warns(tmp_path, redis, pg_url):
+    """The doc item: a child whose task no app registers is accepted (a producer may send to
+    another service's worker) but warned about at send, as a plain child is."""
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url)
+    app = client_app(env)
+    with processes(tmp_path, env) as procs:
+        worker = procs.worker("w1", concurrency=1, extra=OUTBOX_TASKS)
+        app.send_task("outbox_app.send_unknown", args=("u1",)).get(timeout=60)
+        worker.wait_log("outbox_app.nobody_has_this", timeout=30)
+    app.close()
+    assert "no app here registers" in worker.log_path.read_text()
+
+
+# -- item 2: a bad child already recorded never holds back the others -------------------------
+
+
+def _parent(store: LedgerStore, task: str) -> tuple[str, int]:
+    task_id = str(uuid.uuid4())
+    claim = store.claim(
+        ClaimRequest(
+            key=entry_key(task, task_id),
+            task_name=task,
+            task_id=task_id,
+            args_hash="task-id",
+            snapshot=None,
+            side_effect="non_idempotent",
+            owner=Owner("celery@old", "boot-1", 1),
+            lease_seconds=3600.0,
+        )
+    )
+    return claim.key, claim.fence
+
+
+def _record(store: LedgerStore, task: str, children: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Record children of a fresh parent as a step would have, bypassing ``send()``'s checks
+    (a row written before them, or by an older version)."""
+    key, fence = _parent(store, task)
+    recorded = [
+        Child(
+            child_task_id(key, "notify", 0, n),
+            name,
+            json.dumps({"args": payload.pop("args"), "kwargs": {}, "options": payload}),
+            n,
+        )
+        for n, (name, payload) in enumerate(children)
+    ]
+    assert store.complete_step(
+        key, fence, ("notify", "h", 0), seq=1, output="null", children=recorded
+    )
+    return [c.child_id for c in recorded]
+
+
+def test_a_child_the_broker_refuses_never_holds_back_the_others(tmp_path, redis, pg_url):
+    """Three bad children of one parent, recorded first (oldest), then a good child of another
+    parent: the sweep publishes the good one, counts the bad ones as errors, and keeps them
+    pending with their error shown."""
+    env = test_env(tmp_path, broker=redis, ledger_url=pg_url, CELERY_LEDGER_SWEEP_INTERVAL="1")
+    store = LedgerStore(pg_url)
+    bad = _record(
+        store,
+        "shop.old_parent",
+        [
+            ("tests_app.child_effect", {"args": ["b", 0], "countdown": float("nan")}),
+            ("tests_app.child_effect", {"args": ["b", 1], "countdown": "soon"}),
+            ("tests_app.child_effect", {"args": ["b", 2], "countdown": 1e12}),
+        ],
+    )
+    [good] = _record(store, "shop.new_parent", [("tests_app.child_effect", {"args": ["g", 0]})])
+    with processes(tmp_path, env) as procs:
+        worker = procs.worker("w1", concurrency=2)
+        procs.beat()
+        wait_for(
+            lambda: settled(store, key_of("tests_app.child_effect", good)),
+            timeout=90,
+            what="the good child published by the sweep and run",
+        )
+        worker.wait_log("'outbox_failed': 3", timeout=60)
+    assert effect_counts(pg_url, "g") == {("g", "child-0"): 1}
+    assert effect_counts(pg_url, "b") == {}
+    pending = {m.child_id: m for m in store.unpublished(older_than=0.0)}
+    assert set(pending) == set(bad)
+    for child_id in bad:
+        assert pending[child_id].publish_errors >= 1
+        assert "countdown" in (pending[child_id].last_error or ""), pending[child_id]
