@@ -61,9 +61,7 @@ def settled(store: LedgerStore, key: str) -> bool:
         return False
 
 
-def test_a_misused_send_fails_the_task_with_its_cause_and_records_no_child(
-    tmp_path, redis, pg_url
-):
+def test_a_misused_send_fails_the_task_with_its_cause_and_records_no_child(tmp_path, redis, pg_url):
     """Items 7 and 8, and item 2's "validated at send": each misuse fails its task (never
     blocked), the failure names the cause, the step's effect ran once, and the outbox holds
     nothing for it; a good send in the same worker still goes out."""
