@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from outbox_app import OUTBOX_TASKS
+from test_faults_hostile import ledger_cli
 
 from celery_ledger.ledger import (
     Child,
@@ -155,7 +156,8 @@ def _record(store: LedgerStore, task: str, children: list[tuple[str, dict[str, A
 def test_a_child_the_broker_refuses_never_holds_back_the_others(tmp_path, redis, pg_url):
     """Three bad children of one parent, recorded first (oldest), then a good child of another
     parent: the sweep publishes the good one, counts the bad ones as errors, and keeps them
-    pending with their error shown."""
+    pending with their error shown by ``show``. An operator then repairs one (its countdown
+    cleared: the sweep publishes it and it runs) and drops another (never published)."""
     env = test_env(tmp_path, broker=redis, ledger_url=pg_url, CELERY_LEDGER_SWEEP_INTERVAL="1")
     store = LedgerStore(pg_url)
     bad = _record(
@@ -168,6 +170,7 @@ def test_a_child_the_broker_refuses_never_holds_back_the_others(tmp_path, redis,
         ],
     )
     [good] = _record(store, "shop.new_parent", [("tests_app.child_effect", {"args": ["g", 0]})])
+    parent = store.parent_of(bad[0]).parent_key
     with processes(tmp_path, env) as procs:
         worker = procs.worker("w1", concurrency=2)
         procs.beat()
@@ -177,10 +180,56 @@ def test_a_child_the_broker_refuses_never_holds_back_the_others(tmp_path, redis,
             what="the good child published by the sweep and run",
         )
         worker.wait_log("'outbox_failed': 3", timeout=60)
+        pending = {m.child_id: m for m in store.unpublished(older_than=0.0)}
+        assert set(pending) == set(bad)
+        for child_id in bad:
+            assert pending[child_id].publish_errors >= 1
+            assert "countdown" in (pending[child_id].last_error or ""), pending[child_id]
+        shown = ledger_cli(pg_url, "show", parent, "--json")
+        assert shown.returncode == 0, shown.stderr
+        states = {c["child_id"]: c for c in json.loads(shown.stdout)["children"]}
+        assert {states[c]["state"] for c in bad} == {"failing"}
+        assert "countdown" in states[bad[1]]["last_error"]
+        text = ledger_cli(pg_url, "show", parent)
+        assert "failing" in text.stdout and "outbox repair" in text.stdout, text.stdout
+        # Refused: blank reason, an option a child does not keep, a repair still unpublishable.
+        for args, words in (
+            (["drop", parent, bad[0], "--by", "ops", "--reason", " "], "--reason"),
+            (["repair", parent, bad[0], "--clear", "eta", "--by", "o", "--reason", "r"], "eta"),
+            (["repair", parent, bad[0], "--clear", "queue", "--by", "o", "--reason", "r"], "still"),
+            (["drop", parent, good, "--by", "ops", "--reason", "r"], "no child"),
+        ):
+            refused = ledger_cli(pg_url, "outbox", *args)
+            assert refused.returncode == 1 and words in refused.stderr, refused.stderr
+            assert "Traceback" not in refused.stderr
+        repaired = ledger_cli(
+            pg_url,
+            "outbox",
+            "repair",
+            parent,
+            bad[1],
+            "--clear",
+            "countdown",
+            "--by",
+            "ops",
+            "--reason",
+            "countdown was 'soon'",
+        )
+        assert repaired.returncode == 0, repaired.stderr
+        dropped = ledger_cli(
+            pg_url, "outbox", "drop", parent, bad[2], "--by", "ops", "--reason", "year 33658"
+        )
+        assert dropped.returncode == 0, dropped.stderr
+        wait_for(
+            lambda: settled(store, key_of("tests_app.child_effect", bad[1])),
+            timeout=60,
+            what="the repaired child published by the sweep and run",
+        )
+        again = ledger_cli(pg_url, "outbox", "drop", parent, bad[2], "--by", "o", "--reason", "r")
+        assert again.returncode == 1 and "dropped already" in again.stderr, again.stderr
     assert effect_counts(pg_url, "g") == {("g", "child-0"): 1}
-    assert effect_counts(pg_url, "b") == {}
-    pending = {m.child_id: m for m in store.unpublished(older_than=0.0)}
-    assert set(pending) == set(bad)
-    for child_id in bad:
-        assert pending[child_id].publish_errors >= 1
-        assert "countdown" in (pending[child_id].last_error or ""), pending[child_id]
+    assert effect_counts(pg_url, "b") == {("b", "child-1"): 1}
+    assert [m.child_id for m in store.unpublished(older_than=0.0)] == [bad[0]]
+    by_id = {m.child_id: m for m in store.children_of(parent)}
+    assert by_id[bad[1]].state == "sent" and by_id[bad[2]].state == "dropped"
+    assert {"child-repaired", "child-dropped"} <= {e.event for e in store.entry_events(parent)}

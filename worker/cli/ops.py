@@ -175,8 +175,12 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
             "step": c.step,
             "occurrence": c.occurrence,
             "n": c.n,
-            "state": "sent" if c.published else "pending",
+            "state": c.state,
             "published_at": c.published_at,
+            # A child no publish could send (``celery-ledger outbox drop|repair``).
+            "publish_errors": c.publish_errors,
+            "last_error": c.last_error,
+            "dropped": c.dropped_reason,
         }
         for c in store.children_of(key)
     ]
@@ -305,18 +309,27 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
         echo(ctx, click.style("children", bold=True) + "  (celery-ledger show CHILD-ID)")
         print_table(
             ctx,
-            ["CHILD ID", "TASK", "STEP", "STATE"],
+            ["CHILD ID", "TASK", "STEP", "STATE", "LAST ERROR"],
             [
                 [
                     c["child_id"],
                     printable(c["task"], limit=SHOWN_CHARS),
                     printable(f"{c['step']} #{c['occurrence']}", limit=SHOWN_CHARS),
                     c["state"],
+                    printable(c["last_error"] or c["dropped"] or "-", limit=SHOWN_CHARS),
                 ]
                 for c in view["children"]
             ],
-            lambda i, v: "yellow" if i == 3 and v == "pending" else None,
+            lambda i, v: (
+                "yellow" if i == 3 and v == "pending" else "red" if v == "failing" else None
+            ),
         )
+        if any(c["state"] == "failing" for c in view["children"]):
+            echo(
+                ctx,
+                "a failing child is published by no sweep as it is: celery-ledger outbox "
+                "repair KEY CHILD-ID --clear OPTION, or outbox drop KEY CHILD-ID",
+            )
     if view["members"]:
         echo(ctx)
         echo(ctx, click.style("members", bold=True) + "  (the entries this task published)")
