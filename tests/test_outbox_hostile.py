@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from outbox_app import OUTBOX_TASKS
 from test_faults_hostile import ledger_cli
+from test_ledger_page import USER, ActionCase, PageCase
 
 from celery_ledger.ledger import (
     Child,
@@ -233,3 +234,81 @@ def test_a_child_the_broker_refuses_never_holds_back_the_others(tmp_path, redis,
     by_id = {m.child_id: m for m in store.children_of(parent)}
     assert by_id[bad[1]].state == "sent" and by_id[bad[2]].state == "dropped"
     assert {"child-repaired", "child-dropped"} <= {e.event for e in store.entry_events(parent)}
+
+
+# -- item 2: the Ledger page shows a failing child, and drops or repairs it ---------------------
+
+
+class TestOutboxOnTheLedgerPage(ActionCase):
+    """Flower in-process (tornado's test client), over SQLite: the Ledger page lists an
+    entry's children with their state and last error, and offers a failing child's drop or
+    repair through the page's authenticated, XSRF-checked actions."""
+
+    def failing(self) -> tuple[str, list[str]]:
+        c = self.claim()
+        children = [
+            Child(child_task_id(c.key, "notify", 0, n), "shop.notice", payload, n)
+            for n, payload in enumerate(
+                json.dumps({"args": [], "kwargs": {}, "options": {"countdown": bad}})
+                for bad in ("soon", "later")
+            )
+        ]
+        assert self.store.complete_step(
+            c.key, c.fence, ("notify", "h", 0), seq=1, output="null", children=children
+        )
+        ids = [child.child_id for child in children]
+        self.store.note_publish_failures([(i, "Unpublishable: countdown='soon'") for i in ids])
+        return str(c.key), ids
+
+    def test_a_failing_child_is_shown_and_repaired_or_dropped(self) -> None:
+        key, (first, second) = self.failing()
+        html = self.page(f"/ledger/entry/{key}")
+        assert f'data-child="{first}" data-state="failing"' in html
+        assert "Unpublishable: countdown=&#x27;soon&#x27;" in html
+        assert 'name="outbox_action"' in html and 'value="clear:countdown"' in html
+        path = f"/ledger/entry/{key}/outbox"
+        no_token = self.post(path, {"child_id": first, "outbox_action": "drop", "reason": "r"})
+        assert no_token.code == 403
+        blank = self.post(
+            path, {"child_id": first, "outbox_action": "drop", "reason": " "}, xsrf_from="/ledger"
+        )
+        assert blank.code == 400
+        still = self.post(
+            path,
+            {"child_id": first, "outbox_action": "clear:queue", "reason": "r"},
+            xsrf_from="/ledger",
+        )
+        assert still.code == 409 and b"still not publishable" in still.body
+        repaired = self.post(
+            path,
+            {"child_id": first, "outbox_action": "clear:countdown", "reason": "was soon"},
+            xsrf_from="/ledger",
+        )
+        assert repaired.code == 302, repaired.body[:500]
+        assert repaired.headers["Location"].endswith("done=child-repaired")
+        dropped = self.post(
+            path,
+            {"child_id": second, "outbox_action": "drop", "reason": "not needed"},
+            xsrf_from="/ledger",
+        )
+        assert dropped.code == 302 and dropped.headers["Location"].endswith("done=child-dropped")
+        by_id = {m.child_id: m for m in self.store.children_of(key)}
+        assert by_id[first].state == "pending" and "countdown" not in by_id[first].payload
+        assert by_id[second].state == "dropped"
+        assert [m.child_id for m in self.store.unpublished(older_than=0.0)] == [first]
+        events = [(e.event, e.actor) for e in self.store.entry_events(key)[-2:]]
+        assert events == [("child-repaired", USER), ("child-dropped", USER)]
+        again = self.post(
+            path,
+            {"child_id": second, "outbox_action": "drop", "reason": "again"},
+            xsrf_from="/ledger",
+        )
+        assert again.code == 409 and b"dropped already" in again.body
+
+
+class TestOutboxOnAReadOnlyPage(PageCase):
+    def test_a_failing_child_is_shown_without_a_form(self) -> None:
+        key, ids = TestOutboxOnTheLedgerPage.failing(self)  # type: ignore[arg-type]
+        html = self.page(f"/ledger/entry/{key}")
+        assert f'data-child="{ids[0]}" data-state="failing"' in html
+        assert 'name="outbox_action"' not in html

@@ -25,9 +25,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from kombu.utils.json import dumps, loads
+
 from celery_ledger.codec import check_depth, encode
 from celery_ledger.envelope import check_times
-from celery_ledger.ledger import Child, SnapshotCipher, child_task_id
+from celery_ledger.ledger import (
+    Child,
+    OutboxMessage,
+    SnapshotCipher,
+    child_task_id,
+    is_sealed,
+    open_snapshot,
+)
 
 #: Signature options a recorded child keeps (anything else is refused, not dropped silently).
 KEPT_OPTIONS = frozenset(
@@ -133,3 +142,36 @@ class Sends:
             payload = cipher.seal(payload)
         self.children.append(Child(child_id, name, payload, n))
         return child_id
+
+
+def repaired_payload(
+    child: OutboxMessage, cleared: tuple[str, ...], cipher: SnapshotCipher | None
+) -> str:
+    """An operator's repair (``celery-ledger outbox repair``, the Ledger page): ``child``'s
+    payload without the ``cleared`` options, sealed again as it was.
+
+    Raises:
+        ValueError: an option a child does not keep, a sealed payload without ``cipher``, or
+            what is left is still no publishable child (``check_options``).
+    """
+    unknown = sorted(set(cleared) - KEPT_OPTIONS)
+    if unknown or not cleared:
+        raise ValueError(
+            f"clear one or more of the options a child keeps ({', '.join(sorted(KEPT_OPTIONS))})"
+            + (f", not {', '.join(unknown)}" if unknown else "")
+        )
+    sealed = is_sealed(child.payload)
+    if sealed and cipher is None:
+        raise ValueError(
+            "the child's payload is sealed, and no ledger_snapshot_keys are set here to open it"
+        )
+    data = loads(open_snapshot(child.payload, cipher))
+    options = {k: v for k, v in dict(data.get("options") or {}).items() if k not in cleared}
+    try:
+        check_options(child.task_name, options)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"still not publishable after clearing {', '.join(cleared)}: {exc}"
+        ) from None
+    text = dumps({**data, "options": options})
+    return cipher.seal(text) if sealed and cipher is not None else text

@@ -247,6 +247,8 @@ class EntryView:
     release_blocked: str | None
     released_pending: bool
     notes: list[str] = field(default_factory=list)
+    #: The children this entry's steps sent through the outbox (``OutboxMessage``), in order.
+    children: list[Any] = field(default_factory=list)
 
 
 def entry(page: LedgerPage, key: str) -> EntryView:
@@ -304,6 +306,7 @@ def entry(page: LedgerPage, key: str) -> EntryView:
         can_resume=e.status is EntryStatus.INTERRUPTED and snapshot is not None,
         release_blocked=release_blocked,
         released_pending=released_pending,
+        children=store.children_of(key),
     )
     if redaction.blind:
         view.notes.append(
