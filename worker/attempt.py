@@ -573,6 +573,7 @@ class Attempt:
 
         Raises:
             TypeError: one is not a task signature, or has an option the outbox cannot keep.
+            ValueError: one has an option no publish could send (``outbox.check_options``).
             PayloadError: its arguments cannot be stored.
         """
         sends = Sends(self.key, ident[0], ident[2])
