@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from amqp.exceptions import MessageNacked
 from kombu.exceptions import OperationalError
 from kombu.utils.json import loads
 
@@ -112,7 +113,9 @@ def send_child(
 def broker_failure(app: Any, exc: BaseException) -> bool:
     """Whether a failed publish is the broker's (down, unreachable, refusing), so that every
     later publish would fail too, rather than the message's own."""
-    if isinstance(exc, (OperationalError, ConnectionError, TimeoutError)):
+    # A nack (AMQP confirms) is the broker refusing publishes (a full queue that rejects
+    # them), not one message's fault; it is in no transport's error tuples.
+    if isinstance(exc, (OperationalError, ConnectionError, TimeoutError, MessageNacked)):
         return True
     try:
         conn = app.connection_for_write()

@@ -20,6 +20,7 @@ import uuid
 from typing import Any
 
 import pytest
+from celery import Celery
 from outbox_app import OUTBOX_TASKS
 from test_faults_hostile import ledger_cli
 from test_ledger_page import USER, ActionCase, PageCase
@@ -312,3 +313,18 @@ class TestOutboxOnAReadOnlyPage(PageCase):
         html = self.page(f"/ledger/entry/{key}")
         assert f'data-child="{ids[0]}" data-state="failing"' in html
         assert 'name="outbox_action"' not in html
+
+
+def test_a_broker_refusal_stops_the_batch_and_a_childs_own_fault_does_not() -> None:
+    """``publish``'s one decision: what is the broker's (the batch stops, the sweep tries again,
+    nothing is noted on the child) and what is the child's (noted, and the others go on)."""
+    from amqp.exceptions import MessageNacked
+    from kombu.exceptions import OperationalError
+
+    from celery_ledger.recovery.outbox import Unpublishable, broker_failure
+
+    app = Celery("classify", broker="redis://127.0.0.1:1/0")
+    for exc in (MessageNacked(), OperationalError("down"), ConnectionRefusedError()):
+        assert broker_failure(app, exc), exc
+    for exc in (Unpublishable("countdown='soon'"), ValueError("nan"), OverflowError("date")):
+        assert not broker_failure(app, exc), exc
