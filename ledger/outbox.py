@@ -309,6 +309,18 @@ class OutboxQueries(StoreCore):
                 ).scalar_one()
             )
 
+    def count_failing(self) -> int:
+        """How many unpublished children failed to publish for a fault of their own (they
+        wait for an operator's drop or repair; index-only)."""
+        with self._read() as conn:
+            return int(
+                conn.execute(
+                    select(func.count())
+                    .select_from(outbox)
+                    .where(outbox.c.published_at.is_(None), outbox.c.publish_errors > 0)
+                ).scalar_one()
+            )
+
     def prune_outbox(self, *, limit: int = 1000) -> int:
         """Delete published children whose parent entry is gone (pruned), one transaction.
 

@@ -192,6 +192,9 @@ def test_a_child_the_broker_refuses_never_holds_back_the_others(tmp_path, redis,
         states = {c["child_id"]: c for c in json.loads(shown.stdout)["children"]}
         assert {states[c]["state"] for c in bad} == {"failing"}
         assert "countdown" in states[bad[1]]["last_error"]
+        stats = ledger_cli(pg_url, "stats", "--json")
+        assert stats.returncode == 0, stats.stderr
+        assert json.loads(stats.stdout)["outbox_failing"] == 3
         text = ledger_cli(pg_url, "show", parent)
         assert "failing" in text.stdout and "outbox repair" in text.stdout, text.stdout
         # Refused: blank reason, an option a child does not keep, a repair still unpublishable.

@@ -662,7 +662,8 @@ def sweep_cmd(ctx: click.Context, as_json: bool) -> None:
 @guarded
 def stats_cmd(ctx: click.Context, as_json: bool) -> None:
     """Entries by status, blocked, oldest running, duplicate-execution rate (target 0.0)."""
-    stats = open_store(ctx).stats()
+    store = open_store(ctx)
+    stats = store.stats()
     data = {
         "by_status": stats.by_status,
         "blocked": stats.by_status.get("blocked", 0),
@@ -675,6 +676,9 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
         "unclaimed": stats.unclaimed,
         "oldest_unclaimed_age_seconds": round(stats.oldest_unclaimed_age, 3),
         "unclaimed_lapses": stats.unclaimed_lapses,
+        # The outbox: children not yet published, and of them those no publish can send.
+        "outbox_pending": store.count_unpublished(),
+        "outbox_failing": store.count_failing(),
         "by_task": [
             {"task": t, "status": s, "count": n}
             for (t, s), n in sorted(stats.by_task_status.items())
@@ -702,6 +706,11 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
             ("duplicate rate", f"{stats.duplicate_execution_rate:.4f} (target 0.0)"),
             ("unclaimed", f"{stats.unclaimed} (oldest {duration(stats.oldest_unclaimed_age)})"),
             ("lapses", f"{stats.unclaimed_lapses} (of unclaimed tasks: re-sent or deferred)"),
+            (
+                "outbox",
+                f"{data['outbox_pending']} pending, {data['outbox_failing']} failing "
+                "(celery-ledger outbox drop|repair)",
+            ),
         ]
     )
     echo(ctx, formatter.getvalue().rstrip())
