@@ -23,7 +23,7 @@ from sqlalchemy import (
 metadata = MetaData()
 
 #: Bumped with every Alembic revision; the migration head must equal it.
-SCHEMA_REVISION = "0008_renewed_at"
+SCHEMA_REVISION = "0009_outbox_errors"
 
 KEY = String(64)
 
@@ -235,12 +235,21 @@ outbox = Table(
     Column("payload", Text, nullable=False),
     Column("fence", BigInteger, nullable=False),
     Column("created_at", Float, nullable=False),
+    # When the broker confirmed it, or an operator dropped it: the outbox no longer owes it.
     Column("published_at", Float),
+    # Publishes that failed for a fault of the child's own (not the broker's), and the last
+    # one's error (0009_outbox_errors): the sweep lists the fewest first, so a bad child waits
+    # behind the good ones, never in front of them.
+    Column("publish_errors", Integer, nullable=False, server_default=text("0")),
+    Column("last_error", Text),
+    # An operator dropped it (``drop_child``): who and why.
+    Column("dropped_reason", Text),
 )
 Index("ix_ledger_outbox_parent", outbox.c.parent_key, outbox.c.occurrence, outbox.c.n)
 # What the sweep publishes: only the children not yet confirmed, normally none.
 Index(
     "ix_ledger_outbox_unpublished",
+    outbox.c.publish_errors,
     outbox.c.created_at,
     postgresql_where=outbox.c.published_at.is_(None),
     sqlite_where=outbox.c.published_at.is_(None),

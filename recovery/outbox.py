@@ -13,14 +13,24 @@ child: RETURN once it settled, WAIT while it runs).
 
 Why a failed publish is not an error of the step: the child is durably recorded, and the sweep
 owes it. The step's own result stands.
+
+Why one child's failure never stops the others: a publish fails either for the broker (down,
+unreachable, refusing: every later publish would fail too, so the batch stops and the sweep
+tries again) or for the child itself (an option Celery cannot build a message from, a payload
+the cipher cannot open: it would fail every time). The second kind is the child's alone: it is
+noted on its row (``note_publish_failures``), counted in the sweep's ``outbox_failed`` and
+``errors``, listed behind every good child from then on, and the batch goes on.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from amqp.exceptions import MessageNacked
+from kombu.exceptions import OperationalError
 from kombu.utils.json import loads
 
 from celery_ledger.ledger import (
@@ -40,6 +50,20 @@ log = logging.getLogger(__name__)
 PARENT_HEADER = "ledger_parent"
 
 
+class Unpublishable(ValueError):
+    """Raised when Celery cannot build a child's message from what the outbox recorded: the
+    same on every publish, so it is the child's own failure, never the broker's."""
+
+
+@dataclass(frozen=True)
+class Published:
+    """What one ``publish`` did: the child ids the broker took, and those that failed for a
+    fault of their own (noted on their rows)."""
+
+    sent: list[str]
+    failed: list[str]
+
+
 def send_child(
     app: Any,
     message: OutboxMessage,
@@ -52,6 +76,8 @@ def send_child(
 
     Raises:
         SnapshotSealError: its payload is sealed and ``cipher`` cannot open it.
+        Unpublishable: Celery cannot build a message from the child's options.
+        Exception: the broker's failure (``broker_failure``), as the publish raised it.
     """
     payload = loads(open_snapshot(message.payload, cipher))
     options = dict(payload.get("options") or {})
@@ -70,7 +96,36 @@ def send_child(
         extra_headers={PARENT_HEADER: message.parent_key},
         redelivery=False,
     )
-    app.send_task(message.task_name, connection=connection, **{**options, **sent})
+    try:
+        app.send_task(message.task_name, connection=connection, **{**options, **sent})
+    except Exception as exc:
+        if broker_failure(app, exc):
+            raise
+        # Celery's words ("cannot convert float NaN to integer") name no option: say which
+        # of the child's own options it was given (its headers are the user's: not shown).
+        given = {k: v for k, v in payload.get("options", {}).items() if k != "headers"}
+        raise Unpublishable(
+            f"{message.task_name} cannot be published with the options {given!r}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def broker_failure(app: Any, exc: BaseException) -> bool:
+    """Whether a failed publish is the broker's (down, unreachable, refusing), so that every
+    later publish would fail too, rather than the message's own."""
+    # A nack (AMQP confirms) is the broker refusing publishes (a full queue that rejects
+    # them), not one message's fault; it is in no transport's error tuples.
+    if isinstance(exc, (OperationalError, ConnectionError, TimeoutError, MessageNacked)):
+        return True
+    try:
+        conn = app.connection_for_write()
+        try:
+            errors = tuple(conn.connection_errors) + tuple(conn.channel_errors)
+        finally:
+            conn.release()
+    except Exception:  # noqa: BLE001 - no transport to ask: count it as the broker's
+        return True
+    return isinstance(exc, errors)
 
 
 def publish(
@@ -80,20 +135,38 @@ def publish(
     *,
     after_send: Callable[[], None] | None = None,
     cipher: SnapshotCipher | None = None,
-) -> list[str]:
+) -> Published:
     """Publish ``messages`` (each confirmed by the broker), then mark the ones that went out.
 
-    Stops at the first publish the broker refuses: the rest stay recorded for the sweep.
-    Returns the child ids published. Never raises for the broker or the ledger: a child that
-    was not published or not marked is published again by the sweep (and deduplicated by its
-    claim if it went out after all). ``after_send`` runs once every message went out,
-    before the mark (a crash point's place).
+    Stops at the first publish the broker refuses (``broker_failure``): the rest stay recorded
+    for the sweep. A child that fails for a fault of its own is noted on its row
+    (``note_publish_failures``) and the others go on. Never raises for the broker or the
+    ledger: a child that was not published or not marked is published again by the sweep
+    (and deduplicated by its claim if it went out after all). ``after_send`` runs once every
+    message was tried, before the mark (a crash point's place).
     """
     sent: list[str] = []
+    failed: list[tuple[str, str]] = []
     try:
         with confirmed(app) as connection:
             for message in messages:
-                send_child(app, message, connection=connection, cipher=cipher)
+                try:
+                    send_child(app, message, connection=connection, cipher=cipher)
+                except Exception as exc:
+                    if broker_failure(app, exc):
+                        raise
+                    failed.append((message.child_id, f"{type(exc).__name__}: {exc}"))
+                    log.warning(
+                        "outbox: child %s (%s) of key=%s step=%s cannot be published (%s: "
+                        "%s); the others go on; drop or repair it: celery-ledger outbox",
+                        message.child_id,
+                        message.task_name,
+                        message.parent_key,
+                        message.step,
+                        type(exc).__name__,
+                        exc,
+                    )
+                    continue
                 sent.append(message.child_id)
         if after_send is not None:
             after_send()
@@ -104,6 +177,11 @@ def publish(
             len(messages),
             exc,
         )
+    if failed:
+        try:
+            store.note_publish_failures(failed)
+        except LedgerUnavailable as exc:
+            log.warning("outbox: %d failed publishes not noted (%s)", len(failed), exc)
     if sent:
         try:
             store.mark_published(sent)
@@ -114,7 +192,7 @@ def publish(
                 len(sent),
                 exc,
             )
-    return sent
+    return Published(sent, [child_id for child_id, _ in failed])
 
 
 def sweep_outbox(
@@ -124,18 +202,22 @@ def sweep_outbox(
     batch: int = 500,
     grace_seconds: float = 5.0,
     cipher: SnapshotCipher | None = None,
-) -> tuple[int, int]:
+) -> tuple[int, int, int]:
     """Publish up to ``batch`` children unpublished for ``grace_seconds``; returns (found,
-    published).
+    published, failed): the failed are children that could not be published for a fault of
+    their own (``publish``).
 
     Raises:
         LedgerUnavailable: the ledger cannot be read (the next sweep tries again).
     """
     pending = store.unpublished(limit=batch, older_than=grace_seconds)
     if not pending:
-        return 0, 0
-    published = publish(store, app, pending, cipher=cipher)
+        return 0, 0, 0
+    done = publish(store, app, pending, cipher=cipher)
     log.info(
-        "ledger sweep: outbox published %d of %d pending children", len(published), len(pending)
+        "ledger sweep: outbox published %d of %d pending children (%d failed)",
+        len(done.sent),
+        len(pending),
+        len(done.failed),
     )
-    return len(pending), len(published)
+    return len(pending), len(done.sent), len(done.failed)

@@ -114,6 +114,9 @@ class SweepReport:
     outbox_pending: int = 0
     #: ... of which published (confirmed) and marked by this sweep.
     outbox_published: int = 0
+    #: ... and of which not published for a fault of their own (an option no publish can
+    #: send): noted on their rows, counted in ``errors`` too; the others went on.
+    outbox_failed: int = 0
     #: Entries no worker claimed yet, not re-sent because their queue holds messages (a
     #: backlog suspected: ``recovery.backlog``).
     deferred: int = 0
@@ -701,7 +704,9 @@ def run_sweep(
     due, woken, wake_errors, due_expired = wake.wake_due(
         store, app, lease_seconds=lease_seconds, batch=batch, actor=actor, cipher=cipher
     )
-    outbox_pending, outbox_published = sweep_outbox(store, app, batch=batch, cipher=cipher)
+    outbox_pending, outbox_published, outbox_failed = sweep_outbox(
+        store, app, batch=batch, cipher=cipher
+    )
     pruned = wake.prune(store, retention_days, tombstone_days, batch=batch)
     store.prune_outbox(limit=batch)
     report = SweepReport(
@@ -715,12 +720,16 @@ def run_sweep(
         resumed_keys=tuple(outcomes.get(ResumeOutcome.RESUMED, [])),
         overdue=len(overdue),
         resent=len(resent.get(ResumeOutcome.RESUMED, [])),
-        errors=len(outcomes.get(None, [])) + len(resent.get(None, [])) + wake_errors,
+        errors=len(outcomes.get(None, []))
+        + len(resent.get(None, []))
+        + wake_errors
+        + outbox_failed,
         due=due,
         woken=woken,
         cancelled=cancelled,
         outbox_pending=outbox_pending,
         outbox_published=outbox_published,
+        outbox_failed=outbox_failed,
         expired=len(expired) + len(late_expired) + due_expired,
         deferred=len(outcomes.get(ResumeOutcome.DEFERRED, [])),
     )

@@ -214,18 +214,32 @@ def test_snapshot_too_large_for_the_ledger_is_reported_with_its_setting(
     assert entry.status is EntryStatus.COMPLETED and entry.snapshot is None
 
 
-def test_a_reconciled_child_the_outbox_cannot_keep_parks_the_entry(tmp_path: Path) -> None:
-    """A reconciler's ``completed`` whose children cannot be recorded (not a signature) is no
-    answer: the entry is parked for an operator, and neither the verdict nor a child is
-    written (a verdict recorded without its children would lose them for good)."""
+@pytest.mark.parametrize(
+    "child, words",
+    [
+        ("not a signature", "send() takes a task signature"),
+        # Issue 30, item 2: an option no publish could send is refused as at send().
+        ({"countdown": float("nan")}, "countdown"),
+    ],
+    ids=["not-a-signature", "countdown-nan"],
+)
+def test_a_reconciled_child_the_outbox_cannot_keep_parks_the_entry(
+    tmp_path: Path, child: Any, words: str
+) -> None:
+    """A reconciler's ``completed`` whose children cannot be recorded (not a signature, an
+    option no publish could send) is no answer: the entry is parked for an operator, and
+    neither the verdict nor a child is written (a verdict recorded without its children would
+    lose them for good)."""
     app = local_app(tmp_path)
+    if isinstance(child, dict):
+        child = app.signature("rt.notice", **child)
 
     @app.task(
         base=LedgerTask,
         bind=True,
         name="rt.charge",
         shared=False,
-        reconciler=lambda step: Reconciled.completed("charged", children=["not a signature"]),
+        reconciler=lambda step: Reconciled.completed("charged", children=[child]),
     )
     def charge(self: LedgerTask, order_id: str) -> Any:
         return self.step("charge", lambda: f"charged {order_id}")
@@ -254,7 +268,7 @@ def test_a_reconciled_child_the_outbox_cannot_keep_parks_the_entry(tmp_path: Pat
     charge.apply(args=("o-1",), task_id="t-1")
     entry = store.get_entry(key)
     assert entry.status is EntryStatus.BLOCKED, entry.status
-    assert "send() takes a task signature" in (entry.reason or ""), entry.reason
+    assert words in (entry.reason or ""), entry.reason
     assert [s.status for s in store.load_steps(key)] == [StepStatus.STARTED]
     assert store.children_of(key) == []
 

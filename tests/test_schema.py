@@ -85,7 +85,7 @@ def partial_index_clauses(engine: Engine) -> dict[str, str]:
 
 
 def test_head_revision_matches_schema_module() -> None:
-    assert head_revision() == SCHEMA_REVISION == "0008_renewed_at"
+    assert head_revision() == SCHEMA_REVISION == "0009_outbox_errors"
 
 
 def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine) -> None:
@@ -100,6 +100,7 @@ def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine)
             "0006_canvas",
             "0007_events_index",
             "0008_renewed_at",
+            "0009_outbox_errors",
         ]
         assert current_revision(conn) is None
     store = LedgerStore(ledger_url)

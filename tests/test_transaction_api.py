@@ -14,7 +14,7 @@ from celery import Celery
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, select
 
 from celery_ledger import LedgerTask, runtime
-from celery_ledger.attempt import NestedStepError, StepUsageError
+from celery_ledger.attempt import NestedStepError, SendRefused, StepUsageError
 from celery_ledger.ledger import EntryStatus, StepStatus, Verdict, child_task_id, entry_key
 
 meta = MetaData()
@@ -112,8 +112,8 @@ def test_send_records_children_with_deterministic_ids(tmp_path: Path) -> None:
     "body,error,words",
     [
         ("outside", StepUsageError, "inside a step"),
-        ("link", TypeError, "cannot keep the option"),
-        ("not-a-signature", TypeError, "takes a task signature"),
+        ("link", SendRefused, "cannot keep the option"),
+        ("not-a-signature", SendRefused, "takes a task signature"),
         ("nested", NestedStepError, "steps do not nest"),
     ],
 )

@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from celery_ledger.app import create_app, install, sweep_now
-    from celery_ledger.attempt import NestedStepError, StepUsageError, TransactionEndedError
+    from celery_ledger.attempt import (
+        NestedStepError,
+        SendRefused,
+        StepUsageError,
+        TransactionEndedError,
+    )
     from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciled
     from celery_ledger.settings import LedgerSettings
     from celery_ledger.task import LedgerTask
@@ -30,6 +35,7 @@ _EXPORTS = {
     "StepUsageError": "celery_ledger.attempt",
     "NestedStepError": "celery_ledger.attempt",
     "TransactionEndedError": "celery_ledger.attempt",
+    "SendRefused": "celery_ledger.attempt",
     # Reconcilers
     "AmbiguousStep": "celery_ledger.recovery.reconcile",
     "Reconciled": "celery_ledger.recovery.reconcile",
@@ -45,6 +51,7 @@ __all__ = [
     "StepUsageError",
     "NestedStepError",
     "TransactionEndedError",
+    "SendRefused",
     "AmbiguousStep",
     "Reconciled",
     "create_app",

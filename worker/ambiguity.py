@@ -185,7 +185,7 @@ class Ambiguity:
                 # The children the step would have sent: its completed row, which records
                 # them, is this verdict's, and its body never runs again to send them.
                 sends = attempt.verdict_sends(ident, answer.children)
-            except (PayloadError, TypeError) as exc:
+            except (PayloadError, TypeError, ValueError) as exc:
                 answer = type(answer).unknown(str(exc))
             else:
                 attempt.record_verdict(ident, Verdict.COMPLETED, encoded, sends=sends)

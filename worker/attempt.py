@@ -70,14 +70,23 @@ _warned_children: set[str] = set()
 def _warn_if_not_ledgered(app: Any, name: str) -> None:
     """Warn once when a child sent through the outbox is a task this app knows and that is not
     ledgered: a re-publish (a crash between the publish and its mark) would run it twice,
-    since only a ledgered child's claim deduplicates by task id."""
+    since only a ledgered child's claim deduplicates by task id. Warn once too when no task of
+    that name is registered here: it may be another service's, so it is sent, but a typo
+    would be published to a queue no worker runs it from, and lost."""
     if name in _warned_children:
         return
     task = (getattr(app, "tasks", None) or {}).get(name)
     # Duck-typed (``LedgerTask`` imports this module): a ledgered task has ``ledger_key``.
-    if task is None or callable(getattr(task, "ledger_key", None)):
+    if task is not None and callable(getattr(task, "ledger_key", None)):
         return
     _warned_children.add(name)
+    if task is None:
+        log.warning(
+            "child task %s sent through the outbox: no app here registers it; it is "
+            "published, and lost unless some worker runs a task of that name",
+            name,
+        )
+        return
     log.warning(
         "child task %s sent through the outbox is not a LedgerTask: a crash between its "
         "publish and its mark publishes it twice, and nothing deduplicates it",
@@ -100,6 +109,12 @@ class NestedStepError(StepUsageError):
 class TransactionEndedError(StepUsageError):
     """Raised when a transaction step's block ended the step's transaction itself (a
     ``commit()`` or ``rollback()`` on it): its writes no longer commit with the step's row."""
+
+
+class SendRefused(StepUsageError):
+    """Raised when ``self.send()`` refuses a child: not a signature, an option the outbox
+    cannot keep or no publish could send, arguments that cannot be stored. The same on every
+    run, so the task fails with it, naming the cause; the step is not left ambiguous."""
 
 
 class AttemptTask(Protocol):
@@ -400,17 +415,23 @@ class Attempt:
 
         Raises:
             StepUsageError: outside a step.
-            TypeError: not a signature, or an option the outbox cannot keep.
-            PayloadError: its arguments cannot be stored.
+            SendRefused: not a signature, an option the outbox cannot keep or no publish could
+                send, arguments that cannot be stored (``Sends.add``).
         """
         if self._sends is None:
             raise StepUsageError(
                 "send() records a child with the step that sends it: call it inside a step "
                 "(self.step, self.transaction), not in the body itself"
             )
-        child_id = self._sends.add(
-            sig, limit=self.settings.max_snapshot_bytes, cipher=self._cipher()
-        )
+        try:
+            child_id = self._sends.add(
+                sig, limit=self.settings.max_snapshot_bytes, cipher=self._cipher()
+            )
+        except (TypeError, ValueError, PayloadError) as exc:
+            # A programming error, the same on every run: the task fails naming it. Left as
+            # it was, it escaped the step as any exception and blocked the entry as "may have
+            # executed", and a not-executed release only blocked it again.
+            raise SendRefused(f"{type(exc).__name__}: {exc}") from exc
         _warn_if_not_ledgered(self.task.app, sig.task)
         return child_id
 
@@ -602,6 +623,7 @@ class Attempt:
 
         Raises:
             TypeError: one is not a task signature, or has an option the outbox cannot keep.
+            ValueError: one has an option no publish could send (``outbox.check_options``).
             PayloadError: its arguments cannot be stored.
         """
         sends = Sends(self.key, ident[0], ident[2])

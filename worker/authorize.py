@@ -67,6 +67,9 @@ class Action(str, Enum):
     MARK_DEAD = "mark-dead"
     #: Cancel a task (issue 18): it never starts, or stops at its next effect step.
     CANCEL = "cancel"
+    #: Drop or repair a pending outbox child of the entry (``celery-ledger outbox``): a
+    #: dropped child is never sent, so it is gated like a release.
+    OUTBOX = "outbox"
 
     @property
     def is_release(self) -> bool:
@@ -75,7 +78,7 @@ class Action(str, Enum):
     @property
     def needs_operator(self) -> bool:
         """Gated by operator tokens in the default rule (a release, or what unlocks one)."""
-        return self.is_release or self is Action.MARK_DEAD
+        return self.is_release or self in (Action.MARK_DEAD, Action.OUTBOX)
 
     @classmethod
     def release(cls, verdict: Verdict) -> Action:

@@ -24,6 +24,7 @@ import click
 #: skipped so that a partial install still offers the rest.
 COMMANDS = [
     ("celery_ledger.cli.ops", "COMMANDS"),
+    ("celery_ledger.cli.outbox", "COMMANDS"),
     ("celery_ledger.cli.death", "COMMANDS"),
     ("celery_ledger.cli.sealing", "COMMANDS"),
     ("celery_ledger.cli.schedule", "COMMANDS"),

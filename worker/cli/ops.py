@@ -183,8 +183,12 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
             "step": c.step,
             "occurrence": c.occurrence,
             "n": c.n,
-            "state": "sent" if c.published else "pending",
+            "state": c.state,
             "published_at": c.published_at,
+            # A child no publish could send (``celery-ledger outbox drop|repair``).
+            "publish_errors": c.publish_errors,
+            "last_error": c.last_error,
+            "dropped": c.dropped_reason,
         }
         for c in store.children_of(key)
     ]
@@ -313,18 +317,27 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
         echo(ctx, click.style("children", bold=True) + "  (celery-ledger show CHILD-ID)")
         print_table(
             ctx,
-            ["CHILD ID", "TASK", "STEP", "STATE"],
+            ["CHILD ID", "TASK", "STEP", "STATE", "LAST ERROR"],
             [
                 [
                     c["child_id"],
                     printable(c["task"], limit=SHOWN_CHARS),
                     printable(f"{c['step']} #{c['occurrence']}", limit=SHOWN_CHARS),
                     c["state"],
+                    printable(c["last_error"] or c["dropped"] or "-", limit=SHOWN_CHARS),
                 ]
                 for c in view["children"]
             ],
-            lambda i, v: "yellow" if i == 3 and v == "pending" else None,
+            lambda i, v: (
+                "yellow" if i == 3 and v == "pending" else "red" if v == "failing" else None
+            ),
         )
+        if any(c["state"] == "failing" for c in view["children"]):
+            echo(
+                ctx,
+                "a failing child is published by no sweep as it is: celery-ledger outbox "
+                "repair KEY CHILD-ID --clear OPTION, or outbox drop KEY CHILD-ID",
+            )
     if view["members"]:
         echo(ctx)
         echo(ctx, click.style("members", bold=True) + "  (the entries this task published)")
@@ -677,7 +690,8 @@ def sweep_cmd(ctx: click.Context, as_json: bool) -> None:
 @guarded
 def stats_cmd(ctx: click.Context, as_json: bool) -> None:
     """Entries by status, blocked, oldest running, duplicate-execution rate (target 0.0)."""
-    stats = open_store(ctx).stats()
+    store = open_store(ctx)
+    stats = store.stats()
     data = {
         "by_status": stats.by_status,
         "blocked": stats.by_status.get("blocked", 0),
@@ -690,6 +704,9 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
         "unclaimed": stats.unclaimed,
         "oldest_unclaimed_age_seconds": round(stats.oldest_unclaimed_age, 3),
         "unclaimed_lapses": stats.unclaimed_lapses,
+        # The outbox: children not yet published, and of them those no publish can send.
+        "outbox_pending": store.count_unpublished(),
+        "outbox_failing": store.count_failing(),
         "by_task": [
             {"task": t, "status": s, "count": n}
             for (t, s), n in sorted(stats.by_task_status.items())
@@ -717,6 +734,11 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
             ("duplicate rate", f"{stats.duplicate_execution_rate:.4f} (target 0.0)"),
             ("unclaimed", f"{stats.unclaimed} (oldest {duration(stats.oldest_unclaimed_age)})"),
             ("lapses", f"{stats.unclaimed_lapses} (of unclaimed tasks: re-sent or deferred)"),
+            (
+                "outbox",
+                f"{data['outbox_pending']} pending, {data['outbox_failing']} failing "
+                "(celery-ledger outbox drop|repair)",
+            ),
         ]
     )
     echo(ctx, formatter.getvalue().rstrip())

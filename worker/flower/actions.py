@@ -1,4 +1,6 @@
-"""The page's actions, release, resume and mark-dead, through the store and recovery. Blocking.
+"""The page's actions, through the store and recovery. Blocking.
+
+Release, resume, mark-dead, cancel, and an outbox child's drop or repair.
 
 They take the same path as ``celery-ledger release`` and ``celery-ledger resume``
 (``celery_ledger.cli.ops``): every check runs before the one write, the one-shot and
@@ -31,6 +33,7 @@ from celery_ledger.ledger import (
     Verdict,
     cipher_from,
 )
+from celery_ledger.outbox import repaired_payload
 from celery_ledger.recovery import resume_entry
 
 log = logging.getLogger(__name__)
@@ -278,3 +281,41 @@ def cancel(page: LedgerPage, key: str, *, operator: Operator, reason_raw: str | 
     if done.outcome == "settled":
         raise ActionRefused(f"it is {done.found.value} already: nothing to cancel")
     return str(done.outcome)
+
+
+def outbox_child(
+    page: LedgerPage,
+    key: str,
+    *,
+    operator: Operator,
+    child_id: str | None,
+    action_raw: str | None,
+    reason_raw: str | None,
+) -> str:
+    """Drop a failing child of ``key``, or clear one of its options (``celery-ledger outbox
+    drop|repair``): ``child-dropped`` or ``child-repaired``.
+
+    Raises:
+        ActionRefused: bad input, denied, or the child was published or dropped already.
+        EntryNotFound: no such key.
+    """
+    reason = parse_reason(reason_raw)
+    what = (action_raw or "").strip()
+    if not child_id or not (what == "drop" or what.startswith("clear:")):
+        raise ActionRefused("choose a child and what to do with it: drop, or clear an option", 400)
+    _authorized(page, operator, Action.OUTBOX, key)
+    try:
+        if what == "drop":
+            page.store.drop_child(key, child_id, by=operator.name, reason=reason)
+            return "child-dropped"
+        found = next((c for c in page.store.children_of(key) if c.child_id == child_id), None)
+        if found is None:
+            raise ActionRefused(f"entry {key} recorded no child {child_id}", 404)
+        option = what.removeprefix("clear:")
+        payload = repaired_payload(found, (option,), page.cipher)
+        page.store.repair_child(
+            key, child_id, payload, by=operator.name, reason=f"cleared {option}: {reason}"
+        )
+    except (ReleaseRefused, ValueError) as exc:
+        raise ActionRefused(str(exc)) from None
+    return "child-repaired"

@@ -34,6 +34,7 @@ from celery_ledger.flower import queries as q
 from celery_ledger.flower.context import LedgerPage, page_for
 from celery_ledger.flower.hook import TEMPLATES, LedgerTemplateLoader, flower_templates
 from celery_ledger.ledger import EntryNotFound, LedgerError, ReferenceTooLong, entry_key
+from celery_ledger.outbox import KEPT_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ DONE = {
     "cancel-cancelled": "Cancelled: it never starts; a later delivery raises TaskCancelled.",
     "cancel-requested": "Cancellation recorded: it is running and stops at its next effect "
     "step (a step already started finishes).",
+    "child-dropped": "Child dropped: it is never published; stamped with your user and the reason.",
+    "child-repaired": "Child repaired: the option is cleared, and the next sweep publishes it.",
 }
 
 _STATUS_BADGES = {
@@ -268,6 +271,7 @@ class EntryHandler(LedgerHandler):
             done=done,
             form=form or {},
             operator=self.operator(),
+            outbox_options=sorted(KEPT_OPTIONS),
         )
 
 
@@ -371,6 +375,24 @@ class CancelHandler(ActionHandler):
         def run(operator: Operator) -> str:
             reason = self.get_body_argument("reason", None)
             return "cancel-" + actions.cancel(self.page, key, operator=operator, reason_raw=reason)
+
+        await self.act(key, run)
+
+
+class OutboxHandler(ActionHandler):
+    """Drop or repair a failing outbox child of the entry (``actions.outbox_child``)."""
+
+    @web.authenticated
+    async def post(self, key: str) -> None:
+        def run(operator: Operator) -> str:
+            return actions.outbox_child(
+                self.page,
+                key,
+                operator=operator,
+                child_id=self.get_body_argument("child_id", None),
+                action_raw=self.get_body_argument("outbox_action", None),
+                reason_raw=self.get_body_argument("reason", None),
+            )
 
         await self.act(key, run)
 

@@ -191,6 +191,7 @@ def routes() -> list[Any]:
         url(rf"/ledger/entry/{key}/resume", h.ResumeHandler, name="ledger-resume"),
         url(rf"/ledger/entry/{key}/mark-dead", h.MarkDeadHandler, name="ledger-mark-dead"),
         url(rf"/ledger/entry/{key}/cancel", h.CancelHandler, name="ledger-cancel"),
+        url(rf"/ledger/entry/{key}/outbox", h.OutboxHandler, name="ledger-outbox"),
     ]
 
 

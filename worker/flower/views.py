@@ -265,6 +265,8 @@ class EntryView:
     notes: list[str] = field(default_factory=list)
     #: Said beside the release form: a not-executed release would run a step that returned.
     release_warning: str | None = None
+    #: The children this entry's steps sent through the outbox (``OutboxMessage``), in order.
+    children: list[Any] = field(default_factory=list)
 
 
 def entry(page: LedgerPage, key: str) -> EntryView:
@@ -326,6 +328,7 @@ def entry(page: LedgerPage, key: str) -> EntryView:
         release_warning=STEP_RETURNED_WARNING
         if e.status is EntryStatus.BLOCKED and step_returned(e.reason)
         else None,
+        children=store.children_of(key),
     )
     if redaction.blind:
         view.notes.append(
