@@ -42,13 +42,10 @@ from celery_ledger.ledger.operator import (
     BODY_STEP,
     MAX_RELEASE_BY_CHARS,
     MAX_RELEASE_REASON_CHARS,
-    STEP_RETURNED,
-    STEP_RETURNED_WARNING,
     LedgerStats,
     OperatorQueries,
     Release,
     check_release_text,
-    step_returned,
 )
 from celery_ledger.ledger.outbox import (
     Child,
@@ -57,12 +54,24 @@ from celery_ledger.ledger.outbox import (
     child_task_id,
 )
 from celery_ledger.ledger.sealing import SnapshotCipher, cipher_from, is_sealed, open_snapshot
-from celery_ledger.ledger.states import EntryStatus, Gate, SideEffect, StepStatus, Verdict
+from celery_ledger.ledger.states import (
+    EntryStatus,
+    Gate,
+    SideEffect,
+    StepState,
+    StepStatus,
+    Verdict,
+)
 from celery_ledger.ledger.store import LedgerStore
-from celery_ledger.ledger.transactions import TRANSACTION_STEP_REF, TransactionSteps
+from celery_ledger.ledger.transactions import TransactionSteps
 from celery_ledger.ledger.values import (
     NO_ARGS_HASH,
+    RELEASABLE,
     RESUME_OWNER,
+    STEP_RETURNED,
+    STEP_RETURNED_WARNING,
+    TOMBSTONE_NOT_RELEASABLE,
+    TRANSACTION_STEP_REF,
     ArgumentSnapshot,
     Claim,
     ClaimRequest,
@@ -74,6 +83,7 @@ from celery_ledger.ledger.values import (
     Owner,
     Resuming,
     StepRecord,
+    step_returned,
 )
 
 __all__ = [
@@ -126,6 +136,9 @@ __all__ = [
     "SideEffect",
     "StepStatus",
     "Verdict",
+    "StepState",
+    "RELEASABLE",
+    "TOMBSTONE_NOT_RELEASABLE",
     # Identity
     "canonical_json",
     "entry_key",

@@ -24,43 +24,13 @@ from celery_ledger.ledger.errors import (
 )
 from celery_ledger.ledger.schema import entries, events, steps
 from celery_ledger.ledger.states import EntryStatus, SideEffect, StepStatus, Verdict
-from celery_ledger.ledger.values import RESUME_OWNER, Entry, EventRecord
-
-#: Statuses an operator may release. Never completed (it has a result), never failed with a
-#: live attempt; a running entry only once its lease expired.
-RELEASABLE = (
-    EntryStatus.BLOCKED,
-    EntryStatus.INTERRUPTED,
-    EntryStatus.RUNNING,
-    EntryStatus.FAILED,
-    EntryStatus.RETRYING,
+from celery_ledger.ledger.values import (
+    RELEASABLE,
+    RESUME_OWNER,
+    TOMBSTONE_NOT_RELEASABLE,
+    Entry,
+    EventRecord,
 )
-
-#: Why a tombstone (``tombstone_at``: retention pruned a settled entry's steps, events and
-#: snapshot) is never released (issue 29): its completed steps are forgotten, so a re-run would
-#: run the whole body again, and the duplicate-execution rate could not see it.
-TOMBSTONE_NOT_RELEASABLE = (
-    "a tombstone: retention pruned it and forgot its steps, so a re-run could repeat a "
-    "completed effect; it is not releasable (publish a new task for new work)"
-)
-
-#: In a blocked reason: the ambiguous effect step returned, and only its output could not be
-#: stored (over ``ledger_max_result_bytes``, a socket, a generator). It executed, so a
-#: ``not-executed`` release would run it again: ``show``, the CLI's ``release`` and Flower's
-#: release form warn with ``STEP_RETURNED_WARNING`` (``step_returned``).
-STEP_RETURNED = "returned, and only its output could not be stored"
-
-#: What an operator is told about an entry blocked on a step that returned.
-STEP_RETURNED_WARNING = (
-    "its step returned (only its output could not be stored): it executed, and a "
-    "not-executed release runs it again; release it --verified completed"
-)
-
-
-def step_returned(reason: str | None) -> bool:
-    """Whether a blocked ``reason`` says its step returned (``STEP_RETURNED``)."""
-    return reason is not None and STEP_RETURNED in reason
-
 
 #: Name of the implicit step that stands for the whole body of a task that recorded no steps.
 BODY_STEP = "__body__"

@@ -79,6 +79,22 @@ class StepStatus(str, Enum):
     NOT_EXECUTED = "not_executed"
 
 
+class StepState(str, Enum):
+    """What an operator is told of one replay row: its status read against the entry's lease.
+
+    ``StepRecord.state`` decides it; the CLI's ``show`` and the Flower page print it.
+    """
+
+    #: The step returned; its output replays.
+    COMPLETED = "completed"
+    #: Proven not executed (or a transaction step whose writes did not commit): it runs again.
+    NOT_EXECUTED = "not-executed"
+    #: Started by the attempt that holds the entry's live lease: it may be running now.
+    RUNNING = "running"
+    #: Started, no completion recorded, and its attempt is gone: it may or may not have run.
+    AMBIGUOUS = "ambiguous"
+
+
 class SideEffect(str, Enum):
     """How a task's steps touch the outside world; decides what happens to an ambiguous step."""
 

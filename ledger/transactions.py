@@ -34,12 +34,7 @@ from celery_ledger.ledger.errors import translate_db_errors
 from celery_ledger.ledger.outbox import Child, child_rows, insert_children
 from celery_ledger.ledger.schema import steps
 from celery_ledger.ledger.states import StepStatus
-
-#: The external reference of a transaction step's ``started`` row. Such a row is written only
-#: for the first step of an entry that has no replay row yet, so that a crash inside it does
-#: not make the body look stepless (a stepless body that ran is ambiguous). It is never
-#: ambiguous itself: the step's writes commit with its ``completed`` row or not at all.
-TRANSACTION_STEP_REF = "celery-ledger:transaction-step"
+from celery_ledger.ledger.values import TRANSACTION_STEP_REF
 
 
 def _completed_params(

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery_ledger.ledger.envelope import ArgumentSnapshot, Envelope
-from celery_ledger.ledger.states import EntryStatus, Gate, StepStatus
+from celery_ledger.ledger.states import EntryStatus, Gate, StepState, StepStatus
 
 #: Owner name written by recovery when it re-enqueues an entry: the next claim of that entry
 #: takes it over at once instead of waiting for the lease recovery holds for it.
@@ -16,6 +16,47 @@ RESUME_OWNER = "celery-ledger:resume"
 #: them too: "no hash", so it conflicts with nothing (the next claim that writes the entry
 #: stores the real one).
 NO_ARGS_HASH = "task-id"
+
+#: The external reference of a transaction step's ``started`` row. Such a row is written only
+#: for the first step of an entry that has no replay row yet, so that a crash inside it does
+#: not make the body look stepless (a stepless body that ran is ambiguous). It is never
+#: ambiguous itself: the step's writes commit with its ``completed`` row or not at all.
+TRANSACTION_STEP_REF = "celery-ledger:transaction-step"
+
+#: Statuses an operator may release. Never completed (it has a result), never failed with a
+#: live attempt; a running entry only once its lease expired.
+RELEASABLE = (
+    EntryStatus.BLOCKED,
+    EntryStatus.INTERRUPTED,
+    EntryStatus.RUNNING,
+    EntryStatus.FAILED,
+    EntryStatus.RETRYING,
+)
+
+#: Why a tombstone (``tombstone_at``: retention pruned a settled entry's steps, events and
+#: snapshot) is never released (issue 29): its completed steps are forgotten, so a re-run would
+#: run the whole body again, and the duplicate-execution rate could not see it.
+TOMBSTONE_NOT_RELEASABLE = (
+    "a tombstone: retention pruned it and forgot its steps, so a re-run could repeat a "
+    "completed effect; it is not releasable (publish a new task for new work)"
+)
+
+#: In a blocked reason: the ambiguous effect step returned, and only its output could not be
+#: stored (over ``ledger_max_result_bytes``, a socket, a generator). It executed, so a
+#: ``not-executed`` release would run it again: ``show``, the CLI's ``release`` and Flower's
+#: release form warn with ``STEP_RETURNED_WARNING`` (``step_returned``).
+STEP_RETURNED = "returned, and only its output could not be stored"
+
+#: What an operator is told about an entry blocked on a step that returned.
+STEP_RETURNED_WARNING = (
+    "its step returned (only its output could not be stored): it executed, and a "
+    "not-executed release runs it again; release it --verified completed"
+)
+
+
+def step_returned(reason: str | None) -> bool:
+    """Whether a blocked ``reason`` says its step returned (``STEP_RETURNED``)."""
+    return reason is not None and STEP_RETURNED in reason
 
 
 @dataclass(frozen=True)
@@ -78,6 +119,37 @@ class StepRecord:
     @property
     def ident(self) -> tuple[str, str, int]:
         return (self.name, self.input_hash, self.occurrence)
+
+    @property
+    def transaction_marker(self) -> bool:
+        """A transaction step's ``started`` row (``TRANSACTION_STEP_REF``)."""
+        return self.external_ref == TRANSACTION_STEP_REF
+
+    @property
+    def ambiguous(self) -> bool:
+        """Started and never completed: the attempt that started it may or may not have made
+        its effect. A transaction step's marker never is: its writes commit with its
+        ``completed`` row or not at all. (While that attempt still holds a live lease the
+        step may simply be running: ``state``.)"""
+        return self.status is StepStatus.STARTED and not self.transaction_marker
+
+    @property
+    def may_have_run(self) -> bool:
+        """Whether its effect may have happened: completed, or ambiguous."""
+        return self.status is StepStatus.COMPLETED or self.ambiguous
+
+    def state(self, live_lease: bool) -> StepState:
+        """What an operator is told of this row, given whether the attempt that holds the
+        entry (``Entry.live_lease``) is still alive."""
+        if self.status is StepStatus.COMPLETED:
+            return StepState.COMPLETED
+        if self.status is StepStatus.NOT_EXECUTED:
+            return StepState.NOT_EXECUTED
+        if live_lease:
+            return StepState.RUNNING
+        if self.transaction_marker:
+            return StepState.NOT_EXECUTED  # nothing of it committed: it runs again
+        return StepState.AMBIGUOUS
 
 
 @dataclass(frozen=True)
@@ -166,6 +238,41 @@ class Entry:
     #: the lease it took; the interrupt leaves both (``mark-dead`` reads them).
     renewed_at: float | None = None
     lease_seconds: float | None = None
+
+    def lease_left(self, now: float) -> float | None:
+        """Seconds left on the lease at ``now`` (database clock); negative once it expired."""
+        return None if self.lease_until is None else self.lease_until - now
+
+    def live_lease(self, now: float) -> bool:
+        """Running under a lease that has not expired: an attempt may be in the body now."""
+        left = self.lease_left(now)
+        return self.status is EntryStatus.RUNNING and left is not None and left > 0
+
+    @property
+    def released_pending(self) -> bool:
+        """Released, and no attempt has run the body since: the store's one-shot rule."""
+        return self.released_executions is not None and self.executions == self.released_executions
+
+    def release_refused(self, now: float) -> str | None:
+        """Why an operator's release would be refused at ``now``, or None when it would not be
+        for the entry's state (the store decides again under the row lock)."""
+        if self.status not in RELEASABLE:
+            return f"{self.status.value}: there is nothing to release"
+        if self.tombstone_at is not None:
+            return f"{self.status.value}, {TOMBSTONE_NOT_RELEASABLE}"
+        if self.live_lease(now):
+            return "running with a live lease: wait for it to expire or for the sweep"
+        if self.released_pending:
+            return f"released already by {self.released_by} and not run since: release is one-shot"
+        return None
+
+    @property
+    def release_warning(self) -> str | None:
+        """What to say beside a release: blocked on a step that returned (``step_returned``),
+        a not-executed release would run it again."""
+        if self.status is EntryStatus.BLOCKED and step_returned(self.reason):
+            return STEP_RETURNED_WARNING
+        return None
 
     @classmethod
     def from_row(cls, row: Any) -> Entry:
@@ -266,7 +373,12 @@ class Overdue:
 
 __all__ = [
     "NO_ARGS_HASH",
+    "RELEASABLE",
     "RESUME_OWNER",
+    "STEP_RETURNED",
+    "STEP_RETURNED_WARNING",
+    "TOMBSTONE_NOT_RELEASABLE",
+    "TRANSACTION_STEP_REF",
     "ArgumentSnapshot",
     "Claim",
     "ClaimRequest",
@@ -278,4 +390,5 @@ __all__ = [
     "Owner",
     "Resuming",
     "StepRecord",
+    "step_returned",
 ]

@@ -17,9 +17,9 @@ import pytest
 from click.testing import CliRunner
 
 from celery_ledger import LedgerTask, create_app, envelope, runtime
-from celery_ledger.cli.common import duration, timestamp
 from celery_ledger.cli.main import main
 from celery_ledger.ledger import ClaimRequest, LedgerStore, Owner
+from celery_ledger.view import duration, timestamp
 
 INF, NAN = float("inf"), float("nan")
 

@@ -265,3 +265,11 @@ def test_the_runtime_import_graph_has_no_cycle() -> None:
     assert "celery_ledger.attempt" in graph["celery_ledger.task"]
     cycle = _cycle(graph)
     assert cycle is None, "import cycle in the runtime: " + " -> ".join(cycle or [])
+
+
+def test_flower_imports_nothing_from_the_cli() -> None:
+    """The Ledger page and the CLI render one operator view (``celery_ledger.view``); the page
+    never reaches into the click-bound CLI for its rules or its words."""
+    for module, names in _imports("worker/flower").items():
+        bad = {n for n in names if n == "celery_ledger.cli" or n.startswith("celery_ledger.cli.")}
+        assert not bad, f"{module} imports {sorted(bad)}"

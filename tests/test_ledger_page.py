@@ -35,6 +35,7 @@ from celery_ledger.codec import encode
 from celery_ledger.flower import install_in_flower
 from celery_ledger.ledger import (
     RESUME_OWNER,
+    STEP_RETURNED,
     ClaimRequest,
     Entry,
     EntryStatus,
@@ -44,7 +45,6 @@ from celery_ledger.ledger import (
     entry_key,
 )
 from celery_ledger.ledger.engine import make_engine
-from celery_ledger.ledger.operator import STEP_RETURNED
 from celery_ledger.ledger.schedule import PRUNED_FAILURE
 
 USER, PASSWORD = "alice", "s3cret-pass"

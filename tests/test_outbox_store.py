@@ -249,16 +249,15 @@ def test_prune_outbox_keeps_what_is_owed(store) -> None:
 
 
 def test_the_ledger_page_never_calls_a_transaction_steps_marker_ambiguous() -> None:
-    """The Flower page's step label: a transaction step's marker row is not ambiguous."""
+    """The operator view's step state (``show`` and the Flower page): a transaction step's
+    marker row is not ambiguous."""
     from dataclasses import replace
 
-    from celery_ledger.flower.views import _step
     from celery_ledger.ledger import TRANSACTION_STEP_REF, StepRecord
-    from celery_ledger.redact import Redaction
+    from celery_ledger.view import step_detail
 
     started = StepRecord("credit", "h", 0, 1, StepStatus.STARTED, 1, started_at=1.0)
-    plain = _step(started, None, False, Redaction(frozenset()))  # type: ignore[arg-type]
-    assert plain.state == "ambiguous"
+    assert step_detail(started, False).state == "ambiguous"
     marker = replace(started, external_ref=TRANSACTION_STEP_REF)
-    assert _step(marker, None, False, Redaction(frozenset())).state == "not-executed"  # type: ignore[arg-type]
-    assert _step(marker, None, True, Redaction(frozenset())).state == "running"  # type: ignore[arg-type]
+    assert step_detail(marker, False).state == "not-executed"
+    assert step_detail(marker, True).state == "running"

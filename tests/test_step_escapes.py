@@ -17,8 +17,8 @@ from celery import Celery
 from test_cli import cli  # noqa: F401 - the in-process CLI fixture
 
 from celery_ledger import LedgerTask, Reconciled, runtime
-from celery_ledger.cli.common import next_action
 from celery_ledger.ledger import EntryStatus, LedgerStore, StepStatus, entry_key
+from celery_ledger.view import next_action
 
 
 def local_app(tmp_path: Path, url: str) -> Celery:

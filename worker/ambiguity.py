@@ -29,7 +29,6 @@ from celery_ledger.codec import decode, encode
 from celery_ledger.ledger import (
     BODY_STEP,
     STEP_RETURNED,
-    TRANSACTION_STEP_REF,
     Claim,
     EntryStatus,
     Fenced,
@@ -91,8 +90,7 @@ class Ambiguity:
         body = attempt.replay_row(BODY_IDENT)
         real_steps = [r for r in claim.steps if r.name != BODY_STEP]
         for row in real_steps:
-            # A transaction step's started row is never ambiguous (``TRANSACTION_STEP_REF``).
-            if row.status is StepStatus.STARTED and row.external_ref != TRANSACTION_STEP_REF:
+            if row.ambiguous:
                 self.resolve(row.ident, row.external_ref)
         if real_steps or not attempt.side_effect.writes_intent:
             return RUN_BODY

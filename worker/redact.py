@@ -25,7 +25,7 @@ own task's rules, as if it were that task's arguments, and scrubs every secret i
 all of it.
 
 Its users: the Flower page (entry and stuck list) and the CLI's ``show`` and ``list``
-(``cli.ops._redaction``), all through ``entry_redaction``; a blocked reason as it leaves the
+(``cli.show.redaction_for``), all through ``entry_redaction``; a blocked reason as it leaves the
 worker (``scrub_for_call``: its log line, event and ``LedgerBlocked``); and the argument reprs
 of the worker's ``task-received`` event and log lines (``request.LedgerRequest``).
 """

@@ -42,9 +42,7 @@ from celery_ledger.codec import arguments_hash
 from celery_ledger.ledger import (
     BODY_STEP,
     LINKS_STEP,
-    TRANSACTION_STEP_REF,
     StepRecord,
-    StepStatus,
     declared_identity,
     is_declared,
 )
@@ -289,7 +287,4 @@ class ReplayBook:
                 )
 
     def _may_have_run(self, ident: Ident) -> bool:
-        row = self._rows[ident]
-        if row.status is StepStatus.STARTED and row.external_ref == TRANSACTION_STEP_REF:
-            return False  # a transaction step's marker: nothing of it committed
-        return row.status is not StepStatus.NOT_EXECUTED
+        return self._rows[ident].may_have_run

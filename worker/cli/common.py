@@ -17,37 +17,26 @@ import getpass
 import json
 import math
 import os
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import click
 from click.core import ParameterSource
-from kombu.utils.json import loads
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 
 from celery_ledger.ledger import (
-    RESUME_OWNER,
-    STEP_RETURNED_WARNING,
-    Entry,
     EntryNotFound,
-    EntryStatus,
     LedgerError,
     LedgerStore,
     SchemaError,
     SchemaTooNew,
-    SnapshotSealError,
-    is_sealed,
-    open_snapshot,
-    step_returned,
 )
 from celery_ledger.ledger.engine import is_sqlite, make_engine, parse_url
 from celery_ledger.ledger.errors import as_unavailable
 from celery_ledger.ledger.migrate import pending_revisions
+from celery_ledger.view import one_line, parse_duration
 
 STATUS_COLOURS = {
     "running": "cyan",
@@ -64,15 +53,6 @@ STATUS_COLOURS = {
 CHECK_COLOURS = {"PASS": "green", "WARN": "yellow", "FAIL": "red"}
 
 # -- plumbing ---------------------------------------------------------------------------------
-
-
-#: SQLAlchemy's pointer to its error pages, which it appends to every error's text.
-_SA_LINK = re.compile(r"\s*\(Background on this error at: \S+\)")
-
-
-def one_line(exc: BaseException) -> str:
-    text = _SA_LINK.sub("", " ".join(str(exc).split()))
-    return text or type(exc).__name__
 
 
 def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -175,30 +155,6 @@ def printable(text: Any, *, limit: int | None = None) -> str:
         c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in value
     )
     return safe + cut
-
-
-def decode_stored(text: str | None, cipher: Any = None) -> tuple[Any, str | None]:
-    """A stored JSON value (snapshot, result, error) decoded, and None; or None and why it
-    cannot be decoded. A sealed snapshot is opened with ``cipher`` (``ledger_snapshot_keys``).
-    Never raises: an entry whose values no process can read must still be shown, and
-    released."""
-    if text is None:
-        return None, None
-    if is_sealed(text):
-        try:
-            text = open_snapshot(text, cipher)
-        except SnapshotSealError as exc:
-            return None, one_line(exc)
-    try:
-        value = loads(text)
-        # Printed (indented JSON) needs more stack per level than decoding: a value that
-        # decodes but cannot be printed is unreadable here too.
-        json.dumps(value, indent=1, default=str)
-    except RecursionError:
-        return None, f"nested too deeply to decode ({len(text)} characters stored)"
-    except Exception as exc:  # noqa: BLE001 - whatever the decoder says, it is unreadable
-        return None, f"cannot be decoded: {one_line(exc)[:200]} ({len(text)} characters stored)"
-    return value, None
 
 
 def open_store(ctx: click.Context) -> LedgerStore:
@@ -311,55 +267,12 @@ def print_table(
         echo(ctx, line(row, lambda i, v: {"fg": colour(i, v)}))
 
 
-def duration(seconds: float | None) -> str:
-    """``seconds`` in words; any stored value renders (an infinite one is "never")."""
-    if seconds is None:
-        return "-"
-    if math.isnan(seconds):
-        return "nan"
-    if seconds > _LONGEST:
-        return "never"
-    s = int(max(seconds, 0))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
-
-
-#: Longer than any date: a duration past it is shown as "never".
-_LONGEST = 10_000 * 366 * 86400
-
-
-def timestamp(ts: float | None) -> str:
-    """``ts`` as UTC; any stored value renders: one past what a date holds is "never" (its
-    raw number when it is not infinite), never an ``OverflowError``."""
-    if ts is None:
-        return "-"
-    try:
-        return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
-    except (OverflowError, ValueError, OSError):
-        return "never" if ts == math.inf else repr(ts)
-
-
 def parse_since(text: str) -> float:
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    raw = text.strip().lower()
+    """``--since``: seconds or a duration like 30s, 10m, 2h, 1d (``parse_duration``)."""
     try:
-        value = float(raw[:-1]) * units[raw[-1]] if raw[-1:] in units else float(raw)
-    except ValueError:
-        raise click.ClickException(
-            f"--since {text!r}: give seconds or a duration like 30s, 10m, 2h, 1d"
-        ) from None
-    if not math.isfinite(value):
-        raise click.ClickException(
-            f"--since {text!r} is not a finite time: give seconds or a duration like 30s, 10m"
-        )
-    if value < 0:
-        raise click.ClickException(f"--since {text!r} must not be negative")
-    return value
+        return parse_duration(text)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def resolve_key(store: LedgerStore, ref: str) -> str:
@@ -377,134 +290,6 @@ def resolve_key(store: LedgerStore, ref: str) -> str:
             f"{ref!r} matches several entries ({shown}); give more of the key"
         )
     return keys[0]
-
-
-# -- what an operator should do next --------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class NextAction:
-    #: release | resume | resend | sweep | wait | none
-    action: str
-    hint: str
-    command: str | None = None
-
-
-def next_action(entry: Entry, now: float, prefix: str) -> NextAction:
-    """The one thing that moves this entry on, and the command that does it."""
-    key = entry.key
-    if entry.status is EntryStatus.BLOCKED and step_returned(entry.reason):
-        return NextAction(
-            "release",
-            STEP_RETURNED_WARNING,
-            f"{prefix} release {key} --verified completed --by WHO --reason WHY",
-        )
-    if entry.status is EntryStatus.BLOCKED:
-        return NextAction(
-            "release",
-            "release after checking the step",
-            f"{prefix} release {key} --verified not-executed|completed --by WHO --reason WHY",
-        )
-    if entry.status is EntryStatus.INTERRUPTED:
-        if entry.snapshot is None:
-            return NextAction(
-                "resend",
-                f"no argument snapshot: re-send task id {entry.task_id} by hand",
-                f"{prefix} release {key} --verified completed --result-json JSON --by WHO "
-                "--reason WHY",
-            )
-        return NextAction("resume", "resume now (or wait for the sweep)", f"{prefix} resume {key}")
-    if entry.status is EntryStatus.RUNNING:
-        left = None if entry.lease_until is None else entry.lease_until - now
-        if left is None or left <= 0:
-            return NextAction(
-                "sweep", "lease expired: sweep interrupts and resumes it", f"{prefix} sweep"
-            )
-        if entry.owner == RESUME_OWNER:
-            return NextAction("wait", f"re-enqueued, waiting for a worker ({duration(left)})")
-        return NextAction("wait", f"running (lease {duration(left)} left)")
-    if entry.status is EntryStatus.RETRYING:
-        if entry.due_at is not None and entry.due_at < now:
-            late = duration(now - entry.due_at)
-            if entry.snapshot is None:
-                return NextAction(
-                    "resend",
-                    f"retry overdue by {late}, no argument snapshot: re-send task id "
-                    f"{entry.task_id} by hand",
-                    f"{prefix} release {key} --verified completed --result-json JSON --by WHO "
-                    "--reason WHY",
-                )
-            return NextAction(
-                "sweep", f"retry overdue by {late}: the sweep re-sends it", f"{prefix} sweep"
-            )
-        return NextAction("wait", "Celery retry pending")
-    if entry.status.waits_for_time:  # issue 18: held by the ledger until due
-        left = None if entry.due_at is None else entry.due_at - now
-        when = (
-            "due now: the sweep sends it"
-            if left is None or left <= 0
-            else f"due in {duration(left)}"
-        )
-        return NextAction("wait", when, f"{prefix} resume {key}")
-    return NextAction("none", "-")
-
-
-def entry_view(entry: Entry, now: float, prefix: str) -> dict[str, Any]:
-    """One entry as ``list --json`` and ``show --json`` print it."""
-    nxt = next_action(entry, now, prefix)
-    released = None
-    if entry.released_at is not None:
-        released = {
-            "by": entry.released_by,
-            "reason": entry.released_reason,
-            "at": entry.released_at,
-            "from_status": entry.released_from,
-        }
-    return {
-        "key": entry.key,
-        "task": entry.task_name,
-        "task_id": entry.task_id,
-        "status": entry.status.value,
-        "fence": entry.fence,
-        "owner": entry.owner,
-        "side_effect": entry.side_effect,
-        "age_seconds": round(now - entry.updated_at, 3),
-        "lease_remaining_seconds": (
-            None if entry.lease_until is None else round(entry.lease_until - now, 3)
-        ),
-        "created_at": entry.created_at,
-        "updated_at": entry.updated_at,
-        "settled_at": entry.settled_at,
-        "due_at": entry.due_at,
-        "executions": entry.executions,
-        "interruptions": entry.interruptions,
-        "reason": entry.reason,
-        "has_snapshot": entry.snapshot is not None,
-        "released": released,
-        "marked_dead": (
-            None
-            if entry.dead_at is None
-            else {
-                "fence": entry.dead_fence,
-                "by": entry.dead_by,
-                "reason": entry.dead_reason,
-                "at": entry.dead_at,
-            }
-        ),
-        "seen_alive": (
-            None
-            if entry.seen_alive_at is None
-            else {
-                "at": entry.seen_alive_at,
-                "ago_seconds": round(now - entry.seen_alive_at, 3),
-                "fence": entry.seen_alive_fence,
-                "owner": entry.seen_alive_owner,
-            }
-        ),
-        "next_action": nxt.action,
-        "hint": nxt.hint,
-        "next_command": nxt.command,
-    }
 
 
 def status_colour(col: int) -> Callable[[int, str], str | None]:

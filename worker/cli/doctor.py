@@ -21,7 +21,6 @@ from celery_ledger.cli.common import (
     emit_json,
     guarded,
     load_app,
-    one_line,
     print_table,
     sqlite_file_problem,
     sqlite_path,
@@ -41,6 +40,7 @@ from celery_ledger.ledger.migrate import (
     head_revision,
     pending_revisions,
 )
+from celery_ledger.view import one_line
 
 #: Brokers that hand an unacked message to another consumer after ``visibility_timeout``.
 _VISIBILITY_BROKERS = ("redis", "rediss", "sentinel", "sqs")

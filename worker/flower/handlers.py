@@ -28,13 +28,13 @@ from tornado import web
 from tornado.ioloop import IOLoop
 
 from celery_ledger.authorize import AuthorizerError, Operator
-from celery_ledger.cli.common import duration, timestamp
 from celery_ledger.flower import actions, views
 from celery_ledger.flower import queries as q
 from celery_ledger.flower.context import LedgerPage, page_for
 from celery_ledger.flower.hook import TEMPLATES, LedgerTemplateLoader, flower_templates
 from celery_ledger.ledger import EntryNotFound, LedgerError, ReferenceTooLong, entry_key
 from celery_ledger.outbox import KEPT_OPTIONS
+from celery_ledger.view import duration, parse_duration, timestamp
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +189,6 @@ class OverviewHandler(LedgerHandler):
 
 def _parse_filter(handler: LedgerHandler) -> tuple[q.StuckFilter, list[str]]:
     """The stuck list's filters from the query string, and what was wrong with them."""
-    from celery_ledger.cli.common import parse_since
-
     errors = []
     kinds = tuple(k for k in handler.get_query_arguments("kind") if k in q.KINDS_BY_NAME)
     task = handler.get_query_argument("task", "").strip() or None
@@ -198,8 +196,8 @@ def _parse_filter(handler: LedgerHandler) -> tuple[q.StuckFilter, list[str]]:
     raw_age = handler.get_query_argument("age", "").strip()
     if raw_age:
         try:
-            min_age = parse_since(raw_age)
-        except Exception:  # noqa: BLE001 - click's error carries the CLI's wording
+            min_age = parse_duration(raw_age)
+        except ValueError:  # its wording names the CLI's --since
             errors.append(f"age {raw_age!r}: give seconds or a duration like 30s, 10m, 2h, 1d")
     return q.StuckFilter(kinds=kinds, task=task, min_age=min_age), errors
 

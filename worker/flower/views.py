@@ -13,25 +13,18 @@ from typing import Any
 
 from kombu.utils.json import loads
 
-from celery_ledger.cli.common import NextAction, decode_stored, duration, next_action
 from celery_ledger.flower import queries as q
 from celery_ledger.flower.context import Aggregates, LedgerPage
-from celery_ledger.ledger import (
-    RESUME_OWNER,
-    TRANSACTION_STEP_REF,
-    Entry,
-    EntryStatus,
-    EventRecord,
-    StepRecord,
-    StepStatus,
-)
-from celery_ledger.ledger.operator import (
-    RELEASABLE,
-    STEP_RETURNED_WARNING,
-    TOMBSTONE_NOT_RELEASABLE,
-    step_returned,
-)
+from celery_ledger.ledger import RESUME_OWNER, Entry, EntryStatus, EventRecord
 from celery_ledger.redact import Redaction, entry_redaction, secret_names
+from celery_ledger.view import (
+    NextAction,
+    StepDetail,
+    decode_stored,
+    duration,
+    entry_detail,
+    next_action,
+)
 
 #: Longest JSON shown for one value (a result, an output); the rest is cut with a note.
 MAX_SHOWN_CHARS = 4000
@@ -271,64 +264,44 @@ class EntryView:
 
 def entry(page: LedgerPage, key: str) -> EntryView:
     """Raises EntryNotFound."""
-    store = page.store
-    e = store.get_entry(key)
-    steps = store.load_steps(key)
-    events = store.entry_events(key, limit=500)
-    now = store.now()
     # Decoded defensively: an entry whose snapshot no process can read is shown (and released).
-    snapshot, unreadable = decode_stored(e.snapshot, page.cipher)
-    if not isinstance(snapshot, dict):
-        snapshot = None
-    task = page.task(e.task_name)
-    names = secret_names(page.settings.redact, task)
-    arguments = None
     # The page shows the arguments only, but the placement's secrets (a chain link's, a
     # callback's) are scrubbed from the result, errors and events shown with them.
-    shown, redaction = entry_redaction(
-        snapshot, redact=page.settings.redact, task=task, task_of=page.task
+    d = entry_detail(
+        page.store,
+        key,
+        prefix=page.cli_prefix,
+        cipher=lambda: page.cipher,
+        redact=page.settings.redact,
+        task_of=page.task,
+        events=500,
     )
-    if shown is not None:
-        arguments = _json({"args": shown["args"], "kwargs": shown["kwargs"]})
-    lease_left = None if e.lease_until is None else e.lease_until - now
-    live_lease = e.status is EntryStatus.RUNNING and lease_left is not None and lease_left > 0
-    # The store's one-shot rule: released, and no attempt has run the body since.
-    released_pending = e.released_executions is not None and e.executions == e.released_executions
-    release_blocked = None
-    if e.status not in RELEASABLE:
-        release_blocked = f"{e.status.value}: there is nothing to release"
-    elif e.tombstone_at is not None:
-        release_blocked = f"{e.status.value}, {TOMBSTONE_NOT_RELEASABLE}"
-    elif live_lease:
-        release_blocked = "running with a live lease: wait for it to expire or for the sweep"
-    elif released_pending:
-        release_blocked = (
-            f"released already by {e.released_by} and not run since: release is one-shot"
-        )
+    e, redaction, snapshot = d.entry, d.redaction, d.snapshot
+    arguments = None
+    if d.shown is not None:
+        arguments = _json({"args": d.shown["args"], "kwargs": d.shown["kwargs"]})
     view = EntryView(
         entry=e,
-        now=now,
+        now=d.now,
         arguments=arguments,
         queue=(snapshot or {}).get("queue"),
-        redacted=tuple(sorted(names)),
+        redacted=tuple(sorted(secret_names(page.settings.redact, page.task(e.task_name)))),
         blind=redaction.blind,
         result=_shown(e.result, redaction),
         error=_shown(e.error, redaction),
         reason=redaction.text(e.reason),
         released_reason=redaction.text(e.released_reason),
         dead_reason=redaction.text(e.dead_reason),
-        steps=[_step(s, e, live_lease, redaction) for s in steps],
-        events=[_event(ev, redaction) for ev in events],
-        action=next_action(e, now, page.cli_prefix),
-        lease_left=lease_left,
-        can_release=release_blocked is None,
-        can_resume=e.status is EntryStatus.INTERRUPTED and snapshot is not None,
-        release_blocked=release_blocked,
-        released_pending=released_pending,
-        release_warning=STEP_RETURNED_WARNING
-        if e.status is EntryStatus.BLOCKED and step_returned(e.reason)
-        else None,
-        children=store.children_of(key),
+        steps=[_step_view(s, redaction) for s in d.steps],
+        events=[_event(ev, redaction) for ev in d.events],
+        action=d.action,
+        lease_left=d.lease_left,
+        can_release=d.release_refused is None,
+        can_resume=d.can_resume,
+        release_blocked=d.release_refused,
+        released_pending=e.released_pending,
+        release_warning=d.release_warning,
+        children=list(d.children),
     )
     if redaction.blind:
         view.notes.append(
@@ -336,32 +309,18 @@ def entry(page: LedgerPage, key: str) -> EntryView:
             "Flower's Celery app, so its secret_args are unknown here. Start Flower with "
             "-A of the app that defines it."
         )
-    if unreadable is not None:
+    if "snapshot" in d.unreadable:
         view.notes.append(
-            f"The argument snapshot cannot be read ({unreadable}): this entry cannot be "
-            "re-enqueued; release it once you know what it was."
+            f"The argument snapshot cannot be read ({d.unreadable['snapshot']}): this entry "
+            "cannot be re-enqueued; release it once you know what it was."
         )
     elif snapshot is None:
         view.notes.append("No argument snapshot: this entry cannot be re-enqueued.")
     return view
 
 
-def _step(s: StepRecord, e: Entry, live_lease: bool, redaction: Redaction) -> StepView:
-    if s.status is StepStatus.COMPLETED:
-        state, label = "completed", "completed"
-    elif s.status is StepStatus.NOT_EXECUTED:
-        state, label = "not-executed", "proven not executed: one re-run authorized"
-    elif s.external_ref == TRANSACTION_STEP_REF:
-        # A transaction step's marker: its writes commit with its completion or not at all.
-        state, label = (
-            ("running", "transaction step, running now")
-            if live_lease
-            else ("not-executed", "transaction step, nothing committed: it runs again")
-        )
-    elif live_lease:
-        state, label = "running", "started, running now"
-    else:
-        state, label = "ambiguous", "started, no completion recorded: ambiguous"
+def _step_view(d: StepDetail, redaction: Redaction) -> StepView:
+    s = d.record
     took = None
     if s.completed_at is not None and s.started_at is not None:
         took = f"{max(s.completed_at - s.started_at, 0.0):.3f}s"
@@ -369,8 +328,8 @@ def _step(s: StepRecord, e: Entry, live_lease: bool, redaction: Redaction) -> St
         name=s.name,
         occurrence=s.occurrence,
         status=s.status.value,
-        state=state,
-        label=label,
+        state=d.state.value,
+        label=d.label,
         external_ref=redaction.text(s.external_ref),
         output=_shown(s.output, redaction),
         error=redaction.text(s.error),
