@@ -295,7 +295,8 @@ def test_replace_under_redelivery(tmp_path, redis, pg_url, crash_at):
     replaced = store.get_entry(key_of("tests_app.replacer", result.id))
     assert replaced.status.value == "failed"
     assert replaced.reason == f"replaced by tests_app.member[{result.id}]"
-    replacement = store.get_entry(key_of("tests_app.member", result.id))
+    # A replacement is keyed apart from the call it replaced (``LedgerTask.entry_key_of``).
+    replacement = store.get_entry(key_of("tests_app.member", {"replacement": 1, "of": result.id}))
     assert replacement.status.value == "completed" and replacement.executions == 1
     # Killed after the replacement's publish and before the settle, the redelivery takes
     # over, replays the step and replaces again: the same task id is published a second

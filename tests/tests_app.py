@@ -11,7 +11,9 @@ import signal
 import time
 from typing import Any
 
+from celery import chain
 from celery.exceptions import Reject
+from celery.result import AsyncResult, GroupResult
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, func, insert, select
 from sqlalchemy.exc import DBAPIError
 
@@ -413,3 +415,26 @@ def kw_order(self: LedgerTask, tag: str, **kwargs: Any) -> dict[str, Any]:
     """Issue 30 item 12: ``key_from`` names an argument only ``**kwargs`` can bring."""
     effect(tag, "body")
     return {"tag": tag, **kwargs}
+
+
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.replace_self")
+def replace_self(self: LedgerTask, tag: str, depth: int, via_chain: bool = False) -> str:
+    """Issue 30 item 21: ``self.replace()`` with this same task (or a chain ending in it),
+    ``depth`` times; each replacement inherits the task id, with other arguments."""
+    effect(tag, f"body-{depth}")
+    if depth == 0:
+        return f"done:{tag}"
+    sig = replace_self.si(tag, depth - 1, via_chain)
+    if via_chain:
+        sig = chain(replace_self.si(f"{tag}-head-{depth}", 0), sig)
+    return self.replace(sig)
+
+
+@app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.returns_result")
+def returns_result(self: LedgerTask, tag: str, kind: str) -> Any:
+    """Issue 30 item 22: a body that returns a result object, as Celery's canvas tests do."""
+    effect(tag, "body")
+    one = AsyncResult(f"{tag}-one", app=self.app)
+    if kind == "group":
+        return GroupResult(f"{tag}-group", [one], app=self.app)
+    return one

@@ -16,7 +16,7 @@ members, and what is not, is argued in docs/design.md ("Canvas").
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -250,6 +250,26 @@ def on_task_prerun(sender: Any = None, **_: Any) -> None:
     crash_point(runtime.settings_for(sender.app), "chord-unlock")
 
 
+#: Celery's count of the ``self.replace()`` calls that led to a message: its header, its
+#: request field and its publish option.
+REPLACED = "replaced_task_nesting"
+
+
+def replacement(found: Any) -> int:
+    """How many ``self.replace()`` calls led to a delivery (a request) or a publish (a
+    placement mapping): Celery's ``replaced_task_nesting``; 0 for any other message.
+
+    A replacement inherits the replaced task's id by Celery's design, with arguments of its
+    own: it is a new call, not another delivery of the replaced one, so the ledger keys it
+    apart (``LedgerTask.entry_key_of``).
+    """
+    value = found.get(REPLACED) if isinstance(found, Mapping) else getattr(found, REPLACED, 0)
+    try:
+        return max(int(value or 0), 0)
+    except (TypeError, ValueError):
+        return 0
+
+
 #: A request's canvas fields, and the publish option each is re-sent with. The fields are
 #: also the message's names: the first four travel in the body's embed, the rest in headers.
 _PLACEMENT = (
@@ -261,6 +281,9 @@ _PLACEMENT = (
     ("group_index", "group_index"),
     ("parent_id", "parent_id"),
     ("root_id", "root_id"),
+    # Not a place in a canvas but how many ``self.replace()`` calls led here: it is part of
+    # the delivery's identity (``replacement``), so a re-send must carry it.
+    (REPLACED, REPLACED),
 )
 _EMBEDDED = frozenset(("chain", "callbacks", "errbacks", "chord"))
 
@@ -294,7 +317,11 @@ def message_placement(headers: dict[str, Any], embed: Any) -> dict[str, Any]:
 
 
 def _kept(found: dict[str, Any]) -> dict[str, Any]:
-    out = {option: value for option, value in found.items() if value not in (None, [], ())}
+    out = {
+        option: value
+        for option, value in found.items()
+        if value not in (None, [], ()) and not (option == REPLACED and not value)
+    }
     # Parent and root alone are no canvas (every task sent from a task has them): the
     # snapshot of a plain task stays as it was.
     if not set(out) - {"parent_id", "root_id"}:

@@ -31,7 +31,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from celery_ledger import envelope, runtime
+from celery_ledger import canvas, envelope, runtime
 from celery_ledger.codec import check_depth
 from celery_ledger.ledger import NO_ARGS_HASH, ClaimRequest, Envelope, KeyConflict
 
@@ -51,7 +51,12 @@ class PublishedTask(Protocol):
     def app(self) -> Celery: ...
 
     def ledger_key(
-        self, args: Sequence[Any], kwargs: Mapping[str, Any], task_id: str, header_key: Any = None
+        self,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        task_id: str,
+        header_key: Any = None,
+        replacement: int = 0,
     ) -> tuple[str, str]: ...
 
     def keyed_by_task_id(self, header_key: Any = None) -> bool: ...
@@ -98,7 +103,9 @@ def record(
     args, kwargs = tuple(sent.args), dict(sent.kwargs)
     try:
         check_depth([args, kwargs], what=f"arguments of {task.name}")
-        key, args_hash = task.ledger_key(args, kwargs, task_id, sent.ledger_key)
+        key, args_hash = task.ledger_key(
+            args, kwargs, task_id, sent.ledger_key, canvas.replacement(sent.canvas)
+        )
         settings = runtime.settings_for(task.app)
         snapshot = envelope.seal(task.app, sent, keep_canvas_optional=True)
         store = runtime.store_for(task.app)

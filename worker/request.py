@@ -106,7 +106,11 @@ class LedgerRequest(Request):
             if not runtime.publish_intent_enabled(task.app):
                 return
             key = task.entry_key_of(
-                self.args, self.kwargs, self.id, self._request_dict.get("ledger_key")
+                self.args,
+                self.kwargs,
+                self.id,
+                self._request_dict.get("ledger_key"),
+                canvas.replacement(self),
             )
             settings = runtime.settings_for(task.app)
             lease = float(getattr(task, "lease_seconds", None) or settings.lease_seconds)
@@ -209,7 +213,11 @@ class LedgerRequest(Request):
         task = self.task
         try:
             key = task.entry_key_of(
-                self.args, self.kwargs, self.id, self._request_dict.get("ledger_key")
+                self.args,
+                self.kwargs,
+                self.id,
+                self._request_dict.get("ledger_key"),
+                canvas.replacement(self),
             )
             store = runtime.store_for(task.app)
             found = store.interrupt_owner(

@@ -315,7 +315,12 @@ class LedgerTask(Task):
     # -- identity -------------------------------------------------------------------------
 
     def ledger_key(
-        self, args: Sequence[Any], kwargs: Mapping[str, Any], task_id: str, header_key: Any = None
+        self,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        task_id: str,
+        header_key: Any = None,
+        replacement: int = 0,
     ) -> tuple[str, str]:
         """Return (entry key, args hash) for a delivery.
 
@@ -326,25 +331,40 @@ class LedgerTask(Task):
             IdentityError: key material or arguments are not JSON.
         """
         args_hash = arguments_hash([list(args), dict(kwargs)])
-        return self.entry_key_of(args, kwargs, task_id, header_key), args_hash
+        return self.entry_key_of(args, kwargs, task_id, header_key, replacement), args_hash
 
     def entry_key_of(
-        self, args: Sequence[Any], kwargs: Mapping[str, Any], task_id: str, header_key: Any = None
+        self,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        task_id: str,
+        header_key: Any = None,
+        replacement: int = 0,
     ) -> str:
         """The entry key of a delivery (``ledger_key`` without hashing the arguments): what
         the worker's parent needs to hold or interrupt an entry.
+
+        ``replacement``: how many ``self.replace()`` calls led to it (``canvas.replacement``).
+        A replacement inherits the replaced task's id, by Celery's design, with arguments of
+        its own. It is a new call, so it gets an entry of its own: under the replaced one's
+        key it met that entry (settled ``failed``, "replaced by") and was refused as a
+        conflict, or, with the same arguments, RETURNed the replaced one's ``Ignore`` and
+        never ran. Each level keeps its own at-most-once: a redelivery of the replacement
+        carries the same count, so it finds the replacement's entry.
 
         Raises:
             IdentityError: key material is not JSON.
         """
         if header_key is None and self.key_from is None:
-            return entry_key(self.name, task_id)
-        if header_key is not None:
+            material: Any = task_id
+        elif header_key is not None:
             material = header_key
         elif callable(self.key_from):
             material = self.key_from(*args, **kwargs)
         else:
             material = self._named_key_material(args, kwargs)
+        if replacement:  # 0: the key every entry had before replacements were keyed apart
+            material = {"replacement": replacement, "of": material}
         return entry_key(self.name, material)
 
     def _named_key_material(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
@@ -514,7 +534,9 @@ class LedgerTask(Task):
         header_key = header(req, "ledger_key")
         lease = float(self.lease_seconds or settings.lease_seconds)
         try:
-            key, args_hash = self.ledger_key(args, kwargs, req.id, header_key)
+            key, args_hash = self.ledger_key(
+                args, kwargs, req.id, header_key, canvas.replacement(req)
+            )
         except Exception as exc:  # noqa: BLE001 - key_from is user code, the arguments the sender's
             raise self._refuse(store, exc) from None
         # A fresh publish (no retry count, not the ledger's own re-send) must bring the
@@ -695,8 +717,13 @@ class LedgerTask(Task):
                 self._settle_failure(attempt, exc, args, kwargs)
                 raise
             try:
+                # What Celery's backend stores (``prepare_value``: a returned AsyncResult or
+                # GroupResult becomes its ``as_tuple()``), not the raw object: the ledger's
+                # result is the one the caller gets, and a RETURN hands it back the same.
                 encoded = encode(
-                    result, limit=settings.max_result_bytes, what=f"result of {self.name}"
+                    self.backend.prepare_value(result),
+                    limit=settings.max_result_bytes,
+                    what=f"result of {self.name}",
                 )
             except PayloadError as exc:
                 attempt.settle(EntryStatus.FAILED, error=self._dump_exc(exc, settings))

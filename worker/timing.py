@@ -164,7 +164,9 @@ def hold(
         held = envelope.of_publish(
             task, args, kwargs, options, canvas=canvas.published_placement(options, None, None)
         )
-        key, args_hash = task.ledger_key(args, kwargs, task_id, held.ledger_key)
+        key, args_hash = task.ledger_key(
+            args, kwargs, task_id, held.ledger_key, canvas.replacement(held.canvas)
+        )
         snapshot = envelope.seal(task.app, held)
         deadline_at, deadline_in = envelope.deadline_of(options)
         recorded = runtime.store_for(task.app).schedule(
