@@ -239,7 +239,7 @@ def loadable_failure(data: Any) -> Any:
     moved (``MOVED``) is named where it lives. Anything else comes back as it is."""
     if not isinstance(data, dict):
         return data
-    moved = MOVED.get((data.get("exc_module"), data.get("exc_type")))
+    moved = MOVED.get((str(data.get("exc_module")), str(data.get("exc_type"))))
     return data if moved is None else {**data, "exc_module": moved}
 
 
