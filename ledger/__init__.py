@@ -6,11 +6,13 @@ Knows nothing of Celery; a reader can test it with SQLAlchemy alone.
 from celery_ledger.ledger.crashloop import CrashLoop, crash_loop_reason
 from celery_ledger.ledger.death import DeathSignal
 from celery_ledger.ledger.errors import (
+    AdmissionRefused,
     DeathSignalRequired,
     EntryNotFound,
     Fenced,
     IdentityError,
     KeyConflict,
+    KeyPruned,
     LedgerBlocked,
     LedgerError,
     LedgerUnavailable,
@@ -27,6 +29,8 @@ from celery_ledger.ledger.errors import (
     SchemaError,
     SchemaTooNew,
     SnapshotSealError,
+    TaskCancelled,
+    TaskExpired,
 )
 from celery_ledger.ledger.identity import (
     canonical_json,
@@ -164,6 +168,10 @@ __all__ = [
     "PayloadTooLarge",
     "KeyConflict",
     "LedgerBlocked",
+    "AdmissionRefused",
+    "TaskCancelled",
+    "TaskExpired",
+    "KeyPruned",
     "ReleaseRefused",
     "OperatorTextError",
     "DeathSignalRequired",

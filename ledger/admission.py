@@ -28,12 +28,18 @@ the producer's meaning: the producer's clock named that instant (docs/design.md,
 
 from __future__ import annotations
 
-import json
 from enum import Enum
 from typing import Any
 
 from sqlalchemy import Float, case, cast
 
+from celery_ledger.ledger.errors import (
+    SHORT_MESSAGE_CHARS,
+    KeyPruned,
+    TaskCancelled,
+    TaskExpired,
+    stored_failure,
+)
 from celery_ledger.ledger.schema import entries
 
 
@@ -99,27 +105,15 @@ def offered_deadline(base: Any, at: Any, after: Any) -> Any:
 
 # -- the failures a refused delivery raises --------------------------------------------------
 
-#: Where the exceptions a settled cancelled/expired/pruned entry raises live (the runtime);
-#: named, not imported: the ledger stays free of the runtime.
-EXC_MODULE = "celery_ledger.timing"
-
-
-def stored_exception(exc_type: str, message: str) -> str:
-    """A failure as the ledger stores it (the form of Celery's JSON ``prepare_exception``),
-    raised again by every later delivery (gate RETURN)."""
-    return json.dumps(
-        {"exc_type": exc_type, "exc_message": [message[:2000]], "exc_module": EXC_MODULE}
-    )
-
 
 def cancelled_failure(why: str) -> str:
     """The stored ``TaskCancelled`` of a cancellation settled outside any attempt."""
-    return stored_exception("TaskCancelled", why)
+    return stored_failure(TaskCancelled(why[:SHORT_MESSAGE_CHARS]))
 
 
 def expired_failure(why: str) -> str:
     """The stored ``TaskExpired`` of a deadline that passed outside any attempt."""
-    return stored_exception("TaskExpired", why)
+    return stored_failure(TaskExpired(why[:SHORT_MESSAGE_CHARS]))
 
 
 def refused_failure(why: Refusal, detail: str) -> str:
@@ -130,8 +124,9 @@ def refused_failure(why: Refusal, detail: str) -> str:
 
 
 #: The stored failure of a tombstone that is not ``completed``.
-PRUNED_FAILURE = stored_exception(
-    "KeyPruned",
-    "this key settled (failed, cancelled or expired) and was pruned after the retention "
-    "window; a late delivery does not run it again (ledger_tombstone_days)",
+PRUNED_FAILURE = stored_failure(
+    KeyPruned(
+        "this key settled (failed, cancelled or expired) and was pruned after the retention "
+        "window; a late delivery does not run it again (ledger_tombstone_days)"
+    )
 )

@@ -15,6 +15,10 @@ The tree::
     │   └── PayloadTooLarge
     ├── KeyConflict              a business key reused with different arguments
     ├── LedgerBlocked            the entry is parked for an operator
+    ├── AdmissionRefused         the admission gate refused a delivery or its next effect
+    │   ├── TaskCancelled        a cancellation was recorded (``cancel``, ``revoke()``)
+    │   ├── TaskExpired          its deadline passed on the database clock
+    │   └── KeyPruned            its key settled long ago and was pruned to a tombstone
     ├── ReleaseRefused           an operator release that is not allowed
     │   ├── OperatorTextError    its who or why is empty, too long or unprintable
     │   └── DeathSignalRequired  a not-executed release of an ambiguous step, no mark-dead
@@ -30,6 +34,12 @@ The tree::
 reason rq's ``ShutDownImminentException`` and asyncio's ``CancelledError`` sit outside
 ``Exception``).
 
+``TaskCancelled``, ``TaskExpired`` and ``KeyPruned`` are what a caller's ``AsyncResult.get()``
+raises (exported as ``celery_ledger.TaskCancelled`` ...). The ledger stores them in settled
+entries, so they live here, with the one writer of a stored failure (``stored_failure``, the
+form of Celery's JSON ``prepare_exception``) and its reader's table of classes that moved
+(``MOVED``): a row stored when they lived in ``celery_ledger.timing`` still raises them.
+
 A database error becomes ``LedgerUnavailable`` in one place, ``as_unavailable``: the SQLAlchemy
 path, the hot path's raw cursors and every connect go through ``translate_db_errors``, which asks
 it. The rule: anything a driver raises is unavailability, except a bug in our SQL
@@ -38,9 +48,11 @@ it. The rule: anything a driver raises is unavailability, except a bug in our SQ
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
+from typing import Any
 
 from sqlalchemy import exc as sa_exc
 
@@ -104,6 +116,24 @@ class LedgerBlocked(LedgerError):
     """Raised when the entry is parked for an operator; the body does not run."""
 
 
+class AdmissionRefused(LedgerError):
+    """Raised when the admission gate (``ledger.admission``) refused a delivery, or the next
+    effect step of a running one: no effect ran after the refusal, and none will."""
+
+
+class TaskCancelled(AdmissionRefused):  # noqa: N818 - reads as the outcome, like Celery's Ignore
+    """The task was cancelled (``celery-ledger cancel``, ``revoke()``); no further effect ran."""
+
+
+class TaskExpired(AdmissionRefused):  # noqa: N818
+    """The task's deadline (``expires``, ``deadline``) passed; no further effect ran."""
+
+
+class KeyPruned(AdmissionRefused):  # noqa: N818
+    """A late delivery of a key whose entry retention pruned to a tombstone: it settled failed,
+    cancelled or expired long ago, and it is not run again."""
+
+
 class ReleaseRefused(LedgerError):
     """Raised when an operator release is not allowed (settled, live lease, released already)."""
 
@@ -142,6 +172,90 @@ class EntryNotFound(LedgerError, KeyError):
 
 class Fenced(BaseException):
     """Raised inside an attempt whose fence was superseded: it may write nothing more."""
+
+
+# -- the stored failure -----------------------------------------------------------------------
+
+#: A failure too large for its limit keeps its type and at most this much of its text.
+SHORT_MESSAGE_CHARS = 2000
+
+#: Classes that moved, by the ``(exc_module, exc_type)`` a stored row names -> their module
+#: now. A settled entry keeps its failure for the retention window (and a tombstone's longer),
+#: so a row may name where a class lived when it was written.
+MOVED = {
+    ("celery_ledger.timing", "TaskCancelled"): __name__,
+    ("celery_ledger.timing", "TaskExpired"): __name__,
+    ("celery_ledger.timing", "KeyPruned"): __name__,
+}
+
+
+def stored_failure(
+    exc: BaseException, *, limit: int | None = None, dumps: Callable[[Any], str] = json.dumps
+) -> str:
+    """``exc`` as the ledger stores a failure, the one writer of that form.
+
+    The form is Celery's JSON ``prepare_exception``: ``exc_type`` (the class's qualified
+    name), ``exc_message`` (its arguments, each one ``dumps`` cannot encode as its repr) and
+    ``exc_module``; Celery's ``exception_to_python`` reads it back, and every later delivery of
+    the key raises it again (gate RETURN). ``dumps`` is the JSON the caller stores with (the
+    runtime passes kombu's, which keeps a datetime as Celery would). Over ``limit`` bytes
+    (``ledger_max_exception_bytes``), or not encodable at all, it keeps the type's name and
+    the first ``SHORT_MESSAGE_CHARS`` of its repr under ``builtins``, so that the settle that
+    stores it is never stopped by an odd exception.
+
+    Raises:
+        PayloadTooLarge: even the short form exceeds ``limit``.
+    """
+    kind = type(exc)
+    try:
+        text = dumps(
+            {
+                "exc_type": getattr(kind, "__qualname__", kind.__name__),
+                "exc_message": [_encodable(arg, dumps) for arg in exc.args],
+                "exc_module": kind.__module__,
+            }
+        )
+    except Exception:  # an odd exception must not stop the settle that stores it
+        text = None
+    if text is not None and (limit is None or len(text.encode("utf-8")) <= limit):
+        return text
+    short = json.dumps(
+        {
+            "exc_type": kind.__name__,
+            "exc_message": [_repr(exc)[:SHORT_MESSAGE_CHARS]],
+            "exc_module": "builtins",
+        }
+    )
+    if limit is not None and len(short.encode("utf-8")) > limit:
+        raise PayloadTooLarge(
+            f"stored exception is {len(short.encode('utf-8'))} bytes serialized, over the limit "
+            f"of {limit} bytes (ledger_max_exception_bytes)"
+        )
+    return short
+
+
+def loadable_failure(data: Any) -> Any:
+    """A stored failure (decoded) as ``exception_to_python`` should read it now: a class that
+    moved (``MOVED``) is named where it lives. Anything else comes back as it is."""
+    if not isinstance(data, dict):
+        return data
+    moved = MOVED.get((str(data.get("exc_module")), str(data.get("exc_type"))))
+    return data if moved is None else {**data, "exc_module": moved}
+
+
+def _encodable(arg: Any, dumps: Callable[[Any], str]) -> Any:
+    try:
+        dumps(arg)
+    except Exception:  # what Celery's ensure_serializable does
+        return _repr(arg)
+    return arg
+
+
+def _repr(value: Any) -> str:
+    try:
+        return repr(value)
+    except Exception:  # a broken __repr__ must not stop the settle
+        return f"<unrepresentable {type(value).__name__}>"
 
 
 # -- database errors ---------------------------------------------------------------------------

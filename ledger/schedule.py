@@ -36,12 +36,10 @@ from sqlalchemy import (
 
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.admission import (
-    EXC_MODULE,
     PRUNED_FAILURE,
     cancelled_failure,
     earliest,
     offered_deadline,
-    stored_exception,
 )
 from celery_ledger.ledger.core import Note, StoreCore
 from celery_ledger.ledger.dbclock import db_now, db_now_stable
@@ -590,12 +588,10 @@ def tombstone_values(error: str) -> dict[str, Any]:
 
 
 __all__ = [
-    "EXC_MODULE",
     "PRUNED_FAILURE",
     "CancelOutcome",
     "Due",
     "ScheduleQueries",
     "cancelled_failure",
-    "stored_exception",
     "tombstone_values",
 ]

@@ -464,9 +464,9 @@ def test_release_refuses_unbounded_operator_text(store: LedgerStore, field: str)
 
 
 def test_writes_are_durable_before_an_effect_may_begin(store: LedgerStore) -> None:
-    """DESIGN 10, durability follows effects: the ``started`` row and the claim commit with a
-    flush (SQLite: WAL with ``synchronous=FULL``; PostgreSQL: ``synchronous_commit`` on), on
-    the connections the store writes with."""
+    """docs/contract.md §5, durability follows effects: the ``started`` row and the claim
+    commit with a flush (SQLite: WAL with ``synchronous=FULL``; PostgreSQL:
+    ``synchronous_commit`` on), on the connections the store writes with."""
     with store.engine.connect() as conn:
         if store.is_sqlite:
             assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"

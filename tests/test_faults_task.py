@@ -684,7 +684,7 @@ def test_heartbeat_keeps_a_long_attempt_alive(tmp_path):
 
 
 def test_irreversible_step_is_never_rerun_on_a_not_executed_verdict(tmp_path, redis, pg_url):
-    """DESIGN 3: ``irreversible`` is never auto-retried on ambiguity. Killed between the
+    """docs/contract.md §2: ``irreversible`` is never auto-retried on ambiguity. Killed between the
     ``started`` row and the call, the resumed attempt asks the reconciler, which answers
     ``not_executed``; an irreversible step still waits for an operator."""
     value, task_id, fired = crash_run(
@@ -704,8 +704,9 @@ def test_irreversible_step_is_never_rerun_on_a_not_executed_verdict(tmp_path, re
 
 
 def test_declared_not_executed_exception_fails_the_task_without_blocking(tmp_path):
-    """DESIGN 4: a step can declare exceptions that prove non-execution. Raised by the step,
-    it records ``not_executed`` and the failure stands: ``failed``, never ``blocked``."""
+    """docs/contract.md §2: a step can declare exceptions that prove non-execution. Raised by
+    the step, it records ``not_executed`` and the failure stands: ``failed``, never
+    ``blocked``."""
     ledger = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
     env = test_env(tmp_path, broker=None, ledger_url=ledger)
     app = client_app(env)

@@ -10,6 +10,7 @@ project that has all three, with celery-ledger installed, through real ``celery`
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import zipfile
@@ -273,3 +274,95 @@ def test_flower_imports_nothing_from_the_cli() -> None:
     for module, names in _imports("worker/flower").items():
         bad = {n for n in names if n == "celery_ledger.cli" or n.startswith("celery_ledger.cli.")}
         assert not bad, f"{module} imports {sorted(bad)}"
+
+
+# -- the contract lives in the repository --------------------------------------------------------
+
+#: Where the contract is written down: in this repository, for every reader of it.
+CONTRACT = REPO / "docs" / "contract.md"
+
+#: The design brief kept beside the repository (spelt in two halves, so that this file does
+#: not cite it either).
+_BRIEF = "shared" + "/DESIGN"
+
+#: A relative path that leaves the repository (up a folder too many), the brief, or the workspace
+#: around the repository: each names a file a reader of this repository cannot open.
+_OUTSIDE = re.compile(r"(?<![\w.])((?:\.\./)+[\w./-]+|" + re.escape(_BRIEF) + r"[\w.]*|/work/\w+)")
+
+
+def _tracked_text_files() -> list[Path]:
+    out = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    files = []
+    for name in out.stdout.split("\0"):
+        path = REPO / name
+        if not name or path.suffix in (".png", ".ico", ".gz") or not path.is_file():
+            continue
+        files.append(path)
+    return files
+
+
+def _outside_citations(path: Path, text: str) -> list[str]:
+    found = []
+    for match in _OUTSIDE.finditer(text):
+        cited = match.group(1)
+        if cited.startswith("../"):
+            target = (path.parent / cited).resolve()
+            if target.is_relative_to(REPO) and target.exists():
+                continue
+        found.append(cited)
+    return found
+
+
+def test_the_outside_citation_finder_finds_one(tmp_path: Path) -> None:
+    doc = REPO / "docs" / "x.md"
+    assert _outside_citations(doc, f"see `../{_BRIEF}.md` §2") == [f"../{_BRIEF}.md"]
+    assert _outside_citations(doc, f"the brief ({_BRIEF}.md)") == [f"{_BRIEF}.md"]
+    assert _outside_citations(doc, "see `../README.md` and docs/contract.md") == []
+
+
+def test_no_file_cites_a_path_outside_the_repository() -> None:
+    """Every promise is argued from files a reader of the repository can open."""
+    cited = {}
+    for path in _tracked_text_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        found = _outside_citations(path, text)
+        if found:
+            cited[str(path.relative_to(REPO))] = found
+    assert not cited, f"files cite paths outside the repository: {cited}"
+
+
+def test_the_contract_names_every_entry_status_and_gate() -> None:
+    from celery_ledger.ledger import EntryStatus, Gate
+
+    assert CONTRACT.is_file(), "docs/contract.md is missing"
+    text = CONTRACT.read_text(encoding="utf-8")
+    missing = [
+        f"{kind.__name__}.{member.name}"
+        for kind in (EntryStatus, Gate)
+        for member in kind
+        if f"`{member.value}`" not in text and f"`{member.name}`" not in text
+    ]
+    assert not missing, f"docs/contract.md does not name {missing}"
+
+
+#: How a page states the promise (docs/contract.md §1).
+_PROMISE = re.compile(
+    r"at-most-once|at most once per effect|no silent (duplicate|loss)", re.IGNORECASE
+)
+
+
+def test_every_doc_that_states_the_promise_cites_the_contract() -> None:
+    """README and each page in docs/ that states the promise points to docs/contract.md."""
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    stating = []
+    for doc in docs:
+        text = doc.read_text(encoding="utf-8")
+        if doc != CONTRACT and _PROMISE.search(text):
+            stating.append(doc.name)
+            assert "contract.md" in text, f"{doc.relative_to(REPO)} states the promise uncited"
+    assert "README.md" in stating, "the README no longer states the promise"

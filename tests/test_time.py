@@ -18,9 +18,8 @@ from typing import Any
 import pytest
 from time_app import TIME_TASKS, register
 
-from celery_ledger import create_app
+from celery_ledger import TaskCancelled, TaskExpired, create_app
 from celery_ledger.ledger import EntryStatus, LedgerStore
-from celery_ledger.timing import TaskCancelled, TaskExpired
 from helpers import effect_counts, event_names, key_of
 from procs import WaitTimeout, processes, test_env, wait_for
 from test_delivery import client_app

@@ -13,8 +13,7 @@ import pytest
 from celery import Celery
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, select
 
-from celery_ledger import LedgerTask, runtime
-from celery_ledger.attempt import NestedStepError, SendRefused, StepUsageError
+from celery_ledger import LedgerTask, NestedStepError, SendRefused, StepUsageError, runtime
 from celery_ledger.ledger import EntryStatus, StepStatus, Verdict, child_task_id, entry_key
 
 meta = MetaData()

@@ -18,8 +18,7 @@ import pytest
 from celery import Celery
 from sqlalchemy import Column, Integer, MetaData, String, Table, func, select
 
-from celery_ledger import LedgerTask, runtime
-from celery_ledger.attempt import StepUsageError, TransactionEndedError
+from celery_ledger import LedgerTask, StepUsageError, TransactionEndedError, runtime
 from celery_ledger.ledger import EntryStatus, StepStatus, entry_key
 
 meta = MetaData()

@@ -18,11 +18,21 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from celery_ledger.app import create_app, install, sweep_now
-    from celery_ledger.attempt import (
+    from celery_ledger.errors import (
         NestedStepError,
         SendRefused,
         StepUsageError,
         TransactionEndedError,
+    )
+    from celery_ledger.ledger.errors import (
+        AdmissionRefused,
+        KeyConflict,
+        KeyPruned,
+        LedgerBlocked,
+        LedgerError,
+        LedgerUnavailable,
+        TaskCancelled,
+        TaskExpired,
     )
     from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciled
     from celery_ledger.settings import LedgerSettings
@@ -32,10 +42,20 @@ if TYPE_CHECKING:
 _EXPORTS = {
     # Tasks
     "LedgerTask": "celery_ledger.task",
-    "StepUsageError": "celery_ledger.attempt",
-    "NestedStepError": "celery_ledger.attempt",
-    "TransactionEndedError": "celery_ledger.attempt",
-    "SendRefused": "celery_ledger.attempt",
+    # Errors: the task API's (the runtime's tree) ...
+    "StepUsageError": "celery_ledger.errors",
+    "NestedStepError": "celery_ledger.errors",
+    "TransactionEndedError": "celery_ledger.errors",
+    "SendRefused": "celery_ledger.errors",
+    # ... and the ledger's that a caller or a body meets
+    "LedgerError": "celery_ledger.ledger.errors",
+    "LedgerUnavailable": "celery_ledger.ledger.errors",
+    "LedgerBlocked": "celery_ledger.ledger.errors",
+    "KeyConflict": "celery_ledger.ledger.errors",
+    "AdmissionRefused": "celery_ledger.ledger.errors",
+    "TaskCancelled": "celery_ledger.ledger.errors",
+    "TaskExpired": "celery_ledger.ledger.errors",
+    "KeyPruned": "celery_ledger.ledger.errors",
     # Reconcilers
     "AmbiguousStep": "celery_ledger.recovery.reconcile",
     "Reconciled": "celery_ledger.recovery.reconcile",
@@ -52,6 +72,14 @@ __all__ = [
     "NestedStepError",
     "TransactionEndedError",
     "SendRefused",
+    "LedgerError",
+    "LedgerUnavailable",
+    "LedgerBlocked",
+    "KeyConflict",
+    "AdmissionRefused",
+    "TaskCancelled",
+    "TaskExpired",
+    "KeyPruned",
     "AmbiguousStep",
     "Reconciled",
     "create_app",

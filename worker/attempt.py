@@ -26,6 +26,13 @@ from typing import Any, NoReturn, Protocol, TypeVar
 from celery_ledger.backoff import retry_while_unavailable
 from celery_ledger.codec import arguments_hash, decode, encode
 from celery_ledger.crashpoints import crash_point
+from celery_ledger.errors import (
+    Drift,
+    NestedStepError,
+    SendRefused,
+    StepUsageError,
+    TransactionEndedError,
+)
 from celery_ledger.ledger import (
     BODY_STEP,
     Child,
@@ -47,7 +54,7 @@ from celery_ledger.ledger import (
 from celery_ledger.outbox import Sends
 from celery_ledger.recovery.outbox import publish
 from celery_ledger.redact import scrub_for_call
-from celery_ledger.replay import Drift, Ident, Identify, ReplayBook, check_step_name, identity_of
+from celery_ledger.replay import Ident, Identify, ReplayBook, check_step_name, identity_of
 from celery_ledger.settings import LedgerSettings
 from celery_ledger.transaction import TransactionStep
 
@@ -92,29 +99,6 @@ def _warn_if_not_ledgered(app: Any, name: str) -> None:
         "publish and its mark publishes it twice, and nothing deduplicates it",
         name,
     )
-
-
-class StepUsageError(RuntimeError):
-    """Raised when a body misuses the step API: a programming error, the same on every run.
-
-    The task settles ``failed`` with it; it never makes a step ambiguous, never blocks the
-    entry, and nothing re-runs it.
-    """
-
-
-class NestedStepError(StepUsageError):
-    """Raised when a step is started inside another step's function (steps do not nest)."""
-
-
-class TransactionEndedError(StepUsageError):
-    """Raised when a transaction step's block ended the step's transaction itself (a
-    ``commit()`` or ``rollback()`` on it): its writes no longer commit with the step's row."""
-
-
-class SendRefused(StepUsageError):
-    """Raised when ``self.send()`` refuses a child: not a signature, an option the outbox
-    cannot keep or no publish could send, arguments that cannot be stored. The same on every
-    run, so the task fails with it, naming the cause; the step is not left ambiguous."""
 
 
 class AttemptTask(Protocol):

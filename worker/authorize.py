@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from celery_ledger.errors import AuthorizerError
 from celery_ledger.ledger import Entry, Verdict
 
 log = logging.getLogger(__name__)
@@ -126,10 +127,6 @@ class Decision:
 
 
 Authorizer = Callable[[Operator, Action, Entry], "Decision | bool"]
-
-
-class AuthorizerError(ValueError):
-    """Raised when ``ledger_authorizer`` names something that cannot be imported or called."""
 
 
 def load_authorizer(spec: Any) -> Authorizer | None:

@@ -19,7 +19,7 @@ from celery_ledger.ledger import (
     SnapshotCipher,
     canonical_json,
 )
-from celery_ledger.ledger.errors import IdentityError
+from celery_ledger.ledger.errors import IdentityError, stored_failure
 from celery_ledger.ledger.identity import lone_surrogate, sha256_hex
 
 
@@ -50,6 +50,16 @@ def encode(
             f"({setting}); {advice}"
         )
     return text
+
+
+def encode_failure(exc: BaseException, *, limit: int) -> str:
+    """``exc`` as the ledger stores a failure (``ledger.errors.stored_failure``, the one
+    writer), with kombu's JSON: what Celery's result backend would store for it.
+
+    Raises:
+        PayloadTooLarge: even its short form exceeds ``limit`` (``ledger_max_exception_bytes``).
+    """
+    return stored_failure(exc, limit=limit, dumps=dumps)
 
 
 def encode_snapshot(

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery_ledger import runtime
-from celery_ledger.codec import encode
+from celery_ledger.codec import encode_failure
 from celery_ledger.ledger import (
     ClaimRequest,
     EntryStatus,
@@ -95,35 +95,13 @@ def record(task: Any, store: LedgerStore, task_id: str, refusal: LedgerError, ac
                 key,
                 claim.fence,
                 EntryStatus.FAILED,
-                error=stored_error(task, refusal, settings.max_exception_bytes),
+                error=encode_failure(refusal, limit=settings.max_exception_bytes),
                 reason=reason,
                 actor=actor,
             )
     except Exception as err:  # noqa: BLE001 - the worker's parent runs this too: never raise
         log.warning("refused task_id=%s not recorded in the ledger: %s", task_id, err)
     log.warning("refused task_id=%s: %s", task_id, reason)
-
-
-def stored_error(task: Any, exc: BaseException, limit: int) -> str:
-    """``exc`` as the result backend stores it (``exc_type``, ``exc_message``, ...)."""
-    try:
-        return encode(
-            task.backend.prepare_exception(exc, "json"),
-            limit=limit,
-            what="stored exception",
-            setting="ledger_max_exception_bytes",
-        )
-    except Exception:  # noqa: BLE001 - an odd exception must not stop the settle
-        return encode(
-            {
-                "exc_type": type(exc).__name__,
-                "exc_message": [repr(exc)[:2000]],
-                "exc_module": "builtins",
-            },
-            limit=limit,
-            what="stored exception",
-            setting="ledger_max_exception_bytes",
-        )
 
 
 def malformed_fields(headers: Mapping[str, Any], body: Any) -> str | None:

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from celery_ledger.codec import arguments_hash
+from celery_ledger.errors import Drift
 from celery_ledger.ledger import (
     BODY_STEP,
     LINKS_STEP,
@@ -137,16 +138,6 @@ def identity_of(
             )
         material = {n: values[n] for n in identify}
     return declared_identity(arguments_hash(material))
-
-
-class Drift(Exception):  # noqa: N818 - a verdict about a step, not an error of this module
-    """Raised by ``ReplayBook.place`` when an effect step's call cannot be matched safely."""
-
-    def __init__(self, name: str, position: int, reason: str) -> None:
-        super().__init__(reason)
-        self.name = name
-        self.position = position
-        self.reason = reason
 
 
 class ReplayBook:

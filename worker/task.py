@@ -32,7 +32,14 @@ from celery.utils.time import maybe_make_aware
 from celery_ledger import canvas, envelope, intents, refusal, runtime, timing
 from celery_ledger.ambiguity import RUN_BODY, Ambiguity
 from celery_ledger.attempt import Attempt, current_attempt
-from celery_ledger.codec import arguments_hash, check_depth, check_text, decode, encode
+from celery_ledger.codec import (
+    arguments_hash,
+    check_depth,
+    check_text,
+    decode,
+    encode,
+    encode_failure,
+)
 from celery_ledger.crashpoints import crash_point
 from celery_ledger.heartbeat import heartbeat
 from celery_ledger.ledger import (
@@ -50,6 +57,7 @@ from celery_ledger.ledger import (
     SideEffect,
     entry_key,
 )
+from celery_ledger.ledger.errors import loadable_failure
 from celery_ledger.recovery.reconcile import Reconciler
 from celery_ledger.redact import scrub_for_call
 from celery_ledger.redelivery import header, ledger_unavailable, redeliver, wait_briefly
@@ -825,10 +833,10 @@ class LedgerTask(Task):
         )
 
     def _dump_exc(self, exc: BaseException, settings: LedgerSettings) -> str:
-        return refusal.stored_error(self, exc, settings.max_exception_bytes)
+        return encode_failure(exc, limit=settings.max_exception_bytes)
 
     def _stored_failure(self, error: str) -> BaseException:
-        data = decode(error)
+        data = loadable_failure(decode(error))
         try:
             exc = self.backend.exception_to_python(data)
         except Exception:  # noqa: BLE001

@@ -35,44 +35,24 @@ from celery.exceptions import Ignore
 from celery.utils.time import maybe_make_aware
 
 from celery_ledger import canvas, envelope, runtime
-from celery_ledger.codec import encode
-from celery_ledger.ledger import ClaimRequest, EntryStatus, LedgerError, LedgerStore
+from celery_ledger.codec import encode_failure
+from celery_ledger.errors import Stopped
+from celery_ledger.ledger import (
+    ClaimRequest,
+    EntryStatus,
+    LedgerError,
+    LedgerStore,
+    TaskCancelled,
+    TaskExpired,
+)
 from celery_ledger.ledger.admission import expired_failure
-from celery_ledger.ledger.schedule import PRUNED_FAILURE, SLEEP_STEP, cancelled_failure
+from celery_ledger.ledger.schedule import SLEEP_STEP, cancelled_failure
 from celery_ledger.redelivery import header
 
 if TYPE_CHECKING:
     from celery_ledger.attempt import Attempt
 
 log = logging.getLogger(__name__)
-
-
-class TaskCancelled(Exception):  # noqa: N818 - reads as the outcome, like Celery's Ignore
-    """The task was cancelled (``celery-ledger cancel``, ``revoke()``); no further effect ran."""
-
-
-class TaskExpired(Exception):  # noqa: N818
-    """The task's deadline (``expires``, ``deadline``) passed; no further effect ran."""
-
-
-class KeyPruned(Exception):  # noqa: N818
-    """A late delivery of a key whose entry retention pruned to a tombstone: it settled failed,
-    cancelled or expired long ago, and it is not run again."""
-
-
-def pruned_error() -> str:
-    """The stored failure of a tombstone that is not ``completed``."""
-    return PRUNED_FAILURE
-
-
-class Stopped(BaseException):
-    """Ends the body without settling it again: the entry is settled (sleeping, cancelled,
-    expired) already. A BaseException, so a body's ``except Exception`` does not swallow it.
-    ``LedgerTask`` raises ``outcome`` in its place (``Ignore``: acked, nothing stored)."""
-
-    def __init__(self, outcome: BaseException) -> None:
-        super().__init__(repr(outcome))
-        self.outcome = outcome
 
 
 # -- held countdowns ---------------------------------------------------------------------------
@@ -252,37 +232,17 @@ def explain_refusal(task: Any, attempt: Attempt, store: LedgerStore) -> None:
 def _settle_stop(task: Any, attempt: Attempt, status: EntryStatus, why: str) -> None:
     exc_type = TaskCancelled if status is EntryStatus.CANCELLED else TaskExpired
     exc = exc_type(f"{task.name}[{attempt.task_id}] key {attempt.key}: {why}")
-    error = stored_error(task, exc)
+    error = encode_failure(exc, limit=attempt.settings.max_exception_bytes)
     if not attempt.settle(status, error=error):
         raise Stopped(Ignore())  # another attempt owns it now
     log.warning("%s key=%s task_id=%s: %s", status.value, attempt.key, attempt.task_id, why)
     raise Stopped(exc)
 
 
-def stored_error(task: Any, exc: BaseException) -> str:
-    """``exc`` as the ledger stores a failure (what RETURN raises to a later delivery): the
-    form of Celery's JSON ``prepare_exception``, without needing a result backend."""
-    return _stored(exc)
-
-
-def _stored(exc: BaseException) -> str:
-    data = {
-        "exc_type": type(exc).__name__,
-        "exc_message": [str(exc)[:2000]],
-        "exc_module": type(exc).__module__,
-    }
-    return encode(data, limit=64 * 1024, what="stored exception")
-
-
-def cancelled_error(app: Any, why: str) -> str:
-    """The stored ``TaskCancelled`` of a cancellation made outside any attempt."""
-    return cancelled_failure(why)
-
-
 def cancel_entry(app: Any, store: LedgerStore, key: str, *, by: str, reason: str) -> Any:
     """Cancel ``key`` durably (``LedgerStore.request_cancel``); returns its ``CancelOutcome``."""
     return store.request_cancel(
-        key, by=by, reason=reason, error=cancelled_error(app, f"cancelled by {by}: {reason}")
+        key, by=by, reason=reason, error=cancelled_failure(f"cancelled by {by}: {reason}")
     )
 
 
