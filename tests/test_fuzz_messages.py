@@ -36,13 +36,14 @@ import pytest
 from celery.app.amqp import task_message
 from celery.utils import uuid
 from click.testing import CliRunner
-from test_metrics import free_port
+from test_ledger_page_browser import PASSWORD, USER
+from test_ledger_page_browser import flower as start_flower
 
 from celery_ledger.cli.main import main as ledger_main
 from celery_ledger.harness.processes import ProcessGroup
 from celery_ledger.ledger import EntryNotFound, LedgerStore
 from helpers import business_key, key_of
-from procs import REPO, TESTS, test_env, wait_for
+from procs import TESTS, test_env, wait_for
 from test_delivery import client_app
 
 pytestmark = pytest.mark.processes
@@ -51,8 +52,6 @@ SEED = int(os.environ.get("CELERY_LEDGER_FUZZ_SEED", "30"))
 MESSAGES = int(os.environ.get("CELERY_LEDGER_FUZZ_MESSAGES", "200"))
 #: Every message must end within this (bounded; the worker runs them at -c 2).
 END_TIMEOUT = 240.0
-USER, PASSWORD = "fuzz", "fuzz-pass"
-FLOWERCONFIG = REPO / "worker" / "flowerconfig.py"
 BIN = Path(sys.executable).parent
 
 
@@ -350,28 +349,7 @@ def test_two_hundred_malformed_messages_end_in_the_ledger_and_the_worker_lives(
                     json.loads(shown.stdout)
 
         # Flower's Ledger pages render every entry.
-        port = free_port()
-        flower = group.celery(
-            "flower",
-            [
-                "flower",
-                f"--port={port}",
-                "--address=127.0.0.1",
-                f"--conf={FLOWERCONFIG}",
-                f"--basic-auth={USER}:{PASSWORD}",
-            ],
-        )
-
-        def up() -> bool:
-            if flower.proc is not None and flower.proc.poll() is not None:
-                raise AssertionError(f"flower exited:\n{flower.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthcheck", timeout=2):  # noqa: S310
-                    return True
-            except OSError:
-                return False
-
-        wait_for(up, timeout=60, what="Flower")
+        port = start_flower(group, "flower")
         base = f"http://127.0.0.1:{port}"
         for page in ("/ledger", "/ledger/stuck", "/ledger/stuck?age=0"):
             status, body = http_status(base + page)
