@@ -32,7 +32,7 @@ from celery_ledger.cli.common import duration, timestamp
 from celery_ledger.flower import actions, views
 from celery_ledger.flower import queries as q
 from celery_ledger.flower.context import LedgerPage, page_for
-from celery_ledger.flower.hook import TEMPLATES, LedgerTemplateLoader, flower_templates
+from celery_ledger.flower.loader import TEMPLATES, LedgerTemplateLoader, flower_templates
 from celery_ledger.ledger import EntryNotFound, LedgerError, ReferenceTooLong, entry_key
 from celery_ledger.outbox import KEPT_OPTIONS
 
