@@ -44,11 +44,13 @@ from celery_ledger.ledger.identity import (
 from celery_ledger.ledger.links import LINKS_STEP, LinkQueries, Member, link_task_id
 from celery_ledger.ledger.operator import (
     BODY_STEP,
-    MAX_RELEASE_BY_CHARS,
-    MAX_RELEASE_REASON_CHARS,
     LedgerStats,
     OperatorQueries,
     Release,
+)
+from celery_ledger.ledger.operator_text import (
+    MAX_RELEASE_BY_CHARS,
+    MAX_RELEASE_REASON_CHARS,
     check_release_text,
 )
 from celery_ledger.ledger.outbox import (

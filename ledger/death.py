@@ -31,6 +31,7 @@ from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.core import Note, StoreCore
 from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.errors import DeathSignalRequired, EntryNotFound, MarkDeadRefused
+from celery_ledger.ledger.operator_text import check_release_text
 from celery_ledger.ledger.schema import entries, steps
 from celery_ledger.ledger.states import EntryStatus, StepStatus
 
@@ -172,8 +173,6 @@ class DeathSignals(StoreCore):
                 False.
             OperatorTextError: ``by`` or ``reason`` is blank, too long or not printable.
         """
-        from celery_ledger.ledger.operator import check_release_text
-
         check_release_text(by, reason, action="mark-dead")
         with self._txn() as conn:
             row = conn.execute(

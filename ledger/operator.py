@@ -18,10 +18,10 @@ from celery_ledger.ledger.dbclock import db_now, db_now_stable
 from celery_ledger.ledger.death import death_gate
 from celery_ledger.ledger.errors import (
     EntryNotFound,
-    OperatorTextError,
     ReferenceTooLong,
     ReleaseRefused,
 )
+from celery_ledger.ledger.operator_text import check_release_text
 from celery_ledger.ledger.schema import entries, events, steps
 from celery_ledger.ledger.states import EntryStatus, SideEffect, StepStatus, Verdict
 from celery_ledger.ledger.values import (
@@ -39,50 +39,6 @@ BODY_STEP = "__body__"
 #: key is 64). A longer one matches nothing, and is refused as bad input before SQLite reads it
 #: (its LIKE refuses a pattern over 50,000 bytes, an error that reads as an outage).
 MAX_REFERENCE_CHARS = 255
-#: Longest ``by`` of a release: a name or an operator token, printed in every ``show`` and
-#: audit line (and the width of its column, ``released_by``).
-MAX_RELEASE_BY_CHARS = 255
-#: Longest ``reason`` of a release: a few sentences, or a ticket link. It is read back by every
-#: ``show`` and audit view of the entry; a pasted log (1 MB was accepted once and made every
-#: later ``show`` take seconds) belongs in the ticket, not in the ledger.
-MAX_RELEASE_REASON_CHARS = 4096
-
-
-def check_release_text(
-    by: str,
-    reason: str,
-    *,
-    by_name: str = "by",
-    reason_name: str = "reason",
-    action: str = "release",
-) -> None:
-    """Refuse a release's who or why before anything is read or written.
-
-    ``by`` must be 1 to ``MAX_RELEASE_BY_CHARS`` printable characters; ``reason`` 1 to
-    ``MAX_RELEASE_REASON_CHARS`` characters, printable but for line breaks and tabs (terminal
-    escapes and other control characters would rewrite an operator's screen on ``show``).
-    ``by_name``/``reason_name`` are how the caller calls the fields (``--by`` in the CLI);
-    ``action`` names what is stamped (``release``, ``mark-dead``).
-
-    Raises:
-        OperatorTextError: naming the field and what is wrong with it.
-    """
-    for name, value, limit, allowed in (
-        (by_name, by, MAX_RELEASE_BY_CHARS, ""),
-        (reason_name, reason, MAX_RELEASE_REASON_CHARS, "\n\t"),
-    ):
-        if not isinstance(value, str) or not value.strip():
-            raise OperatorTextError(f"{action} {name} is required and must not be blank")
-        if len(value) > limit:
-            raise OperatorTextError(
-                f"{action} {name} is {len(value)} characters, over the limit of {limit}"
-                + ("; put the details in a ticket and give its link" if allowed else "")
-            )
-        bad = next((c for c in value if not (c.isprintable() or c in allowed)), None)
-        if bad is not None:
-            raise OperatorTextError(
-                f"{action} {name} contains the control character {bad!r}; use printable text"
-            )
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.core import StoreCore
 from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.errors import EntryNotFound, ReleaseRefused
-from celery_ledger.ledger.operator import check_release_text
+from celery_ledger.ledger.operator_text import check_release_text
 from celery_ledger.ledger.schema import entries, events, outbox
 
 #: Longest ``last_error`` kept for a child (one line of a driver's or Celery's words).

@@ -44,7 +44,7 @@ from celery_ledger.ledger.admission import (
 from celery_ledger.ledger.core import Note, StoreCore
 from celery_ledger.ledger.dbclock import db_now, db_now_stable
 from celery_ledger.ledger.errors import EntryNotFound
-from celery_ledger.ledger.operator import check_release_text
+from celery_ledger.ledger.operator_text import check_release_text
 from celery_ledger.ledger.schema import CANCEL_PENDING, entries, steps
 from celery_ledger.ledger.states import EntryStatus, StepStatus
 from celery_ledger.ledger.values import RESUME_OWNER, ClaimRequest, Resuming

@@ -2,14 +2,12 @@
 given."""
 
 # Not ``publish``: that name is the submodule ``celery_ledger.recovery.publish``.
+from celery_ledger.recovery.handoff import ResumeOutcome, UnreadableSnapshot, read_snapshot
 from celery_ledger.recovery.outbox import PARENT_HEADER, send_child, sweep_outbox
 from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciled, Reconciler, ask
 from celery_ledger.recovery.sweep import (
-    ResumeOutcome,
     SweepReport,
-    UnreadableSnapshot,
     boot_sweep,
-    read_snapshot,
     resend_retry,
     resume_batch,
     resume_entry,

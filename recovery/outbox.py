@@ -39,6 +39,7 @@ from celery_ledger.ledger import (
     OutboxMessage,
     SnapshotCipher,
     open_snapshot,
+    wire,
 )
 from celery_ledger.ledger.envelope import OPTIONS, Envelope
 from celery_ledger.recovery import resend
@@ -46,8 +47,9 @@ from celery_ledger.recovery.publish import confirmed
 
 log = logging.getLogger(__name__)
 
-#: The header a child carries naming the entry key of the task whose step sent it.
-PARENT_HEADER = "ledger_parent"
+#: The header a child carries naming the entry key of the task whose step sent it (its name is
+#: ``wire.PARENT``; exported under this name too).
+PARENT_HEADER = wire.PARENT
 
 
 class Unpublishable(ValueError):
@@ -93,7 +95,7 @@ def send_child(
     sent = resend.message(
         message.child_id,
         child,
-        extra_headers={PARENT_HEADER: message.parent_key},
+        extra_headers={wire.PARENT: message.parent_key},
         redelivery=False,
     )
     try:

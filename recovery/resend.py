@@ -25,16 +25,8 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from celery_ledger.ledger import Envelope
+from celery_ledger.ledger import Envelope, wire
 from celery_ledger.recovery.publish import Batch
-
-#: The header that marks the ledger's own re-send: the entry exists, so the publisher records
-#: no publish intent and holds no countdown (``celery_ledger.intents``, ``timing.hold_due``).
-REDELIVERY = "ledger_redelivery"
-#: The header that carries business key material (``LedgerTask.entry_key_of``).
-KEY = "ledger_key"
-#: The header that carries an absolute deadline, seconds since the epoch (database clock).
-DEADLINE = "ledger_deadline"
 
 
 def message(
@@ -60,16 +52,16 @@ def message(
         **(extra_headers or {}),
     }
     if redelivery:
-        headers[REDELIVERY] = True
+        headers[wire.REDELIVERY] = True
     if envelope.ledger_key is not None:
-        headers[KEY] = envelope.ledger_key
+        headers[wire.KEY] = envelope.ledger_key
     sent: dict[str, Any] = {"task_id": task_id, **options, "headers": headers}
     if envelope.queue:
         sent["queue"] = envelope.queue
     if envelope.retries:
         sent["retries"] = envelope.retries
     if deadline_at is not None:
-        headers[DEADLINE] = deadline_at
+        headers[wire.DEADLINE] = deadline_at
         sent["expires"] = datetime.fromtimestamp(deadline_at, tz=timezone.utc)
     # Its place in a canvas: the rest of its chain, its callbacks, its chord and group.
     sent.update(envelope.canvas)

@@ -34,11 +34,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from enum import Enum
 from functools import partial
 from typing import Any
-
-from kombu.utils.json import loads
 
 from celery_ledger.ledger import (
     ArgumentSnapshot,
@@ -51,33 +48,21 @@ from celery_ledger.ledger import (
     Resuming,
     SnapshotCipher,
     SnapshotSealError,
-    open_snapshot,
 )
-from celery_ledger.ledger.admission import expired_failure
+from celery_ledger.recovery import wake
 from celery_ledger.recovery.backlog import QueueDepths, backoff_lease
+from celery_ledger.recovery.handoff import (
+    ResumeOutcome,
+    UnreadableSnapshot,
+    expire_passed,
+    park_unreadable,
+    read_snapshot,
+)
 from celery_ledger.recovery.outbox import sweep_outbox
 from celery_ledger.recovery.publish import Batch
 from celery_ledger.recovery.resend import send, send_on
 
 log = logging.getLogger(__name__)
-
-
-class ResumeOutcome(str, Enum):
-    """What ``resume_entry`` did with one interrupted entry."""
-
-    #: Re-enqueued with its original task id and argument snapshot.
-    RESUMED = "resumed"
-    #: Parked for an operator: a crash loop (the ledger's crash-loop rule), or an argument
-    #: snapshot no process can read.
-    BLOCKED = "blocked"
-    #: No argument snapshot to re-send from: reported, never guessed; it stays interrupted.
-    NO_SNAPSHOT = "no-snapshot"
-    #: Another resumer (a sweep, a claim) moved the entry first, or the broker refused the
-    #: message; the lease recovery took brings it back to the next sweep.
-    LOST_RACE = "lost-race"
-    #: No worker claimed it yet and its queue holds messages: its message likely still
-    #: waits there. Its lease is taken again (backing off) and nothing is sent.
-    DEFERRED = "deferred"
 
 
 @dataclass(frozen=True)
@@ -130,30 +115,6 @@ class SweepReport:
         return data
 
 
-class UnreadableSnapshot(ValueError):
-    """Raised when a stored argument snapshot cannot be decoded (the reason says why)."""
-
-
-def read_snapshot(text: str, cipher: SnapshotCipher | None = None) -> ArgumentSnapshot:
-    """The ``ArgumentSnapshot`` that a stored snapshot (kombu's JSON, sealed or not) holds.
-
-    Raises:
-        UnreadableSnapshot: it does not decode (too deeply nested, not JSON, not an object).
-        SnapshotSealError: it is sealed and ``cipher`` cannot open it.
-    """
-    text = open_snapshot(text, cipher)
-    try:
-        # The worker encoded it with kombu's JSON (celery_ledger.codec.encode_snapshot).
-        data = loads(text)
-        if not isinstance(data, dict):
-            raise TypeError(f"a JSON {type(data).__name__}, not an object")
-        return ArgumentSnapshot.from_data(data)
-    except RecursionError:
-        raise UnreadableSnapshot("nested too deeply for any Python process to decode") from None
-    except Exception as exc:  # noqa: BLE001 - whatever the decoder says, it is unreadable
-        raise UnreadableSnapshot(f"{type(exc).__name__}: {str(exc)[:200]}") from None
-
-
 def _snapshot_at(
     store: LedgerStore,
     key: str,
@@ -201,26 +162,10 @@ def _snapshot_to_send(
     if snapshot is None:
         return ResumeOutcome.LOST_RACE
     if isinstance(snapshot, str):
-        return _park_unreadable(
+        return park_unreadable(
             store, entry.key, entry.task_id, entry.fence, snapshot, status=status, actor=actor
         )
     return snapshot
-
-
-def _park_unreadable(
-    store: LedgerStore,
-    key: str,
-    task_id: str,
-    fence: int,
-    reason: str,
-    *,
-    status: EntryStatus,
-    actor: str,
-) -> ResumeOutcome:
-    if not store.block(key, fence, reason, actor=actor, from_status=status):
-        return ResumeOutcome.LOST_RACE
-    log.warning("blocked key=%s task_id=%s fence=%s: %s", key, task_id, fence + 1, reason)
-    return ResumeOutcome.BLOCKED
 
 
 def _screen(
@@ -380,7 +325,7 @@ def resume_batch(
                 entry.key,
                 "park",
                 partial(
-                    _park_unreadable,
+                    park_unreadable,
                     store,
                     entry.key,
                     entry.task_id,
@@ -609,17 +554,6 @@ def resend_retry(
     return ResumeOutcome.RESUMED
 
 
-def expire_passed(store: LedgerStore, keys: Sequence[str], *, actor: str) -> set[str]:
-    """Settle ``expired`` those of ``keys`` (about to be sent again) whose deadline passed and
-    that no live attempt holds (``LedgerStore.expire_passed``); returns their keys."""
-    done = store.expire_passed(
-        keys, expired_failure("the deadline passed before it could be sent again"), actor=actor
-    )
-    for key in done:
-        log.warning("expired key=%s: its deadline passed before recovery could re-send it", key)
-    return done
-
-
 def _contained(key: str, what: str, run: Callable[[], ResumeOutcome]) -> ResumeOutcome | None:
     """``run()``, or None (logged) when it fails for this entry alone."""
     try:
@@ -652,8 +586,6 @@ def run_sweep(
     Raises:
         LedgerUnavailable: the ledger went away; the next sweep does the rest.
     """
-    from celery_ledger.recovery import wake  # issue 18's pass; it imports this module
-
     cancelled = wake.finish_cancelled(store, app, batch=batch, actor=actor)
     interrupted = store.interrupt_expired(limit=batch, actor=actor)
     candidates = store.list_interrupted(limit=batch, resumable=True)

@@ -21,14 +21,14 @@ from celery_ledger.ledger import (
     SnapshotSealError,
 )
 from celery_ledger.ledger.schedule import PRUNED_FAILURE, cancelled_failure
-from celery_ledger.recovery.resend import send
-from celery_ledger.recovery.sweep import (
+from celery_ledger.recovery.handoff import (
     ResumeOutcome,
     UnreadableSnapshot,
-    _park_unreadable,
     expire_passed,
+    park_unreadable,
     read_snapshot,
 )
+from celery_ledger.recovery.resend import send
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def wake_entry(
         return ResumeOutcome.LOST_RACE
     except UnreadableSnapshot as exc:
         reason = f"argument snapshot cannot be read: {exc}; release it once you know what it was"
-        return _park_unreadable(store, key, task_id, fence, reason, status=status, actor=actor)
+        return park_unreadable(store, key, task_id, fence, reason, status=status, actor=actor)
     woke = store.begin_wake(
         key, fence, status, lease_seconds=lease_seconds, actor=actor, only_due=only_due
     )
@@ -95,7 +95,7 @@ def wake_due(
     cipher: SnapshotCipher | None = None,
 ) -> tuple[int, int, int, int]:
     """Send every due ``scheduled``/``sleeping`` entry (up to ``batch``); one whose deadline
-    passed meanwhile is settled ``expired`` instead (``sweep.expire_passed``).
+    passed meanwhile is settled ``expired`` instead (``handoff.expire_passed``).
 
     Returns (due, woken, errors, expired). One entry's failure is logged and counted; an
     unavailable ledger ends the pass (the next sweep goes on).

@@ -10,7 +10,7 @@ project that has all three, with celery-ledger installed, through real ``celery`
 from __future__ import annotations
 
 import ast
-import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -191,22 +191,55 @@ def test_importing_the_ledger_loads_no_celery(tmp_path: Path) -> None:
     }
 
 
-# -- the runtime's own import graph -------------------------------------------------------------
+# -- import cycles, in every package ------------------------------------------------------------
+
+#: Repository folder -> the package it is installed as (pyproject's ``package-dir``). The
+#: subfolders of ``worker/`` are the subpackages ``celery_ledger.cli``, ``.flower``, ``.harness``.
+ROOTS = {
+    "worker": "celery_ledger",
+    "ledger": "celery_ledger.ledger",
+    "recovery": "celery_ledger.recovery",
+}
+
+#: Every package whose modules must not import each other in a circle.
+PACKAGES = {
+    "worker": "celery_ledger",
+    "worker/cli": "celery_ledger.cli",
+    "worker/flower": "celery_ledger.flower",
+    "worker/harness": "celery_ledger.harness",
+    "ledger": "celery_ledger.ledger",
+    "recovery": "celery_ledger.recovery",
+}
 
 
-def _runtime_graph() -> dict[str, set[str]]:
-    """``celery_ledger.<module>`` -> the runtime modules it imports, for every ``worker/*.py``.
+def _modules(root: Path) -> dict[str, Path]:
+    """``celery_ledger...`` module name -> its file, for every module under ``root``'s folders
+    (a package is its ``__init__.py``; Alembic's scripts are not importable modules)."""
+    modules: dict[str, Path] = {}
+    for folder, package in ROOTS.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = path.relative_to(root / folder).with_suffix("").parts
+            if "migrations" in parts:
+                continue
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join((package, *parts))] = path
+    return modules
+
+
+def _import_graph(root: Path = REPO) -> dict[str, set[str]]:
+    """Module -> the modules of ``celery_ledger`` it imports, read from the source with ``ast``.
 
     Every import counts: module level, inside functions (a lazy import that dodges a cycle is
-    still the cycle) and under ``TYPE_CHECKING``.
+    still the cycle) and under ``TYPE_CHECKING``. ``from pkg import name`` is an edge to the
+    module ``pkg.name`` when there is one, else to the package ``pkg`` (its ``__init__``). A
+    submodule's import running its package's ``__init__`` is Python's edge, not one the code
+    chose, and is not counted.
     """
-    modules = {
-        "celery_ledger" if p.stem == "__init__" else f"celery_ledger.{p.stem}": p
-        for p in sorted((REPO / "worker").glob("*.py"))
-    }
+    modules = _modules(root)
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        package = "celery_ledger" if name == "celery_ledger" else name.rpartition(".")[0]
+        package = name if path.stem == "__init__" else name.rpartition(".")[0]
         edges: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
@@ -216,20 +249,20 @@ def _runtime_graph() -> dict[str, set[str]]:
                 if node.level:
                     parent = package.rsplit(".", node.level - 1)[0]
                     base = f"{parent}.{base}" if base else parent
-                # ``from celery_ledger import intents`` imports the module ``intents``;
-                # ``from celery_ledger import LedgerTask`` imports the package itself.
                 targets = [
                     f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
                     for alias in node.names
                 ]
             else:
                 continue
-            # Only runtime modules are nodes: ``celery_ledger.ledger`` and the other
-            # subpackages sit below (or beside) the runtime, and a submodule's import running
-            # its package's ``__init__`` is Python's edge, not one the code chose.
             edges.update(t for t in targets if t in modules and t != name)
         graph[name] = edges
     return graph
+
+
+def _package_of(module: str) -> str:
+    """The package whose own module ``module`` is (a package's ``__init__`` is its own)."""
+    return max((p for p in PACKAGES.values() if module == p or module.startswith(p + ".")), key=len)
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -255,114 +288,125 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_the_cycle_finder_finds_a_cycle() -> None:
-    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
-    assert _cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+def _tangles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected parts of ``graph`` with more than one node: each holds a cycle,
+    and every cycle lies within one (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
 
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            part = {stack.pop()}
+            while node not in part:
+                part.add(stack.pop())
+            if len(part) > 1:
+                found.append(part)
 
-def test_the_runtime_import_graph_has_no_cycle() -> None:
-    graph = _runtime_graph()
-    # The graph is read, not empty: the task module imports the attempt it runs.
-    assert "celery_ledger.attempt" in graph["celery_ledger.task"]
-    cycle = _cycle(graph)
-    assert cycle is None, "import cycle in the runtime: " + " -> ".join(cycle or [])
-
-
-def test_flower_imports_nothing_from_the_cli() -> None:
-    """The Ledger page and the CLI render one operator view (``celery_ledger.view``); the page
-    never reaches into the click-bound CLI for its rules or its words."""
-    for module, names in _imports("worker/flower").items():
-        bad = {n for n in names if n == "celery_ledger.cli" or n.startswith("celery_ledger.cli.")}
-        assert not bad, f"{module} imports {sorted(bad)}"
-
-
-# -- the contract lives in the repository --------------------------------------------------------
-
-#: Where the contract is written down: in this repository, for every reader of it.
-CONTRACT = REPO / "docs" / "contract.md"
-
-#: The design brief kept beside the repository (spelt in two halves, so that this file does
-#: not cite it either).
-_BRIEF = "shared" + "/DESIGN"
-
-#: A relative path that leaves the repository (up a folder too many), the brief, or the workspace
-#: around the repository: each names a file a reader of this repository cannot open.
-_OUTSIDE = re.compile(r"(?<![\w.])((?:\.\./)+[\w./-]+|" + re.escape(_BRIEF) + r"[\w.]*|/work/\w+)")
-
-
-def _tracked_text_files() -> list[Path]:
-    out = subprocess.run(
-        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True
-    )
-    files = []
-    for name in out.stdout.split("\0"):
-        path = REPO / name
-        if not name or path.suffix in (".png", ".ico", ".gz") or not path.is_file():
-            continue
-        files.append(path)
-    return files
-
-
-def _outside_citations(path: Path, text: str) -> list[str]:
-    found = []
-    for match in _OUTSIDE.finditer(text):
-        cited = match.group(1)
-        if cited.startswith("../"):
-            target = (path.parent / cited).resolve()
-            if target.is_relative_to(REPO) and target.exists():
-                continue
-        found.append(cited)
+    for start in sorted(graph):
+        if start not in index:
+            visit(start)
     return found
 
 
-def test_the_outside_citation_finder_finds_one(tmp_path: Path) -> None:
-    doc = REPO / "docs" / "x.md"
-    assert _outside_citations(doc, f"see `../{_BRIEF}.md` §2") == [f"../{_BRIEF}.md"]
-    assert _outside_citations(doc, f"the brief ({_BRIEF}.md)") == [f"{_BRIEF}.md"]
-    assert _outside_citations(doc, "see `../README.md` and docs/contract.md") == []
+def _cycle_in(package: str | None, graph: dict[str, set[str]]) -> str | None:
+    """What the check reports: every import cycle among ``package``'s own modules (all the
+    packages' modules together when None), one line each; or None."""
+    members = {m for m in graph if package is None or _package_of(m) == package}
+    own = {m: graph[m] & members for m in members}
+    cycles = []
+    for part in _tangles(own):
+        cycle = _cycle({m: own[m] & part for m in part})
+        assert cycle is not None
+        cycles.append(" -> ".join(cycle))
+    if not cycles:
+        return None
+    return f"import cycles in {package or 'celery_ledger'}:\n" + "\n".join(sorted(cycles))
 
 
-def test_no_file_cites_a_path_outside_the_repository() -> None:
-    """Every promise is argued from files a reader of the repository can open."""
-    cited = {}
-    for path in _tracked_text_files():
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            continue
-        found = _outside_citations(path, text)
-        if found:
-            cited[str(path.relative_to(REPO))] = found
-    assert not cited, f"files cite paths outside the repository: {cited}"
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    two = {"a": {"b"}, "b": {"a", "c"}, "c": set(), "d": {"e"}, "e": {"d"}}
+    assert sorted(map(sorted, _tangles(two))) == [["a", "b"], ["d", "e"]]
 
 
-def test_the_contract_names_every_entry_status_and_gate() -> None:
-    from celery_ledger.ledger import EntryStatus, Gate
-
-    assert CONTRACT.is_file(), "docs/contract.md is missing"
-    text = CONTRACT.read_text(encoding="utf-8")
-    missing = [
-        f"{kind.__name__}.{member.name}"
-        for kind in (EntryStatus, Gate)
-        for member in kind
-        if f"`{member.value}`" not in text and f"`{member.name}`" not in text
-    ]
-    assert not missing, f"docs/contract.md does not name {missing}"
+def test_the_import_graph_is_read_from_every_package() -> None:
+    graph = _import_graph()
+    assert {_package_of(m) for m in graph} == set(PACKAGES.values())
+    # Module level: the task module imports the attempt it runs.
+    assert "celery_ledger.attempt" in graph["celery_ledger.task"]
+    # Inside a function: the ``celery ledger`` plugin loads the CLI on first use.
+    assert "celery_ledger.cli.main" in graph["celery_ledger.cli.plugin"]
+    # ``from pkg import name`` where ``name`` is not a module: the package's ``__init__``.
+    assert "celery_ledger.ledger" in graph["celery_ledger.recovery.sweep"]
 
 
-#: How a page states the promise (docs/contract.md §1).
-_PROMISE = re.compile(
-    r"at-most-once|at most once per effect|no silent (duplicate|loss)", re.IGNORECASE
-)
+@pytest.mark.parametrize("folder", sorted(PACKAGES))
+def test_no_package_has_an_import_cycle(folder: str) -> None:
+    report = _cycle_in(PACKAGES[folder], _import_graph())
+    assert report is None, report
 
 
-def test_every_doc_that_states_the_promise_cites_the_contract() -> None:
-    """README and each page in docs/ that states the promise points to docs/contract.md."""
-    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-    stating = []
-    for doc in docs:
-        text = doc.read_text(encoding="utf-8")
-        if doc != CONTRACT and _PROMISE.search(text):
-            stating.append(doc.name)
-            assert "contract.md" in text, f"{doc.relative_to(REPO)} states the promise uncited"
-    assert "README.md" in stating, "the README no longer states the promise"
+def test_the_packages_import_each_other_in_no_cycle() -> None:
+    report = _cycle_in(None, _import_graph())
+    assert report is None, report
+
+
+def _copy_of_the_tree(tmp_path: Path) -> Path:
+    for folder in ROOTS:
+        shutil.copytree(
+            REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    return tmp_path
+
+
+@pytest.mark.parametrize("folder", sorted(PACKAGES))
+def test_a_planted_pair_of_modules_is_a_cycle_the_check_reports(
+    tmp_path: Path, folder: str
+) -> None:
+    """Two new modules in a copy of the package: one imports the other inside a function, the
+    other imports it back, relatively, at module level."""
+    root = _copy_of_the_tree(tmp_path)
+    package = PACKAGES[folder]
+    (root / folder / "planted_a.py").write_text(
+        f"def later():\n    from {package} import planted_b\n\n    return planted_b\n"
+    )
+    (root / folder / "planted_b.py").write_text("from . import planted_a\n")
+    report = _cycle_in(package, _import_graph(root))
+    assert report is not None
+    assert f"{package}.planted_a -> {package}.planted_b -> {package}.planted_a" in report, report
+    whole = _cycle_in(None, _import_graph(root))
+    assert whole is not None and f"{package}.planted_" in whole, whole
+
+
+@pytest.mark.parametrize("folder", sorted(PACKAGES))
+def test_a_planted_edge_back_along_a_real_import_is_a_cycle_the_check_reports(
+    tmp_path: Path, folder: str
+) -> None:
+    """The real modules, plus one import inside a function that closes a circle: for the first
+    real import ``a -> b`` between two of the package's modules, ``b`` imports ``a`` back."""
+    root = _copy_of_the_tree(tmp_path)
+    package = PACKAGES[folder]
+    graph = _import_graph(root)
+    a, b = next(
+        (a, b)
+        for a in sorted(graph)
+        if _package_of(a) == package
+        for b in sorted(graph[a])
+        if _package_of(b) == package
+    )
+    path = _modules(root)[b]
+    path.write_text(path.read_text() + f"\n\ndef _planted():\n    import {a}  # noqa: F401\n")
+    report = _cycle_in(package, _import_graph(root))
+    assert report is not None
+    assert a in report and b in report, report

@@ -13,7 +13,7 @@ Where a decision lives in the runtime (``worker/``, which imports Celery), the m
 follows the same rule, written down in ``_Attempt``: the ambiguity rule of
 ``worker/ambiguity.py`` (a non-idempotent step that started and never completed is decided by a
 reconciler's verdict, else the entry blocks) and the explanation of a refused start
-(``timing.explain_refusal``). The recovery decoder (``recovery.sweep.read_snapshot``) is
+(``timing.explain_refusal``). The recovery decoder (``recovery.handoff.read_snapshot``) is
 called as it is: it needs no Celery.
 
 Time is a fake clock. The store reads the database clock, so "d seconds pass" is every stored
@@ -62,7 +62,7 @@ from celery_ledger.ledger import (
 from celery_ledger.ledger.errors import DeathSignalRequired, MarkDeadRefused
 from celery_ledger.ledger.operator import BODY_STEP
 from celery_ledger.ledger.schedule import PRUNED_FAILURE, cancelled_failure
-from celery_ledger.recovery.sweep import read_snapshot
+from celery_ledger.recovery.handoff import read_snapshot
 
 pytestmark = pytest.mark.model
 

@@ -291,7 +291,7 @@ _EMBEDDED = frozenset(("chain", "callbacks", "errbacks", "chord"))
 def placement(request: Any) -> dict[str, Any]:
     """Where ``request`` sits in a canvas, as the publish options that put it back there: kept
     in the entry's argument snapshot, so that recovery's re-send continues its chain, keeps its
-    callbacks and counts in its chord (``recovery.sweep._send``)."""
+    callbacks and counts in its chord (``recovery.resend.message``)."""
     return _kept({option: getattr(request, field_, None) for field_, option in _PLACEMENT})
 
 

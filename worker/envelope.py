@@ -31,8 +31,7 @@ from celery.utils.time import maybe_make_aware
 
 from celery_ledger import runtime
 from celery_ledger.codec import encode
-from celery_ledger.ledger import Envelope, PayloadError
-from celery_ledger.recovery.resend import DEADLINE
+from celery_ledger.ledger import Envelope, PayloadError, wire
 from celery_ledger.redelivery import header
 
 log = logging.getLogger(__name__)
@@ -115,7 +114,7 @@ def of_publish(
         args=tuple(args),
         kwargs=dict(kwargs),
         queue=_name(options.get("queue")) or getattr(task, "queue", None),
-        ledger_key=(options.get("headers") or {}).get("ledger_key"),
+        ledger_key=(options.get("headers") or {}).get(wire.KEY),
         retries=int(options.get("retries") or 0),
         canvas=dict(canvas or {}),
         options=_options(
@@ -145,7 +144,7 @@ def of_message(
         args=tuple(args),
         kwargs=dict(kwargs),
         queue=routing_key,
-        ledger_key=headers.get("ledger_key"),
+        ledger_key=headers.get(wire.KEY),
         retries=int(headers.get("retries") or 0),
         canvas=dict(canvas or {}),
         options=_options(
@@ -168,7 +167,7 @@ def of_request(
         args=tuple(args),
         kwargs=dict(kwargs),
         queue=delivery.get("routing_key") or None,
-        ledger_key=header(req, "ledger_key"),
+        ledger_key=header(req, wire.KEY),
         retries=int(req.retries or 0),
         canvas=dict(canvas),
         options=_options(
@@ -192,7 +191,7 @@ def of_retry(req: Any, sig: Any, *, canvas: Mapping[str, Any]) -> Envelope:
         args=found.args,
         kwargs=found.kwargs,
         queue=found.queue or delivery.get("routing_key"),
-        ledger_key=header(req, "ledger_key"),
+        ledger_key=header(req, wire.KEY),
         retries=int(options.get("retries") or (req.retries or 0) + 1),
         canvas=found.canvas,
         options=found.options,
@@ -320,9 +319,9 @@ def check_times(options: Mapping[str, Any]) -> None:
                 ) from None
         elif name == "expires":
             relative_seconds(value, name)
-    raw = (options.get("headers") or {}).get(DEADLINE)
+    raw = (options.get("headers") or {}).get(wire.DEADLINE)
     if raw is not None:
-        absolute_time(raw, DEADLINE)
+        absolute_time(raw, wire.DEADLINE)
 
 
 # -- deadlines ---------------------------------------------------------------------------------
@@ -340,7 +339,7 @@ def deadline_of(options: Mapping[str, Any]) -> tuple[float | None, float | None]
         relative = float(expires)
     elif isinstance(expires, (str, datetime)):
         found.append(_timestamp(expires))
-    header_deadline = _header_deadline((options.get("headers") or {}).get(DEADLINE))
+    header_deadline = _header_deadline((options.get("headers") or {}).get(wire.DEADLINE))
     if header_deadline is not None:
         found.append(header_deadline)
     return (min(found) if found else None), relative
@@ -367,7 +366,7 @@ def _header_deadline(raw: Any, task_id: str | None = None) -> float | None:
     if raw is None:
         return None
     try:
-        return absolute_time(raw, DEADLINE)
+        return absolute_time(raw, wire.DEADLINE)
     except ValueError as exc:
         log.warning("task_id=%s: %s; the header is ignored: no deadline from it", task_id, exc)
         return None

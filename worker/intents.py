@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from celery_ledger import canvas, envelope, runtime
 from celery_ledger.codec import check_depth
-from celery_ledger.ledger import NO_ARGS_HASH, ClaimRequest, Envelope, KeyConflict
+from celery_ledger.ledger import NO_ARGS_HASH, ClaimRequest, Envelope, KeyConflict, wire
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -72,7 +72,7 @@ _recorded: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 def wanted(task: PublishedTask, headers: dict[str, Any] | None) -> bool:
     """Whether publishing ``task`` now should record an intent."""
     headers = headers or {}
-    if headers.get("ledger_redelivery") or headers.get("ledger_unavailable"):
+    if headers.get(wire.REDELIVERY) or headers.get(wire.UNAVAILABLE):
         return False  # a worker's or the sweep's own re-send: the entry exists or will
     app = task.app
     return not app.conf.task_always_eager and runtime.publish_intent_enabled(app)

@@ -19,7 +19,7 @@ from celery import Task
 from celery.exceptions import Ignore, Reject
 
 from celery_ledger import runtime
-from celery_ledger.ledger import EntryStatus, LedgerStore, LedgerUnavailable
+from celery_ledger.ledger import EntryStatus, LedgerStore, LedgerUnavailable, wire
 from celery_ledger.recovery.publish import confirmed
 from celery_ledger.settings import LedgerSettings
 
@@ -61,10 +61,10 @@ def redeliver(
     sig = task.signature_from_request(task.request, args, kwargs, countdown=countdown)
     # The entry exists (WAIT) or the ledger is down (claim): no publish intent to record.
     merged = {**(sig.options.get("headers") or {}), **(headers or {})}
-    if vouched or header(task.request, "ledger_redelivery"):
-        merged["ledger_redelivery"] = True
+    if vouched or header(task.request, wire.REDELIVERY):
+        merged[wire.REDELIVERY] = True
     else:
-        merged.pop("ledger_redelivery", None)
+        merged.pop(wire.REDELIVERY, None)
     sig.options["headers"] = merged
     try:
         # This delivery is acked once we return: the copy must be the broker's before that.
@@ -93,7 +93,7 @@ def ledger_unavailable(
         Ignore: always (``redeliver``).
     """
     settings = runtime.settings_for(task.app)
-    n = int(header(task.request, "ledger_unavailable") or 0)
+    n = int(header(task.request, wire.UNAVAILABLE) or 0)
     countdown = min(settings.unavailable_backoff * (2**n), settings.unavailable_backoff_max)
     log.warning(
         "ledger unavailable at claim task=%s task_id=%s (attempt %s); body not run, "
@@ -109,7 +109,7 @@ def ledger_unavailable(
         args,
         kwargs,
         countdown=countdown,
-        headers={"ledger_unavailable": n + 1},
+        headers={wire.UNAVAILABLE: n + 1},
         vouched=False,
     )
 

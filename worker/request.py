@@ -31,9 +31,8 @@ from celery.utils.saferepr import saferepr
 from celery.worker.request import Request
 
 from celery_ledger import canvas, envelope, intents, refusal, runtime, timing
-from celery_ledger.ledger import MalformedMessage
+from celery_ledger.ledger import MalformedMessage, wire
 from celery_ledger.receipts import receipts
-from celery_ledger.recovery.resend import DEADLINE
 from celery_ledger.redact import redact_arguments, secret_names
 
 log = logging.getLogger(__name__)
@@ -109,7 +108,7 @@ class LedgerRequest(Request):
                 self.args,
                 self.kwargs,
                 self.id,
-                self._request_dict.get("ledger_key"),
+                self._request_dict.get(wire.KEY),
                 canvas.replacement(self),
             )
             settings = runtime.settings_for(task.app)
@@ -154,7 +153,9 @@ class LedgerRequest(Request):
                 properties=self._request_dict.get("properties"),
                 canvas=canvas.message_placement(headers, embed),
             )
-            deadline = envelope.absolute_deadline(headers.get("expires"), headers.get(DEADLINE))
+            deadline = envelope.absolute_deadline(
+                headers.get("expires"), headers.get(wire.DEADLINE)
+            )
             key = intents.record(task, sent, self.id, deadline=(deadline, None))
         except Exception as err:  # noqa: BLE001 - never in the parent's way
             log.warning("no intent recorded for received task_id=%s: %r", self.id, err)
@@ -216,7 +217,7 @@ class LedgerRequest(Request):
                 self.args,
                 self.kwargs,
                 self.id,
-                self._request_dict.get("ledger_key"),
+                self._request_dict.get(wire.KEY),
                 canvas.replacement(self),
             )
             store = runtime.store_for(task.app)

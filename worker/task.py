@@ -56,6 +56,7 @@ from celery_ledger.ledger import (
     PayloadError,
     SideEffect,
     entry_key,
+    wire,
 )
 from celery_ledger.ledger.errors import loadable_failure
 from celery_ledger.recovery.reconcile import Reconciler
@@ -472,7 +473,7 @@ class LedgerTask(Task):
             # The ledger records this publish: a call its business key cannot be made for
             # (it would fail at the worker) is refused before anything is recorded or
             # published (issue 30).
-            self._check_key_arguments(args or (), kwargs or {}, headers.get("ledger_key"))
+            self._check_key_arguments(args or (), kwargs or {}, headers.get(wire.KEY))
         if due is not None:  # issue 18: a long countdown is held by the ledger, not the broker
             held_id = task_id or uuid()
             if timing.hold(self, tuple(args or ()), dict(kwargs or {}), held_id, options, due):
@@ -539,7 +540,7 @@ class LedgerTask(Task):
             return self.run(*args, **kwargs)
         settings = runtime.settings_for(self.app)
         store = runtime.store_for(self.app)
-        header_key = header(req, "ledger_key")
+        header_key = header(req, wire.KEY)
         lease = float(self.lease_seconds or settings.lease_seconds)
         try:
             key, args_hash = self.ledger_key(
@@ -549,7 +550,7 @@ class LedgerTask(Task):
             raise self._refuse(store, exc) from None
         # A fresh publish (no retry count, not the ledger's own re-send) must bring the
         # arguments its task id was first claimed with; a retry may change them.
-        fresh = not req.retries and not header(req, "ledger_redelivery")
+        fresh = not req.retries and not header(req, wire.REDELIVERY)
         claim_req = ClaimRequest(
             key=key,
             task_name=self.name,

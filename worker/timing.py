@@ -44,6 +44,7 @@ from celery_ledger.ledger import (
     LedgerStore,
     TaskCancelled,
     TaskExpired,
+    wire,
 )
 from celery_ledger.ledger.admission import expired_failure
 from celery_ledger.ledger.schedule import SLEEP_STEP, cancelled_failure
@@ -99,7 +100,7 @@ def hold_due(task: Any, options: dict[str, Any], *, linked: bool) -> dict[str, f
     headers = options.get("headers") or {}
     # The ledger's own re-sends are never held; a retry is not one, even of a delivery that
     # was (its options copy the delivery's headers).
-    resent = headers.get("ledger_redelivery") or headers.get("ledger_unavailable")
+    resent = headers.get(wire.REDELIVERY) or headers.get(wire.UNAVAILABLE)
     if resent and _retry_call.get() is None:
         return None
     if options.get("chain") or options.get("chord"):
@@ -204,7 +205,7 @@ def delivery_deadline(req: Any) -> float | None:
     """The absolute deadline a delivery carries (its ``expires``, its ``ledger_deadline``
     header), for its claim: the admission gate stores the earliest it knows and refuses the
     delivery once it passed on the database clock (``ledger.admission``)."""
-    return envelope.absolute_deadline(req.expires, header(req, "ledger_deadline"), task_id=req.id)
+    return envelope.absolute_deadline(req.expires, header(req, wire.DEADLINE), task_id=req.id)
 
 
 # -- cancellation and refused starts -----------------------------------------------------------

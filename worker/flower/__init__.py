@@ -6,9 +6,10 @@ The shipped ``celery_ledger/flowerconfig.py`` does; in a configuration of your o
 
     from celery_ledger.flower import install_in_flower; install_in_flower()
 
-Modules: ``hook`` (routes and templates into Flower), ``handlers`` (Tornado handlers),
-``views`` (what each page shows), ``queries`` (the page's bounded, index-driven reads),
-``actions`` (release and resume), ``context`` (per-process store and cached aggregates).
+Modules: ``hook`` (routes and templates into Flower), ``loader`` (Flower's templates,
+patched, and the page's own), ``handlers`` (Tornado handlers), ``views`` (what each page
+shows), ``queries`` (the page's bounded, index-driven reads), ``actions`` (release and
+resume), ``context`` (per-process store and cached aggregates).
 """
 
 from celery_ledger.flower.hook import install_in_flower

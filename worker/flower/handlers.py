@@ -31,7 +31,7 @@ from celery_ledger.authorize import AuthorizerError, Operator
 from celery_ledger.flower import actions, views
 from celery_ledger.flower import queries as q
 from celery_ledger.flower.context import LedgerPage, page_for
-from celery_ledger.flower.hook import TEMPLATES, LedgerTemplateLoader, flower_templates
+from celery_ledger.flower.loader import TEMPLATES, LedgerTemplateLoader, flower_templates
 from celery_ledger.ledger import EntryNotFound, LedgerError, ReferenceTooLong, entry_key
 from celery_ledger.outbox import KEPT_OPTIONS
 from celery_ledger.view import duration, parse_duration, timestamp

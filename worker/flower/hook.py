@@ -13,9 +13,10 @@ At that moment Flower's route table (``flower.urls.handlers``) and application s
    so Flower's own authentication (``--basic-auth``, ``--auth`` OAuth, ``--auth_provider``)
    guards them exactly as it guards ``/tasks``;
 2. it sets ``settings["template_loader"]`` (a tornado setting Flower leaves unset) to a loader
-   that serves Flower's own templates, with two small insertions: a "Ledger" tab in Flower's
-   navbar and a "Ledger entry" link on Flower's task page. The page's templates extend
-   Flower's ``base.html``, so they carry Flower's CSS, scripts, theme and navbar.
+   (``celery_ledger.flower.loader``) that serves Flower's own templates, with two small
+   insertions: a "Ledger" tab in Flower's navbar and a "Ledger entry" link on Flower's task
+   page. The page's templates extend Flower's ``base.html``, so they carry Flower's CSS,
+   scripts, theme and navbar.
 
 An insertion whose anchor is not found in Flower's template (a Flower release that changed
 its markup) is skipped with a warning: Flower's page renders untouched and the Ledger page is
@@ -31,167 +32,30 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from tornado import template
 from tornado.web import url
 
+from celery_ledger.flower import handlers as pages
+from celery_ledger.flower.loader import LedgerTemplateLoader, flower_templates
+
 log = logging.getLogger(__name__)
-
-TEMPLATES = Path(__file__).parent / "templates"
-#: Template names under this prefix are the page's own; every other name is Flower's.
-OWN_PREFIX = "ledger/"
-
-_NAV_ANCHOR = "</ul>"
-# The count beside "Ledger" is the entries blocked now (an operator decides them), on every
-# Flower page, the dashboard included; cached and refreshed off the request
-# (``context.BlockedCount``).
-_NAV_ITEM = """
-        {% import celery_ledger.flower.context %}
-        {% set ledger_blocked = celery_ledger.flower.context.blocked_for_nav(handler) %}
-        <li class="nav-item">
-          <a class="nav-link{% if active_tab == 'ledger' %} active{% end %}"
-            href="{{ reverse_url('ledger') }}"
-            {% if active_tab == 'ledger' %}aria-current="page"{% end %}
-            >Ledger{% if ledger_blocked %} <span class="badge text-bg-warning"
-              id="ledger-nav-blocked" title="blocked entries: an operator decides"
-              >{{ ledger_blocked }}</span>{% end %}</a>
-        </li>
-      """
-_TASK_ANCHOR = '<div class="detail-actions">'
-_TASK_LINK = """
-      <a class="btn btn-outline-secondary" id="ledger-entry-link"
-         href="{{ reverse_url('ledger-task', task.uuid) }}?name={{ url_escape(task.name or '') }}"
-         >Ledger entry</a>"""
-
-
-def _insert_before(anchor: str, snippet: str) -> Callable[[str, str], str]:
-    def patch(name: str, source: str) -> str:
-        if anchor not in source:
-            log.warning("celery-ledger: %s has no %r; its Ledger link is left out", name, anchor)
-            return source
-        return source.replace(anchor, snippet + anchor, 1)
-
-    return patch
-
-
-def _insert_after(anchor: str, snippet: str) -> Callable[[str, str], str]:
-    def patch(name: str, source: str) -> str:
-        if anchor not in source:
-            log.warning("celery-ledger: %s has no %r; its Ledger link is left out", name, anchor)
-            return source
-        return source.replace(anchor, anchor + snippet, 1)
-
-    return patch
-
-
-_TASKS_FILTER_ANCHOR = '<button class="task-state-filter" type="button" data-task-state="RETRY"'
-_TASKS_FILTER = """<button class="task-state-filter" type="button" data-task-state="LEDGER-BLOCKED"
-      aria-pressed="false" title="blocked by the ledger: an operator decides">Blocked</button>
-    <button class="task-state-filter" type="button" data-task-state="LEDGER-INTERRUPTED"
-      aria-pressed="false"
-      title="its worker was lost mid-body: the redelivery or the sweep resumes it"
-      >Interrupted</button>
-    """
-_TASKS_TABLE_ANCHOR = "</table>"
-# After each draw of Flower's task list, a badge beside the state says what the ledger did to
-# the task (its ``ledger`` field, ``celery_ledger.flower.states``): resumed, replayed, fenced...
-# Text only (textContent), so nothing from an event becomes markup.
-_TASKS_BADGES = """</table>
-    <script>
-    document.addEventListener("DOMContentLoaded", function () {
-      var SHOWN = ["resumed", "replayed", "fenced", "returned", "waited", "interrupted",
-                   "conflict", "reconciled", "released", "marked-dead"];
-      // Not failures, but stuck until someone (an operator, the sweep) acts.
-      var NEEDS_EYES = ["LEDGER-BLOCKED", "LEDGER-INTERRUPTED"];
-      jQuery(document).on("draw.dt", "#tasks-table", function () {
-        jQuery("#tasks-table").DataTable().rows({page: "current"}).every(function () {
-          var marks = (this.data().ledger || []).filter(function (m) {
-            return SHOWN.indexOf(m) >= 0;
-          });
-          var badge = this.node() && this.node().querySelector(".badge");
-          if (!badge) return;
-          if (NEEDS_EYES.indexOf(this.data().state) >= 0) {
-            badge.classList.remove("text-bg-secondary");
-            badge.classList.add("text-bg-warning");
-          }
-          if (!marks.length || badge.parentNode.querySelector(".ledger-marks")) return;
-          var extra = document.createElement("span");
-          extra.className = "badge text-bg-info ms-1 ledger-marks";
-          extra.title = "what the ledger did to this task";
-          extra.textContent = marks.join(", ");
-          badge.parentNode.appendChild(extra);
-        });
-      });
-    });
-    </script>"""
-
-
-def _replace_first(anchor: str, replacement: str) -> Callable[[str, str], str]:
-    def patch(name: str, source: str) -> str:
-        if anchor not in source:
-            log.warning("celery-ledger: %s has no %r; its ledger badges are left out", name, anchor)
-            return source
-        return source.replace(anchor, replacement, 1)
-
-    return patch
-
-
-def _both(*patches: Callable[[str, str], str]) -> Callable[[str, str], str]:
-    def patch(name: str, source: str) -> str:
-        for one in patches:
-            source = one(name, source)
-        return source
-
-    return patch
-
-
-#: Flower template -> what the page adds to it.
-PATCHES: dict[str, Callable[[str, str], str]] = {
-    "navbar.html": _insert_before(_NAV_ANCHOR, _NAV_ITEM),
-    "task.html": _insert_after(_TASK_ANCHOR, _TASK_LINK),
-    "tasks.html": _both(
-        _insert_before(_TASKS_FILTER_ANCHOR, _TASKS_FILTER),
-        _replace_first(_TASKS_TABLE_ANCHOR, _TASKS_BADGES),
-    ),
-}
-
-
-class LedgerTemplateLoader(template.Loader):
-    """Flower's templates (patched as above) plus the page's own under ``ledger/``."""
-
-    def resolve_path(self, name: str, parent_path: str | None = None) -> str:
-        # Names are absolute in this loader: ``{% extends "base.html" %}`` from
-        # ``ledger/entry.html`` means Flower's base.html, not ``ledger/base.html``.
-        return name
-
-    def _create_template(self, name: str) -> template.Template:
-        path = TEMPLATES / name if name.startswith(OWN_PREFIX) else Path(self.root) / name
-        source = path.read_text(encoding="utf-8")
-        patch = PATCHES.get(name)
-        if patch is not None:
-            source = patch(name, source)
-        return template.Template(source, name=name, loader=self)
 
 
 def routes() -> list[Any]:
     """The page's routes, as ``tornado.web.url`` so Flower's ``reverse_url`` finds them."""
-    from celery_ledger.flower import handlers as h
-
     key = r"([0-9a-f]{64})"
     return [
-        url(r"/ledger", h.OverviewHandler, name="ledger"),
-        url(r"/ledger/stuck", h.StuckHandler, name="ledger-stuck"),
-        url(r"/ledger/find", h.FindHandler, name="ledger-find"),
-        url(r"/ledger/task/(.+)", h.TaskHandler, name="ledger-task"),
-        url(rf"/ledger/entry/{key}", h.EntryHandler, name="ledger-entry"),
-        url(rf"/ledger/entry/{key}/release", h.ReleaseHandler, name="ledger-release"),
-        url(rf"/ledger/entry/{key}/resume", h.ResumeHandler, name="ledger-resume"),
-        url(rf"/ledger/entry/{key}/mark-dead", h.MarkDeadHandler, name="ledger-mark-dead"),
-        url(rf"/ledger/entry/{key}/cancel", h.CancelHandler, name="ledger-cancel"),
-        url(rf"/ledger/entry/{key}/outbox", h.OutboxHandler, name="ledger-outbox"),
+        url(r"/ledger", pages.OverviewHandler, name="ledger"),
+        url(r"/ledger/stuck", pages.StuckHandler, name="ledger-stuck"),
+        url(r"/ledger/find", pages.FindHandler, name="ledger-find"),
+        url(r"/ledger/task/(.+)", pages.TaskHandler, name="ledger-task"),
+        url(rf"/ledger/entry/{key}", pages.EntryHandler, name="ledger-entry"),
+        url(rf"/ledger/entry/{key}/release", pages.ReleaseHandler, name="ledger-release"),
+        url(rf"/ledger/entry/{key}/resume", pages.ResumeHandler, name="ledger-resume"),
+        url(rf"/ledger/entry/{key}/mark-dead", pages.MarkDeadHandler, name="ledger-mark-dead"),
+        url(rf"/ledger/entry/{key}/cancel", pages.CancelHandler, name="ledger-cancel"),
+        url(rf"/ledger/entry/{key}/outbox", pages.OutboxHandler, name="ledger-outbox"),
     ]
 
 
@@ -253,9 +117,3 @@ def _cli_prefix() -> str:
         if app:
             return f"celery -A {app} ledger"
     return "celery-ledger"
-
-
-def flower_templates() -> str:
-    import flower
-
-    return os.path.join(os.path.dirname(flower.__file__), "templates")
