@@ -479,7 +479,7 @@ def install_trace(directory: str) -> None:
     Backend.mark_as_done = timed("result backend", Backend.mark_as_done)  # type: ignore[method-assign]
 
     # The parent's stamps, per task id.
-    Request = request_module.Request
+    Request = request_module.Request  # noqa: N806 - the class, named as Celery names it
 
     def parent_stamp(what: str, fn: Any) -> Any:
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:

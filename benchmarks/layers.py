@@ -43,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Report, format_rows, median, per_task_ms, pg_database  # noqa: E402
+from common import Report, format_rows, median, per_task_ms, pg_database
 
 #: Every connection of this run commits without waiting for the flush (``measure`` sets it
 #: before any connection opens; libpq reads it at connect).

@@ -121,15 +121,15 @@ class AdmissionRefused(LedgerError):
     effect step of a running one: no effect ran after the refusal, and none will."""
 
 
-class TaskCancelled(AdmissionRefused):  # noqa: N818 - reads as the outcome, like Celery's Ignore
+class TaskCancelled(AdmissionRefused):
     """The task was cancelled (``celery-ledger cancel``, ``revoke()``); no further effect ran."""
 
 
-class TaskExpired(AdmissionRefused):  # noqa: N818
+class TaskExpired(AdmissionRefused):
     """The task's deadline (``expires``, ``deadline``) passed; no further effect ran."""
 
 
-class KeyPruned(AdmissionRefused):  # noqa: N818
+class KeyPruned(AdmissionRefused):
     """A late delivery of a key whose entry retention pruned to a tombstone: it settled failed,
     cancelled or expired long ago, and it is not run again."""
 
@@ -215,7 +215,7 @@ def stored_failure(
                 "exc_module": kind.__module__,
             }
         )
-    except Exception:  # an odd exception must not stop the settle that stores it
+    except Exception:  # noqa: BLE001 - an odd exception must not stop the settle that stores it
         text = None
     if text is not None and (limit is None or len(text.encode("utf-8")) <= limit):
         return text
@@ -246,7 +246,7 @@ def loadable_failure(data: Any) -> Any:
 def _encodable(arg: Any, dumps: Callable[[Any], str]) -> Any:
     try:
         dumps(arg)
-    except Exception:  # what Celery's ensure_serializable does
+    except Exception:  # noqa: BLE001 - what Celery's ensure_serializable does
         return _repr(arg)
     return arg
 
@@ -254,7 +254,7 @@ def _encodable(arg: Any, dumps: Callable[[Any], str]) -> Any:
 def _repr(value: Any) -> str:
     try:
         return repr(value)
-    except Exception:  # a broken __repr__ must not stop the settle
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not stop the settle
         return f"<unrepresentable {type(value).__name__}>"
 
 

@@ -258,7 +258,7 @@ def resume_batch(
             screened = _screen(store, entry, max_resumes=max_resumes, actor=actor)
         except LedgerUnavailable:
             raise
-        except Exception:  # noqa: BLE001 - one entry must not abort the sweep
+        except Exception:
             log.exception("sweep could not resume key=%s; the sweep goes on", entry.key)
             outcomes[i] = None
             continue
@@ -289,7 +289,7 @@ def resume_batch(
         stored = store.snapshots_at([batch[i].key for i in ready])
     except LedgerUnavailable:
         raise
-    except Exception:  # noqa: BLE001 - fall back to one entry at a time
+    except Exception:
         log.exception("sweep could not read %d snapshots at once; one at a time", len(ready))
         one_by_one(ready)
         return [outcomes[i] for i in range(len(batch))]
@@ -354,7 +354,7 @@ def resume_batch(
             )
     except LedgerUnavailable:
         raise
-    except Exception:  # noqa: BLE001 - fall back to one entry at a time
+    except Exception:
         log.exception("sweep could not begin %d resumes at once; one at a time", len(decoded))
         one_by_one([i for i in decoded if batch[i].key not in won])
         return [outcomes[i] for i in range(len(batch))]
@@ -560,7 +560,7 @@ def _contained(key: str, what: str, run: Callable[[], ResumeOutcome]) -> ResumeO
         return run()
     except LedgerUnavailable:
         raise  # no entry's fault: the sweep ends, the next one retries
-    except Exception:  # noqa: BLE001 - one entry must not abort the sweep or the prune
+    except Exception:
         log.exception("sweep could not %s key=%s; the sweep goes on", what, key)
         return None
 

@@ -124,7 +124,7 @@ def wake_due(
             )
         except LedgerUnavailable:
             raise
-        except Exception:  # noqa: BLE001 - one entry must not stop the others
+        except Exception:
             log.exception("sweep could not wake key=%s; the sweep goes on", entry.key)
             errors += 1
             continue

@@ -9,7 +9,7 @@ import pytest
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 
-from servers import (  # noqa: E402
+from servers import (
     create_pg_database,
     create_rabbitmq_vhost,
     delete_rabbitmq_vhost,

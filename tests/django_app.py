@@ -13,10 +13,10 @@ import django
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "djangoproj.settings")
 django.setup()
 
-from django.db import transaction  # noqa: E402 - after django.setup()
-from djangoproj.models import Credit  # noqa: E402
+from django.db import transaction
+from djangoproj.models import Credit
 
-from celery_ledger import LedgerTask, create_app  # noqa: E402
+from celery_ledger import LedgerTask, create_app
 
 app = create_app("django_app")
 app.conf.task_default_queue = os.environ.get("TEST_QUEUE", "celery")

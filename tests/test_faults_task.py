@@ -458,7 +458,7 @@ def test_eager_apply_from_two_processes_waits_for_the_live_lease(tmp_path):
         return subprocess.Popen(
             [sys.executable, str(script), ledger, str(effects), str(tmp_path / f"{name}.ready")],
             env={**env, "HOLD": str(hold)},
-            stdout=open(tmp_path / f"{name}.log", "wb"),  # noqa: SIM115 - closed with the process
+            stdout=open(tmp_path / f"{name}.log", "wb"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )

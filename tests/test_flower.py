@@ -40,7 +40,7 @@ class FlowerClient:
             token = base64.b64encode(":".join(self.auth).encode()).decode()
             req.add_header("Authorization", f"Basic {token}")
         try:
-            with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310 - 127.0.0.1
+            with urllib.request.urlopen(req, timeout=5) as resp:
                 return resp.status, resp.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode(errors="replace")

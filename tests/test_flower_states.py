@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("flower")
 
-from celery_ledger.app import SWEEP_ID_PREFIX, SWEEP_TASK  # noqa: E402
-from celery_ledger.flower.states import BLOCKED, INTERRUPTED, LedgerEventsState  # noqa: E402
+from celery_ledger.app import SWEEP_ID_PREFIX, SWEEP_TASK
+from celery_ledger.flower.states import BLOCKED, INTERRUPTED, LedgerEventsState
 
 _clock = itertools.count(1)
 HOST = "w1@test"

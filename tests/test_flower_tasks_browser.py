@@ -63,7 +63,7 @@ def test_flower_task_list_shows_blocked_and_the_ledger_badges(
                 token = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
                 req.add_header("Authorization", f"Basic {token}")
                 try:
-                    with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310
+                    with urllib.request.urlopen(req, timeout=5) as resp:
                         return dict(json.loads(resp.read()))
                 except OSError:
                     assert flower.proc.poll() is None, flower.log_tail()

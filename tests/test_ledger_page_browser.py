@@ -149,7 +149,7 @@ def flower(procs: ProcessGroup, name: str, **env: str) -> int:
         if proc.proc is not None and proc.proc.poll() is not None:
             raise AssertionError(f"flower exited:\n{proc.log_tail()}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthcheck", timeout=2):  # noqa: S310
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthcheck", timeout=2):
                 return True
         except OSError:
             return False
@@ -267,7 +267,7 @@ def test_log_in_with_basic_auth_and_find_what_is_stuck(cluster: Cluster, browser
     browser.get(cluster.base(cluster.read_only, auth=False) + "/ledger")
     assert 'id="count-blocked"' not in browser.page_source
     with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(cluster.base(cluster.read_only, auth=False) + "/ledger", timeout=5)  # noqa: S310
+        urllib.request.urlopen(cluster.base(cluster.read_only, auth=False) + "/ledger", timeout=5)
     assert refused.value.code == 401 and "Basic" in refused.value.headers["WWW-Authenticate"]
     browser.get(cluster.base(cluster.read_only) + "/ledger")
     assert browser.title == "Ledger · Flower"

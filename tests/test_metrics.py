@@ -144,7 +144,7 @@ def free_port() -> int:
 
 
 def http_get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as resp:  # noqa: S310 - 127.0.0.1 only
+    with urllib.request.urlopen(url, timeout=5) as resp:
         return str(resp.read().decode())
 
 

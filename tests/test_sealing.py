@@ -21,7 +21,7 @@ from celery_ledger.ledger import SnapshotCipher, SnapshotSealError, is_sealed, o
 from celery_ledger.settings import LedgerSettings
 
 pytest.importorskip("cryptography")
-from cryptography.fernet import Fernet  # noqa: E402
+from cryptography.fernet import Fernet
 
 CARD = "4111111111111111"
 

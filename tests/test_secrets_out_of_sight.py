@@ -33,7 +33,7 @@ def get(port: int, path: str) -> str:
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
     token = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
     req.add_header("Authorization", f"Basic {token}")
-    with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 - 127.0.0.1
+    with urllib.request.urlopen(req, timeout=10) as resp:
         return str(resp.read().decode())
 
 

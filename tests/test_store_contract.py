@@ -1089,7 +1089,7 @@ def _race(n: int, fn: Callable[[int], Any]) -> list[Any]:
         try:
             barrier.wait()
             results[i] = fn(i)
-        except BaseException as exc:  # re-raised in the test thread
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]

@@ -278,7 +278,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
             log.error(
                 "ledger not reachable at worker start (%s); tasks are redelivered until it is", exc
             )
-        except Exception as exc:  # noqa: BLE001 - the worker must start: claims fail closed
+        except Exception as exc:
             # Not classified by the ledger (a bad URL, a driver that does not import, ...):
             # starting anyway is safe, since every claim meets the same error and runs nothing.
             log.error(

@@ -32,7 +32,7 @@ from celery_ledger.codec import arguments_hash, decode, encode
 from celery_ledger.crashpoints import crash_point
 
 
-class _Refused(Exception):  # noqa: N818 - a control-flow signal inside this module
+class _Refused(Exception):
     """The step's row was refused (the fence moved): leave the atomic block rolled back."""
 
 

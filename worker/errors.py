@@ -60,7 +60,7 @@ class AuthorizerError(ValueError):
     """Raised when ``ledger_authorizer`` names something that cannot be imported or called."""
 
 
-class Drift(Exception):  # noqa: N818 - a verdict about a step, not an error of this module
+class Drift(Exception):
     """Raised by ``ReplayBook.place`` when an effect step's call cannot be matched safely."""
 
     def __init__(self, name: str, position: int, reason: str) -> None:

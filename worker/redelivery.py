@@ -70,7 +70,7 @@ def redeliver(
         # This delivery is acked once we return: the copy must be the broker's before that.
         with confirmed(task.app) as connection:
             sig.apply_async(connection=connection)
-    except Exception as exc:  # noqa: BLE001 - whatever stopped the publish, keep this copy
+    except Exception as exc:
         log.warning(
             "re-send of task=%s task_id=%s not confirmed by the broker (%r); requeueing "
             "this delivery instead",

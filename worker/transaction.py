@@ -59,7 +59,7 @@ class TransactionOwner(Protocol):
     def publish_children(self, ident: Ident, sends: Sends) -> None: ...
 
 
-class _SkipBlock(Exception):  # noqa: N818 - a control-flow signal, caught by __exit__ below
+class _SkipBlock(Exception):
     """Raised on the first line of a replayed ``with`` block, which then never runs."""
 
 

@@ -30,6 +30,6 @@ else:
     }
 
 INSTALLED_APPS = ["djangoproj"]
-SECRET_KEY = "celery-ledger-tests"  # noqa: S105 - a test project's, never deployed
+SECRET_KEY = "celery-ledger-tests"
 USE_TZ = True
 DEFAULT_AUTO_FIELD = "django.db.models.AutoField"

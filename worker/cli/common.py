@@ -168,7 +168,7 @@ def open_store(ctx: click.Context) -> LedgerStore:
 def load_app(ctx: click.Context) -> Any:
     try:
         return ctx.obj.app
-    except Exception as exc:  # noqa: BLE001 - an app that does not import is bad input
+    except Exception as exc:
         raise click.ClickException(f"cannot load the Celery app: {one_line(exc)}") from exc
 
 
