@@ -131,7 +131,8 @@ class StoreCore:
                 f"ledger durability {durability!r} is not one of: {', '.join(DURABILITY)}"
             )
         #: ``effects``: writes that guard no effect commit without waiting for the flush
-        #: (``lazy``); ``every-write``: every commit waits (docs/design.md, issue 20).
+        #: (``lazy``); ``every-write``: every commit waits (design.md § "Durability follows
+        #: effects").
         self.durability = durability
         self._effects = durability == "effects"
         self.url = normalize_url(url)

@@ -39,7 +39,8 @@ class Dialect:
     #: SQLAlchemy's INSERT for this dialect: ``ON CONFLICT`` exists only per dialect.
     insert: Callable[..., Any]
     #: What makes a connection's commits stop waiting for the flush to disk (``effects``
-    #: durability, issue 20). PostgreSQL: the commit returns before its WAL is flushed, and a
+    #: durability, design.md § "Durability follows effects"). PostgreSQL: the commit returns before
+    #: its WAL is flushed, and a
     #: server crash may lose it; a later synchronous commit of any session flushes it (one
     #: sequential WAL). SQLite (WAL mode): the WAL is not fsynced at commit, so a power loss
     #: (not a process crash) may lose it; a later FULL commit fsyncs the WAL file, it too.

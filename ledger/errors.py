@@ -80,19 +80,22 @@ class IdentityError(LedgerError, ValueError):
 
 class MissingKeyArgument(IdentityError):
     """Raised when a call does not give an argument its business key is made of: without it,
-    every such call would share one key (issue 30). Nothing ran and nothing was recorded."""
+    every such call would share one key (guarantees.md § "Bad input"). Nothing ran and nothing was
+    recorded."""
 
 
 class MalformedArguments(IdentityError):
     """Raised at a worker when a delivery's arguments cannot be keyed or stored: they do not
     fit the task's signature, its ``key_from`` raised on them, or they hold what JSON cannot
     keep (a lone surrogate). Nothing ran; the delivery's entry, keyed by its task id, ends
-    ``failed`` with this reason, so that ``list`` and ``show`` find it (issue 30)."""
+    ``failed`` with this reason, so that ``list`` and ``show`` find it (guarantees.md § "Bad
+    input")."""
 
 
 class MalformedMessage(IdentityError):
     """Raised in a worker's parent for a message whose fields are of the wrong kind: ``args``
-    no list, ``kwargs`` no mapping, a ``timelimit`` that is no pair of numbers (issue 30).
+    no list, ``kwargs`` no mapping, a ``timelimit`` that is no pair of numbers (guarantees.md § "Bad
+    input").
     Nothing ran; its entry, keyed by its task id, ends ``failed`` with this reason."""
 
 

@@ -20,7 +20,8 @@ On PostgreSQL the connections are in autocommit, so a one-statement write is one
 SQLite each unit is an explicit ``BEGIN IMMEDIATE`` ... ``COMMIT``. A driver error, at connect or
 at execute, is classified by ``errors.as_unavailable``, as on every other path.
 
-Durability (issue 20): a second free list holds connections whose commits do not wait for
+Durability (design.md § "Durability follows effects"): a second free list holds connections whose
+commits do not wait for
 the flush to disk (``lazy``: ``SET synchronous_commit = off`` on PostgreSQL, ``PRAGMA
 synchronous=NORMAL`` on SQLite, once per connection, when it is opened). A write that guards no
 effect runs on one of those in ``effects`` mode; every other write on the durable list. A

@@ -34,7 +34,8 @@ from celery_ledger.ledger.values import (
     StepRecord,
 )
 
-#: Side-effect classes whose claim is the intent of a body without steps (issue 20).
+#: Side-effect classes whose claim is the intent of a body without steps (design.md § "Durability
+#: follows effects").
 _CLAIM_IS_INTENT = frozenset({"non_idempotent", "irreversible"})
 
 
@@ -87,7 +88,8 @@ class HotPath(StoreCore):
 
     def _insert_new(self, req: ClaimRequest) -> tuple[int, bool] | None:
         # The claim of a non_idempotent or irreversible task is its intent when the body has
-        # no steps (issue 20): it waits for the flush. Other classes may re-run: it need not.
+        # no steps (design.md § "Durability follows effects"): it waits for the flush. Other classes
+        # may re-run: it need not.
         rows = self._insert_entry(
             req,
             req.owner.node,
@@ -185,7 +187,7 @@ class HotPath(StoreCore):
             return decided(Gate.RETURN, "returned", result=row.result, error=row.error)
         if found is EntryStatus.BLOCKED:
             return decided(Gate.BLOCK, "block-gate", reason=row.reason)
-        if found.waits_for_time:  # issue 18: the ledger sends it when due
+        if found.waits_for_time:  # design.md § "Durable time": the ledger sends it when due
             return decided(Gate.HOLD, "held", f"{found.value} until {row.due_at}")
 
         interruptions = row.interruptions
@@ -472,7 +474,8 @@ class HotPath(StoreCore):
         }
         started = status is StepStatus.STARTED
         stmt = self._hot(("step", started, at_position))
-        # A started row lets its effect begin: it waits for the flush (issue 20).
+        # A started row lets its effect begin: it waits for the flush (design.md § "Durability
+        # follows effects").
         with self.fast.cursor(lazy=self._lazy(started)) as cur:
             cur.execute(stmt.sql, stmt.params(params))
             return cur.fetchone() is not None
@@ -583,8 +586,9 @@ class HotPath(StoreCore):
         waits = (due_in, due_at, snapshot) != (None, None, None)
         if waits and status not in (
             EntryStatus.RETRYING,
-            EntryStatus.SCHEDULED,  # a long retry countdown held by the ledger (issue 18)
-            EntryStatus.SLEEPING,  # ``self.sleep()`` (issue 18)
+            # a long retry countdown held by the ledger (design.md § "Durable time")
+            EntryStatus.SCHEDULED,
+            EntryStatus.SLEEPING,  # ``self.sleep()`` (design.md § "Durable time")
         ):
             raise ValueError(
                 f"only a retrying settle has a due time or a new snapshot, not {status.value}"
@@ -606,7 +610,8 @@ class HotPath(StoreCore):
             params,
             Note("settled", actor, reason or error),
             # A settle lets no effect begin; a lost one is recovered by replay or blocks
-            # (issue 20). A block is rare and is what an operator acts on: it waits.
+            # (design.md § "Durability follows effects"). A block is rare and is what an operator
+            # acts on: it waits.
             lazy=self._lazy(status is EntryStatus.BLOCKED),
         )
         return bool(rows)

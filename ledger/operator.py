@@ -156,7 +156,7 @@ class OperatorQueries(StoreCore):
                     & (entries.c.lease_until < db_now_stable()),
                     (entries.c.status == EntryStatus.RETRYING.value)
                     & (entries.c.due_at < db_now_stable()),
-                    # issue 18: held past its due time (no beat is sweeping?)
+                    # design.md § "Durable time": held past its due time (no beat is sweeping?)
                     entries.c.status.in_([EntryStatus.SCHEDULED.value, EntryStatus.SLEEPING.value])
                     & (entries.c.due_at < db_now_stable()),
                 )

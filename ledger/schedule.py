@@ -1,4 +1,5 @@
-"""Durable time (issue 18): entries the ledger holds until a due time, cancellation, deadlines.
+"""Durable time (design.md § "Durable time"): entries the ledger holds until a due time,
+cancellation, deadlines.
 
 - ``schedule``: a long countdown or ETA is an entry ``scheduled`` with its due time and
   argument snapshot; no broker holds a message for it.

@@ -71,15 +71,18 @@ entries = Table(
     Column("seen_alive_at", Float),
     Column("seen_alive_fence", BigInteger),
     Column("seen_alive_owner", String(255)),
-    # Issue 18 (0004_time): a cancellation asked for while the entry may be running; the
+    # design.md § "Durable time" (0004_time): a cancellation asked for while the entry may be
+    # running; the
     # attempt stops at its next effect step (the step's own write refuses it) and settles
     # ``cancelled``.
     Column("cancel_requested_at", Float),
     Column("cancel_by", String(255)),
     Column("cancel_reason", Text),
-    # Issue 18 (0004_time): the latest time (database clock) at which an effect step may start.
+    # design.md § "Durable time" (0004_time): the latest time (database clock) at which an effect
+    # step may start.
     Column("deadline_at", Float),
-    # Issue 18 (0004_time): a tombstone. Retention pruned this settled entry's steps, events,
+    # design.md § "Durable time" (0004_time): a tombstone. Retention pruned this settled entry's
+    # steps, events,
     # result and snapshot and kept the key, its final status and its settled time (here; then
     # ``settled_at`` is NULL) for ``ledger_tombstone_days``: a late delivery finds it.
     Column("tombstone_at", Float),
@@ -134,7 +137,8 @@ Index(
     sqlite_where=entries.c.due_at.is_not(None),
 )
 
-# Cancellations not yet carried out (issue 18): stays as small as the cancellations in flight.
+# Cancellations not yet carried out (design.md § "Durable time"): stays as small as the
+# cancellations in flight.
 CANCEL_PENDING = ("running", "interrupted", "retrying", "scheduled", "sleeping")
 Index(
     "ix_ledger_entries_cancel_pending",
@@ -149,7 +153,7 @@ Index(
     postgresql_where=entries.c.tombstone_at.is_not(None),
     sqlite_where=entries.c.tombstone_at.is_not(None),
 )
-# ``revoke(task_id)`` names a task id, not a key (issue 18).
+# ``revoke(task_id)`` names a task id, not a key (design.md § "Durable time").
 Index("ix_ledger_entries_task_id", entries.c.task_id)
 
 steps = Table(

@@ -98,7 +98,8 @@ def claim_insert(dialect: Dialect) -> Any:
     """
     now = db_now()
     lease = B("lease", Float)
-    # A claim is its attempt's first sign of life (``renewed_at``, issue 29); a publish intent
+    # A claim is its attempt's first sign of life (``renewed_at``, design.md § "One envelope, one
+    # admission gate"); a publish intent
     # (no execution) is nobody's.
     claimed = B("executions", Integer) > 0
     ins = (
@@ -202,7 +203,7 @@ def settle_update(dialect: Dialect, settled: bool) -> Any:
             # The attempt ended itself: its renewals say nothing of a paused zombie, unless
             # an earlier attempt of the entry was lost (``interruptions``): that one may be
             # paused mid-call, and the latest sign of life (no older than its own) stands
-            # for it until the grace runs out (issue 29).
+            # for it until the grace runs out (design.md § "One envelope, one admission gate").
             renewed_at=case((entries.c.interruptions > 0, entries.c.renewed_at), else_=None),
         )
         .returning(*RETURNED)
@@ -214,7 +215,8 @@ def settle_update(dialect: Dialect, settled: bool) -> Any:
 def renew_update() -> Any:
     """Extend the lease of the attempt at ``fence`` and stamp its sign of life (``renewed_at``,
     with the lease it took), in the same statement: the interrupt clears the lease, never
-    these, so ``mark-dead`` still sees a recent renewal after it (issue 29)."""
+    these, so ``mark-dead`` still sees a recent renewal after it (design.md § "One envelope, one
+    admission gate")."""
     now = db_now()
     lease = B("lease", Float)
     return (

@@ -21,16 +21,17 @@ class EntryStatus(str, Enum):
     #: Parked for an operator (ambiguous step, crash loop); never run automatically.
     BLOCKED = "blocked"
     #: Held by the ledger until ``due_at`` (a long countdown/ETA, or a long retry countdown):
-    #: no broker holds a message for it; the sweep publishes it when due (issue 18).
+    #: no broker holds a message for it; the sweep publishes it when due (design.md § "Durable
+    #: time").
     SCHEDULED = "scheduled"
     #: The body called ``self.sleep()``: its attempt ended, the sweep re-sends it at ``due_at``
-    #: and its completed steps replay (issue 18).
+    #: and its completed steps replay (design.md § "Durable time").
     SLEEPING = "sleeping"
     #: Settled: cancelled by an operator (``celery-ledger cancel``) or ``revoke()``; every later
-    #: delivery raises ``TaskCancelled`` (issue 18).
+    #: delivery raises ``TaskCancelled`` (design.md § "Durable time").
     CANCELLED = "cancelled"
     #: Settled: its deadline (``expires``, ``deadline``) passed before it could finish; every
-    #: later delivery raises ``TaskExpired`` (issue 18).
+    #: later delivery raises ``TaskExpired`` (design.md § "Durable time").
     EXPIRED = "expired"
 
     @property
@@ -64,7 +65,7 @@ class Gate(str, Enum):
     #: The business key was first claimed with different arguments.
     CONFLICT = "conflict"
     #: The entry is scheduled or sleeping: the ledger sends it when due; this delivery runs
-    #: nothing and is acked (issue 18).
+    #: nothing and is acked (design.md § "Durable time").
     HOLD = "hold"
 
 

@@ -46,7 +46,7 @@ class LedgerStore(
         │   (operator.py)
         ├── DeathSignals (death.py)  mark_dead, record_seen_alive (the release gate)
         ├── ScheduleQueries          schedule, list_due, begin_wake, request_cancel, ...
-        │   (schedule.py)            durable time (issue 18)
+        │   (schedule.py)            durable time (design.md § "Durable time")
         ├── TransactionSteps         a step's completed row in a transaction: transaction
         │   (transactions.py)        steps, and a step's children (complete_step)
         ├── OutboxQueries            the children steps recorded: unpublished,

@@ -124,7 +124,7 @@ class SweepQueries(StoreCore):
         # fast path pick by owner without a row lock: if another worker's takeover commits
         # between the pick and the UPDATE, PostgreSQL's UPDATE waits for it and then re-checks
         # its WHERE on the new row version; with the fence in the WHERE, that re-check sees
-        # the new owner's fence and leaves its live attempt alone (issue 14, fault 1).
+        # the new owner's fence and leaves its live attempt alone (design.md § "Recovery").
         picked = (
             keys.add_columns(entries.c.fence.label("picked_fence"))
             .cte("picked")
@@ -142,7 +142,7 @@ class SweepQueries(StoreCore):
                 fence=entries.c.fence + 1,
                 # Only an attempt that started the body can be lost; the lapse of a publish
                 # intent or of the resume marker (both owned by RESUME_OWNER, nothing ran)
-                # is a queue that was slow, not a crash (issue 14, fault 5).
+                # is a queue that was slow, not a crash (design.md § "Recovery").
                 interruptions=entries.c.interruptions
                 + case((entries.c.owner == RESUME_OWNER, 0), else_=1),
                 lease_until=None,
@@ -168,7 +168,7 @@ class SweepQueries(StoreCore):
 
         ``resumable``: only those with an argument snapshot, the ones a sweep can re-send.
         The sweep lists these, so that entries it can never resume (it reports them) do not
-        fill every batch and hide newer work behind them (issue 14, fault 4).
+        fill every batch and hide newer work behind them (design.md § "Recovery").
         """
         query = (
             select(
@@ -465,7 +465,8 @@ class SweepQueries(StoreCore):
     ) -> int:
         """Delete up to ``limit`` settled entries older than the window, with steps and events.
 
-        ``tombstone`` (issue 18; the encoded failure a late delivery of a pruned failed,
+        ``tombstone`` (design.md § "Durable time"; the encoded failure a late delivery of a pruned
+        failed,
         cancelled or expired key raises): keep each entry's row as a tombstone instead, with
         its key, arguments hash, final status and settled time (``tombstone_at``) and nothing
         else (``ScheduleQueries.prune_tombstones`` deletes it after its own window).

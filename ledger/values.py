@@ -34,7 +34,8 @@ RELEASABLE = (
 )
 
 #: Why a tombstone (``tombstone_at``: retention pruned a settled entry's steps, events and
-#: snapshot) is never released (issue 29): its completed steps are forgotten, so a re-run would
+#: snapshot) is never released (design.md § "One envelope, one admission gate"): its completed steps
+#: are forgotten, so a re-run would
 #: run the whole body again, and the duplicate-execution rate could not see it.
 TOMBSTONE_NOT_RELEASABLE = (
     "a tombstone: retention pruned it and forgot its steps, so a re-run could repeat a "
@@ -223,18 +224,20 @@ class Entry:
     seen_alive_at: float | None = None
     seen_alive_fence: int | None = None
     seen_alive_owner: str | None = None
-    #: Issue 18: a cancellation asked for (database clock), by whom and why.
+    #: design.md § "Durable time": a cancellation asked for (database clock), by whom and why.
     cancel_requested_at: float | None = None
     cancel_by: str | None = None
     cancel_reason: str | None = None
-    #: Issue 18: no effect step starts after this (database clock).
+    #: design.md § "Durable time": no effect step starts after this (database clock).
     deadline_at: float | None = None
-    #: Issue 18: pruned to a tombstone; the settled time (``settled_at`` is then None).
+    #: design.md § "Durable time": pruned to a tombstone; the settled time (``settled_at`` is then
+    #: None).
     tombstone_at: float | None = None
     #: The Celery group this task was published in, and the task that published it.
     group_id: str | None = None
     parent_id: str | None = None
-    #: Issue 29: an attempt's last sign of life (claim or lease renewal, database clock) and
+    #: design.md § "One envelope, one admission gate": an attempt's last sign of life (claim or
+    #: lease renewal, database clock) and
     #: the lease it took; the interrupt leaves both (``mark-dead`` reads them).
     renewed_at: float | None = None
     lease_seconds: float | None = None

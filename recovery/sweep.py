@@ -89,7 +89,7 @@ class SweepReport:
     resent: int = 0
     #: Entries the sweep could not handle (logged with the error); the rest went on.
     errors: int = 0
-    #: Issue 18: scheduled/sleeping entries past their due time ...
+    #: design.md § "Durable time": scheduled/sleeping entries past their due time ...
     due: int = 0
     #: ... of which sent with their task id.
     woken: int = 0

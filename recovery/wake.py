@@ -1,4 +1,5 @@
-"""The sweep's durable-time pass (issue 18): publish what is due, settle pending cancellations.
+"""The sweep's durable-time pass (design.md § "Durable time"): publish what is due, settle pending
+cancellations.
 
 ``scheduled`` entries (a countdown the ledger holds) and ``sleeping`` ones (``self.sleep()``)
 whose due time passed are found on the due-time index (``LedgerStore.list_due``), handed to

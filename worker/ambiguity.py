@@ -145,7 +145,8 @@ class Ambiguity:
         """
         attempt = self.attempt
         name = ident[0]
-        # A keyed step past its provider's key window (issue 18) is not re-run blindly: the
+        # A keyed step past its provider's key window (design.md § "Durable time") is not re-run
+        # blindly: the
         # provider may have forgotten the key. It goes to its reconciler, else an operator.
         rerun = attempt.side_effect.rerun_when_ambiguous
         if rerun and not key_window_passed(attempt, ident):

@@ -129,7 +129,8 @@ def install(app: Celery) -> Celery:
     app._ledger_installed = True
     ledger_apps.add(app)
     _connect_signals()
-    timing.install_revoke_hooks(app)  # revoke() is recorded in the ledger (issue 18)
+    # revoke() is recorded in the ledger (design.md § "Durable time")
+    timing.install_revoke_hooks(app)
 
     @app.task(name=SWEEP_TASK, ignore_result=True, shared=False, base=_SweepTask)
     def celery_ledger_sweep() -> dict[str, Any]:

@@ -66,7 +66,8 @@ class Action(str, Enum):
     #: Assert the entry's old attempts dead (``mark-dead``): it unlocks a ``not-executed``
     #: release under ``ledger_release_requires_death_signal``, so it is gated like one.
     MARK_DEAD = "mark-dead"
-    #: Cancel a task (issue 18): it never starts, or stops at its next effect step.
+    #: Cancel a task (design.md § "Durable time"): it never starts, or stops at its next effect
+    #: step.
     CANCEL = "cancel"
     #: Drop or repair a pending outbox child of the entry (``celery-ledger outbox``): a
     #: dropped child is never sent, so it is gated like a release.

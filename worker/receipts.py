@@ -21,7 +21,8 @@ at once cost the worker a third statement per task (``benchmarks/throughput.py``
 fetched less than ``HOLD_AFTER`` (plus one write) before the worker's death is still covered by
 its intent's own lease.
 
-**A message with no intent** (issue 29, fault 15): a producer that does not know the task's
+**A message with no intent** (design.md § "One envelope, one admission gate"): a producer that does
+not know the task's
 class (``send_task`` by name from a service without the ``LedgerTask``) records none, and a
 hold of nothing holds nothing. The worker's parent knows the class of every message it
 receives, so a hold may bring a ``record`` callable (``LedgerRequest._record_intent``): when

@@ -1,4 +1,5 @@
-"""A delivery the ledger refuses: what it says, and the entry that keeps it (issue 30).
+"""A delivery the ledger refuses: what it says, and the entry that keeps it (guarantees.md § "Bad
+input").
 
 A message sent by name can carry what no ledgered task can run: arguments that do not fit the
 signature, a ``key_from`` that raises on them, a lone surrogate no store keeps, a key reused

@@ -63,7 +63,8 @@ class LedgerRequest(Request):
 
     @staticmethod
     def _refuse_message(message: Any, task: Any, wrong: str) -> None:
-        """Refuse a message whose fields are malformed (issue 30): its own entry settles
+        """Refuse a message whose fields are malformed (guarantees.md § "Bad input"): its own entry
+        settles
         ``failed`` with the reason, its result is that failure, and Celery's handling of an
         invalid task message acks it. Raises ``InvalidTaskError``."""
         headers = message.headers if isinstance(message.headers, dict) else {}

@@ -26,7 +26,8 @@ class LedgerSettings:
 
     #: SQLAlchemy URL of the ledger database (sqlite:///... or postgresql://...).
     url: str
-    #: When a ledger write waits for the database's flush to disk (issue 20, docs/design.md
+    #: When a ledger write waits for the database's flush to disk (design.md § "Durability follows
+    #: effects"
     #: "Durability follows effects"). ``effects``: only the writes that let an effect begin
     #: (a step's ``started`` row; the claim of a non_idempotent or irreversible task, which is
     #: the intent of a body without steps; a block); the others commit without waiting, and a
@@ -41,7 +42,8 @@ class LedgerSettings:
     sweep_interval: float = 30.0
     #: Interruptions after which an entry is parked as a crash loop instead of resumed again.
     max_resumes: int = 5
-    #: Settled entries are pruned after this many days, to a tombstone (issue 18) ...
+    #: Settled entries are pruned after this many days, to a tombstone (design.md § "Durable time")
+    #: ...
     retention_days: float = 7.0
     #: ... which keeps the key, its final status and settled time this many days longer: a
     #: duplicate delivered meanwhile finds it and does not run (a completed one returns None,
@@ -105,7 +107,8 @@ class LedgerSettings:
     retry_grace_seconds: float = 300.0
     #: A countdown or ETA further away than this (``apply_async(countdown=...)``, ``eta=``,
     #: ``self.retry(countdown=...)``) is held by the ledger, not by the broker: the entry is
-    #: ``scheduled`` and the sweep publishes it when due (issue 18). Shorter ones keep Celery's
+    #: ``scheduled`` and the sweep publishes it when due (design.md § "Durable time"). Shorter ones
+    #: keep Celery's
     #: behaviour. 600 s is a tenth of Redis's default visibility timeout (one hour) and well
     #: under RabbitMQ's default ``consumer_timeout`` (30 min): a message held longer than that
     #: in a worker is handed to another worker or kills the channel. 0 turns holding off.

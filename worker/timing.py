@@ -1,4 +1,5 @@
-"""Durable time for ledgered tasks (issue 18): held countdowns, sleep, deadlines, cancellation.
+"""Durable time for ledgered tasks (design.md § "Durable time"): held countdowns, sleep, deadlines,
+cancellation.
 
 - **Held countdowns.** ``apply_async(countdown=/eta=)`` further away than
   ``ledger_hold_threshold_seconds`` records a ``scheduled`` entry (due time and argument
@@ -355,7 +356,8 @@ def key_window_passed(attempt: Attempt, ident: tuple[str, str, int]) -> bool:
     that time was overwritten, so the entry's creation (earlier still) stands in for it: the
     window is judged passed sooner, never later.
 
-    A body that records no steps (issue 29: ``BODY_STEP``, ambiguous on takeover) has no row
+    A body that records no steps (design.md § "One envelope, one admission gate": ``BODY_STEP``,
+    ambiguous on takeover) has no row
     of its own until a verdict writes one: it sent its key when the entry first executed,
     which is the entry's first ``claimed`` event (``first_execution_at``; ``created_at``, never
     later, when that event is gone). Not ``created_at`` itself: a publish intent or a task the

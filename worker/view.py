@@ -188,7 +188,7 @@ def next_action(entry: Entry, now: float, prefix: str) -> NextAction:
                 "sweep", f"retry overdue by {late}: the sweep re-sends it", f"{prefix} sweep"
             )
         return NextAction("wait", "Celery retry pending")
-    if entry.status.waits_for_time:  # issue 18: held by the ledger until due
+    if entry.status.waits_for_time:  # design.md § "Durable time": held by the ledger until due
         left = None if entry.due_at is None else entry.due_at - now
         when = (
             "due now: the sweep sends it"

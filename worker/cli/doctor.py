@@ -241,7 +241,8 @@ def _check_consumer_timeout(app: Any, settings: Any, lease: float) -> Check:
 
 
 def _check_hold(app: Any, settings: Any) -> Check:
-    """Issue 18: countdowns up to ``ledger_hold_threshold_seconds`` wait unacked in a worker
+    """design.md § "Durable time": countdowns up to ``ledger_hold_threshold_seconds`` wait unacked
+    in a worker
     (Celery's ETA path); past the broker's visibility timeout (Redis, SQS) or RabbitMQ's
     ``consumer_timeout`` such a message is handed to another worker or kills the channel."""
     scheme = _scheme(app)

@@ -284,7 +284,8 @@ def resume_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
     key = resolve_key(store, ref)
     entry = store.get_entry(key)
     sending_app(ctx)  # before anything is written: a resume must reach a worker
-    if entry.status.waits_for_time:  # issue 18: send a scheduled or sleeping entry now
+    # design.md § "Durable time": send a scheduled or sleeping entry now
+    if entry.status.waits_for_time:
         from celery_ledger.cli.schedule import resume_waiting
 
         resume_waiting(ctx, store, entry, as_json)

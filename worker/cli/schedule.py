@@ -1,4 +1,4 @@
-"""``cancel``: cancel a ledgered task durably (issue 18).
+"""``cancel``: cancel a ledgered task durably (design.md § "Durable time").
 
 A task that nothing runs right now (scheduled, sleeping, a retry waiting, interrupted, blocked)
 is ``cancelled`` at once. A running one stops at its next effect step (the step's own write

@@ -267,7 +267,8 @@ def mark_dead(
 
 
 def cancel(page: LedgerPage, key: str, *, operator: Operator, reason_raw: str | None) -> str:
-    """Cancel a task (issue 18; ``celery-ledger cancel``): ``cancelled`` or ``requested``.
+    """Cancel a task (design.md § "Durable time"; ``celery-ledger cancel``): ``cancelled`` or
+    ``requested``.
 
     Raises:
         ActionRefused: bad input, denied, or settled already.

@@ -366,7 +366,7 @@ class MarkDeadHandler(ActionHandler):
 
 
 class CancelHandler(ActionHandler):
-    """Issue 18: cancel a task (``actions.cancel``)."""
+    """design.md § "Durable time": cancel a task (``actions.cancel``)."""
 
     @web.authenticated
     async def post(self, key: str) -> None:

@@ -4,7 +4,8 @@ Flower keeps its task list in ``flower.events.EventsState`` (Celery's ``events.s
 which turns an unknown ``task-*`` event into the state ``type.upper()`` and ranks every such
 custom state below ``SUCCESS``/``FAILURE`` and above ``STARTED``/``RECEIVED``/``REJECTED``
 (``celery.states.PRECEDENCE``). Read with the ledger's events, that ranking misleads in several ways
-(issue 19, "What an operator sees today"); ``LedgerEventsState`` corrects each after Celery's
+(design.md § "Operators", "What an operator sees today"); ``LedgerEventsState`` corrects each after
+Celery's
 own merge, for ledger tasks only:
 
 - **blocked** -- the BLOCK gate raises ``LedgerBlocked``, so ``task-ledger-blocked`` is followed

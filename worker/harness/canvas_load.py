@@ -1,4 +1,5 @@
-"""The canvas workload of ``verify`` (issue 17): chains and a chord of ledgered tasks.
+"""The canvas workload of ``verify`` (design.md § "Canvas: chains, groups, chords, callbacks"):
+chains and a chord of ledgered tasks.
 
 Sent into the ledgered run beside its orders, so the same chaos hits it: ``CHAINS`` chains of
 three links (each link one effect, the chain's result the list of the links' numbers) and one

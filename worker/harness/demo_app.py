@@ -70,7 +70,8 @@ ENV_PREFETCH = "CELERY_LEDGER_DEMO_PREFETCH"
 PLAIN = "celery_ledger.demo.plain_order"
 PLAIN_ACKS_LATE = "celery_ledger.demo.plain_order_acks_late"
 LEDGERED = "celery_ledger.demo.ledgered_order"
-#: The child a ledgered order sends through the outbox (issue 16): one ``notify`` effect.
+#: The child a ledgered order sends through the outbox (design.md § "Transaction steps and the
+#: transactional outbox"): one ``notify`` effect.
 LEDGERED_NOTIFY = "celery_ledger.demo.ledgered_notify"
 
 #: The effect steps of an order, in order.

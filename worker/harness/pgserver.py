@@ -1,4 +1,5 @@
-"""A PostgreSQL server of verify's own, to crash (``verify --crash-ledger``, issue 20).
+"""A PostgreSQL server of verify's own, to crash (``verify --crash-ledger``, design.md § "Durability
+follows effects").
 
 ``initdb`` into a temporary directory, started by ``pg_ctl`` on a free port of 127.0.0.1, from
 the binaries installed on the machine (``/usr/lib/postgresql/<version>/bin``, or

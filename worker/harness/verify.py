@@ -20,7 +20,8 @@ intervals (``--seed`` makes the choices repeatable; the timing is the machine's)
   restart also loses on the server side (a Redis without persistence) is proven by the test
   suite against servers of its own (``tests/test_broker_faults.py``).
 
-With ``--crash-ledger`` (issue 20) the chaos is something else: verify starts a PostgreSQL
+With ``--crash-ledger`` (design.md § "Durability follows effects") the chaos is something else:
+verify starts a PostgreSQL
 server of its own (``initdb`` into a temporary directory, on a free port of 127.0.0.1; see
 ``celery_ledger.harness.pgserver``) as the ledger, keeps the effects tables apart from it (an
 SQLite file), and crashes it ``--crashes`` times (3) with ``pg_ctl stop -m immediate``,
@@ -41,7 +42,8 @@ it, which no task-side ledger can see; ``filesystem://`` does this to what a SIG
 had fetched), failed, blocked (with the ambiguous step), duplicated effects and the duplicate
 rate (effect rows beyond one per order and effect), the ledger's own count of unauthorized
 step re-runs, resumed entries and replayed steps. Every fifth ledgered order ends by sending a
-child task through the transactional outbox (issue 16), and with a ledger of its own database
+child task through the transactional outbox (design.md § "Transaction steps and the transactional
+outbox"), and with a ledger of its own database
 (``--ledger``) its receipt is a transaction step (the effects tables live in the ledger's
 database then): children that never ran to an end are counted as lost children. Beside them
 runs the time-and-cancellation workload (``time_load``: a backlog with short ``expires``, held

@@ -1,4 +1,4 @@
-"""Issue 14: one-shot release keyed on executions; the due time of a waiting entry.
+"""design.md § "Recovery": one-shot release keyed on executions; the due time of a waiting entry.
 
 - ``released_executions``: the entry's ``executions`` when it was last released. A second
   release is refused while ``executions`` has not moved (the body has not run since), however

@@ -1,4 +1,4 @@
-"""Issue 19: the death-signal gate on release, and a fenced attempt's signs of life.
+"""design.md § "Operators": the death-signal gate on release, and a fenced attempt's signs of life.
 
 - ``dead_fence``, ``dead_by``, ``dead_reason``, ``dead_at``: an operator's assertion
   (``mark-dead``) that every attempt of the entry up to fence ``dead_fence`` is dead. Under

@@ -1,4 +1,5 @@
-"""Issue 18: durable time. Cancellation, deadlines, and the index a revoke looks up by.
+"""design.md § "Durable time": durable time. Cancellation, deadlines, and the index a revoke looks
+up by.
 
 - ``cancel_requested_at``, ``cancel_by``, ``cancel_reason``: a cancellation asked for while
   the entry may be running. The attempt's next effect step is refused by its own write (no

@@ -1,4 +1,5 @@
-"""Issue 16: the transactional outbox (``ledger_outbox``).
+"""design.md § "Transaction steps and the transactional outbox": the transactional outbox
+(``ledger_outbox``).
 
 A child task a step sends is recorded here in the same transaction as the step's
 ``completed`` row, and published after that row commits; ``published_at`` is set once the

@@ -1,4 +1,5 @@
-"""Issue 17: a ledgered task's place in Celery's canvas (``group_id``, ``parent_id``).
+"""design.md § "Canvas: chains, groups, chords, callbacks": a ledgered task's place in Celery's
+canvas (``group_id``, ``parent_id``).
 
 ``group_id`` is the Celery group (or chord header) a member was published in, ``parent_id``
 the task that published it (a chain's previous link, a ledgered task that sent a group):

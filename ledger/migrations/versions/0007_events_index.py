@@ -1,4 +1,5 @@
-"""Issue 20: drop ``ix_ledger_events_event``, an index that no query reads.
+"""design.md § "Durability follows effects": drop ``ix_ledger_events_event``, an index that no query
+reads.
 
 Every transition appends an audit event, two per task on the hot path, and every event row
 went into this index on (event, key). Nothing reads events by type: ``show``, the Ledger page

@@ -1,4 +1,5 @@
-"""Issue 29: the last sign of life of an entry's attempt, kept where an interrupt cannot erase it.
+"""design.md § "One envelope, one admission gate": the last sign of life of an entry's attempt, kept
+where an interrupt cannot erase it.
 
 - ``renewed_at``: when (database clock) an attempt last showed it was alive: its claim and
   each lease renewal. The sweep's interrupt clears ``lease_until`` and leaves this one, so

@@ -1,4 +1,5 @@
-"""Issue 30: a child the broker publish refuses every time never holds back the others.
+"""guarantees.md § "Bad input": a child the broker publish refuses every time never holds back the
+others.
 
 - ``publish_errors``: how many publishes of this child failed for a fault of its own (a bad
   option, a payload that cannot be opened), not the broker's; the sweep lists the children
