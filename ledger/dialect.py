@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy import Select, func, literal_column, true
 from sqlalchemy.dialects import postgresql as pg_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
@@ -38,13 +39,22 @@ class Dialect:
     event_in_statement: bool
     #: SQLAlchemy's INSERT for this dialect: ``ON CONFLICT`` exists only per dialect.
     insert: Callable[..., Any]
-    #: What makes a connection's commits stop waiting for the flush to disk (``effects``
-    #: durability, design.md § "Durability follows effects"). PostgreSQL: the commit returns before
-    #: its WAL is flushed, and a
-    #: server crash may lose it; a later synchronous commit of any session flushes it (one
-    #: sequential WAL). SQLite (WAL mode): the WAL is not fsynced at commit, so a power loss
-    #: (not a process crash) may lose it; a later FULL commit fsyncs the WAL file, it too.
-    lazy_commit: str = ""
+    #: How a hot-path write asks that its commit not wait for the flush to disk (``effects``
+    #: durability, design.md § "Durability follows effects"). Exactly one of the two is set.
+    #:
+    #: ``lazy_session``, SQLite (WAL mode): a setting of the connection, run once when a lazy
+    #: connection is opened (the fast path keeps those on a free list of their own). The WAL is
+    #: not fsynced at commit, so a power loss (not a process crash) may lose the commit; a later
+    #: FULL commit fsyncs the WAL file, it too. A SQLite connection is the process's own, so
+    #: the setting reaches nobody else.
+    lazy_session: str = ""
+    #: ``lazy_statement``, PostgreSQL: the statement rewritten to ask for it itself
+    #: (``commit_lazily``), for its own transaction only. The commit returns before its WAL is
+    #: flushed, and a server crash may lose it; a later synchronous commit of any session
+    #: flushes it (one sequential WAL). Never a session setting: behind a transaction pooler
+    #: (PgBouncer) a server session serves other clients next, and a ``SET synchronous_commit
+    #: = off`` would change their durability (docs/operations.md § "Deploying").
+    lazy_statement: Callable[[Any], Any] | None = None
 
     @property
     def begin_unit(self) -> str | None:
@@ -57,19 +67,41 @@ class Dialect:
         return None if self.autocommit else "BEGIN IMMEDIATE"
 
 
+#: ``set_config(..., true)`` is ``SET LOCAL``: the setting ends with the transaction, and
+#: PostgreSQL reads ``synchronous_commit`` when the transaction commits, so a statement that
+#: sets it while it runs decides how its own (autocommit) transaction commits, at no extra
+#: round trip. Rendered inline: the statement keeps its bind parameters.
+_NO_FLUSH_WAIT = func.set_config(
+    literal_column("'synchronous_commit'"), literal_column("'off'"), true()
+).label("commit_lazily")
+
+
+def commit_lazily(stmt: Any) -> Any:
+    """``stmt`` (a SELECT, or a DML statement) asking its own transaction to commit without
+    waiting for the WAL flush: ``set_config`` in its select list or its ``RETURNING``.
+
+    Evaluated for each row the statement returns, that is, for each row a hot-path write
+    writes (each returns or counts the rows it wrote). A statement that writes no row commits
+    nothing that a flush would wait for.
+    """
+    if isinstance(stmt, Select):
+        return stmt.add_columns(_NO_FLUSH_WAIT)
+    return stmt.returning(_NO_FLUSH_WAIT)
+
+
 SQLITE = Dialect(
     "sqlite",
     autocommit=False,
     event_in_statement=False,
     insert=sqlite_dialect.insert,
-    lazy_commit="PRAGMA synchronous=NORMAL",
+    lazy_session="PRAGMA synchronous=NORMAL",
 )
 POSTGRESQL = Dialect(
     "postgresql",
     autocommit=True,
     event_in_statement=True,
     insert=pg_dialect.insert,
-    lazy_commit="SET synchronous_commit = off",
+    lazy_statement=commit_lazily,
 )
 
 

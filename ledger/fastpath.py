@@ -20,13 +20,16 @@ On PostgreSQL the connections are in autocommit, so a one-statement write is one
 SQLite each unit is an explicit ``BEGIN IMMEDIATE`` ... ``COMMIT``. A driver error, at connect or
 at execute, is classified by ``errors.as_unavailable``, as on every other path.
 
-Durability (design.md § "Durability follows effects"): a second free list holds connections whose
-commits do not wait for
-the flush to disk (``lazy``: ``SET synchronous_commit = off`` on PostgreSQL, ``PRAGMA
-synchronous=NORMAL`` on SQLite, once per connection, when it is opened). A write that guards no
-effect runs on one of those in ``effects`` mode; every other write on the durable list. A
-separate set of connections costs nothing per write, where a ``SET LOCAL`` would need a
-transaction block (two more round trips in autocommit) on every one.
+Durability (design.md § "Durability follows effects"): a unit of work is ``lazy`` when its
+commit need not wait for the flush to disk; a write that guards no effect is one in ``effects``
+mode. How it asks is the dialect's (``Dialect.lazy_statement``, ``Dialect.lazy_session``). On
+PostgreSQL each hot statement has a lazy twin, compiled with it, that asks within its own
+transaction (``set_config('synchronous_commit', 'off', true)`` in its select list or
+``RETURNING``): a lazy unit's cursor sends the twin, on any connection, at no extra round trip,
+and nothing outlives the transaction, so a transaction pooler that hands the server session to
+another client hands it over unchanged (docs/operations.md § "Deploying"). A ``SET LOCAL``
+would need a transaction block (two more round trips in autocommit). On SQLite a second free
+list holds connections set up lazily once, when opened (``PRAGMA synchronous=NORMAL``).
 
 After ``fork()`` the store keeps the fast path's engine and compiled statements (``forked``)
 and forgets its connections without closing them (they are the parent's sessions; psycopg does
@@ -52,6 +55,7 @@ class Compiled:
     """One statement compiled for one dialect, with its parameter layout."""
 
     def __init__(self, stmt: Any, engine: Engine) -> None:
+        self.statement = stmt
         compiled = stmt.compile(dialect=engine.dialect)
         self.sql: str = compiled.string
         self._compiled = compiled
@@ -73,9 +77,12 @@ class FastPath:
     def __init__(self, engine: Engine, dialect: Dialect, *, keep: int = 2) -> None:
         self.engine = engine
         self._begin = dialect.begin_unit
-        self._lazy_setting = dialect.lazy_commit
-        #: Idle DBAPI connections, last in first out (list.pop/append are atomic): those whose
-        #: commits wait for the flush, and those whose commits do not (``lazy``).
+        self._lazy_session = dialect.lazy_session
+        self._lazy_statement = dialect.lazy_statement
+        #: Each compiled statement's lazy twin, by SQL (``Dialect.lazy_statement``).
+        self._lazy_sql: dict[str, str] = {}
+        #: Idle DBAPI connections, last in first out (list.pop/append are atomic); on SQLite,
+        #: those whose commits do not wait for the flush (``lazy``) are kept apart.
         self._idle: list[Any] = []
         self._idle_lazy: list[Any] = []
         self._keep = keep
@@ -99,7 +106,14 @@ class FastPath:
     def compiled(self, key: Any, build: Callable[[], Any]) -> Compiled:
         found = self._compiled.get(key)
         if found is None:
-            found = self._compiled[key] = Compiled(build(), self.engine)
+            found = Compiled(build(), self.engine)
+            if self._lazy_statement is not None:
+                twin = Compiled(self._lazy_statement(found.statement), self.engine)
+                # The twin runs with the statement's own parameters (``Compiled.params``).
+                if twin.params({}) != found.params({}):
+                    raise RuntimeError(f"the lazy twin of {key!r} changed its parameters")
+                self._lazy_sql[found.sql] = twin.sql
+            self._compiled[key] = found
         return found
 
     def _connect(self, idle: list[Any], lazy: bool) -> Any:
@@ -113,7 +127,7 @@ class FastPath:
         if lazy:
             try:
                 cur = conn.cursor()
-                cur.execute(self._lazy_setting)
+                cur.execute(self._lazy_session)
                 cur.close()
             except BaseException:
                 with contextlib.suppress(Exception):
@@ -132,10 +146,13 @@ class FastPath:
             LedgerUnavailable: the database cannot be reached (connect or execute); the
                 connection is closed and the next call connects again.
         """
-        idle = self._idle_lazy if lazy else self._idle
+        session = lazy and bool(self._lazy_session)
+        idle = self._idle_lazy if session else self._idle
         with translate_db_errors(self.dbapi):
-            conn = self._connect(idle, lazy)
+            conn = self._connect(idle, session)
             cur = conn.cursor() if not self.listeners else _Observed(conn.cursor(), self.listeners)
+            if lazy and self._lazy_statement is not None:
+                cur = _Lazy(cur, self._lazy_sql)
             reuse = False
             try:
                 if self._begin:
@@ -168,6 +185,27 @@ class FastPath:
             while idle:
                 with contextlib.suppress(Exception):
                     idle.pop().close()
+
+
+class _Lazy:
+    """A cursor that sends each compiled statement's lazy twin in its place (any other SQL
+    as it is: its commit waits, the safe side)."""
+
+    __slots__ = ("_cur", "_twins")
+
+    def __init__(self, cur: Any, twins: dict[str, str]) -> None:
+        self._cur = cur
+        self._twins = twins
+
+    def execute(self, sql: str, params: Any = None) -> Any:
+        sql = self._twins.get(sql, sql)
+        return self._cur.execute(sql) if params is None else self._cur.execute(sql, params)
+
+    def executemany(self, sql: str, seq: Any) -> Any:
+        return self._cur.executemany(self._twins.get(sql, sql), seq)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cur, name)
 
 
 class _Observed:

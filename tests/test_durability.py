@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from sqlalchemy import func, select
 
 from celery_ledger.ledger import ClaimRequest, EntryStatus, LedgerStore, Owner, StepStatus
 from celery_ledger.settings import LedgerSettings
@@ -115,10 +116,37 @@ def test_lazy_connections_do_not_wait_for_the_flush_and_the_others_do(ledger_url
     try:
         if store.is_sqlite:  # 1 = NORMAL (WAL not synced at commit), 2 = FULL
             assert (commit_setting(store, True), commit_setting(store, False)) == ("1", "2")
+            # Each kind is reused from its own free list, never handed to the other.
+            assert commit_setting(store, False) == "2"
         else:
-            assert (commit_setting(store, True), commit_setting(store, False)) == ("off", "on")
-        # Each kind is reused from its own free list, never handed to the other.
-        assert commit_setting(store, False) == ("2" if store.is_sqlite else "on")
+            # PostgreSQL asks per statement, never of the session (dialect.py, ``lazy_statement``).
+            assert (commit_setting(store, True), commit_setting(store, False)) == ("on", "on")
+    finally:
+        store.dispose()
+
+
+def test_a_lazy_statement_asks_within_its_own_transaction_on_postgresql(pg_url):
+    """The lazy twin of a hot statement sets ``synchronous_commit = off`` while it runs, for
+    its own transaction: its second row sees it off, the next statement sees it on again."""
+    store = LedgerStore(pg_url)
+    try:
+        probe = store.fast.compiled(
+            "probe",
+            lambda: select(func.current_setting("synchronous_commit")).select_from(
+                func.generate_series(1, 2)
+            ),
+        )
+        sent: list[str] = []
+        store.fast.listeners.append(sent.append)
+        with store.fast.cursor(lazy=True) as cur:
+            cur.execute(probe.sql, probe.params({}))
+            assert [row[0] for row in cur.fetchall()] == ["on", "off"]
+            cur.execute("SHOW synchronous_commit")
+            assert cur.fetchone()[0] == "on"
+        with store.fast.cursor(lazy=False) as cur:
+            cur.execute(probe.sql, probe.params({}))
+            assert [row[0] for row in cur.fetchall()] == ["on", "on"]
+        assert ["set_config" in sql for sql in sent] == [True, False, False]
     finally:
         store.dispose()
 
