@@ -32,7 +32,14 @@ from sqlalchemy import Connection, Engine
 
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.dialect import dialect_for
-from celery_ledger.ledger.engine import READ_ONLY, make_engine, normalize_url
+from celery_ledger.ledger.engine import (
+    READ_ONLY,
+    driver_options,
+    make_engine,
+    normalize_url,
+    parse_prepare_threshold,
+    parse_url,
+)
 from celery_ledger.ledger.errors import SchemaError, translate_db_errors
 from celery_ledger.ledger.fastpath import Compiled, FastPath
 from celery_ledger.ledger.migrate import (
@@ -125,6 +132,7 @@ class StoreCore:
         migrate: bool = True,
         engine_options: dict[str, Any] | None = None,
         durability: str = DEFAULT_DURABILITY,
+        prepare_threshold: str | int | None = None,
     ) -> None:
         if durability not in DURABILITY:
             raise ValueError(
@@ -136,10 +144,16 @@ class StoreCore:
         self.durability = durability
         self._effects = durability == "effects"
         self.url = normalize_url(url)
+        driver_options(parse_url(url))  # the URL's own parameters: refused now, not at first use
         self.dialect = dialect_for(url)
         self.is_sqlite = self.dialect.name == "sqlite"
         self._migrate = migrate
         self._engine_options = dict(engine_options or {})
+        if prepare_threshold is not None:
+            # psycopg's, on every connection of both engines; checked here, at construction
+            # (``driver_options``: it wins over the URL's ``prepare_threshold=`` and ``pooler=``).
+            parse_prepare_threshold(prepare_threshold)
+            self._engine_options["prepare_threshold"] = prepare_threshold
         self._engine: Engine | None = None
         self._autocommit: Engine | None = None
         self._pid = -1

@@ -27,6 +27,17 @@ PG_CONNECT_TIMEOUT_S = 5
 #: Execution option marking a connection whose transaction only reads.
 READ_ONLY = "ledger_read_only"
 
+#: The ledger URL's own query parameters (docs/operations.md § "Deploying"), read here and
+#: removed before the URL reaches the driver. ``pooler=pgbouncer`` declares a transaction
+#: pooler in front of PostgreSQL: prepared statements off, since psycopg names them per client
+#: session and the pooler hands server sessions from client to client (PgBouncer before 1.21,
+#: or with ``max_prepared_statements = 0``, answers ``prepared statement "_pg3_0" already
+#: exists``). ``pooler=none`` says there is none. ``prepare_threshold=N`` (psycopg's meaning:
+#: prepare a statement at its Nth execution; 0 at its first) or ``=none`` (never) overrides.
+POOLER = "pooler"
+POOLERS = ("pgbouncer", "none")
+PREPARE_THRESHOLD = "prepare_threshold"
+
 
 def normalize_url(url: str) -> str:
     """Map ``postgresql://`` and ``postgres://`` onto the psycopg 3 driver."""
@@ -55,29 +66,87 @@ def parse_url(url: str) -> URL:
         ) from None
 
 
+def parse_prepare_threshold(raw: str | int | None) -> int | None:
+    """``prepare_threshold`` as psycopg takes it: a whole number >= 0, or None for never.
+
+    Raises:
+        ValueError: in the ledger's words, naming the values it takes.
+    """
+    if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("none", "off")):
+        return None
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        value = -1
+    if value < 0 or isinstance(raw, bool):
+        raise ValueError(
+            f"prepare_threshold={raw!r} is not a whole number >= 0 or 'none' (none: never "
+            "prepare, as a transaction pooler needs)"
+        )
+    return value
+
+
+def driver_options(
+    parsed: URL, prepare_threshold: str | int | None = None
+) -> tuple[URL, dict[str, Any]]:
+    """``parsed`` without the ledger's own query parameters, and the connect arguments they
+    ask for: ``{"prepare_threshold": ...}`` when a pooler is declared or a threshold given
+    (``prepare_threshold``, given to the store in code, wins over the URL's).
+
+    Raises:
+        ValueError: a value the ledger does not take, or one given on a SQLite URL.
+    """
+    query = dict(parsed.query)
+    pooler = query.pop(POOLER, None)
+    in_url = query.pop(PREPARE_THRESHOLD, None)
+    if isinstance(pooler, tuple) or isinstance(in_url, tuple):
+        raise ValueError("the ledger URL names pooler= or prepare_threshold= more than once")
+    if (pooler is not None or in_url is not None) and parsed.get_backend_name() != "postgresql":
+        raise ValueError("pooler= and prepare_threshold= apply to postgresql:// ledger URLs only")
+    if pooler is not None and pooler.lower() not in POOLERS:
+        raise ValueError(f"the ledger URL's pooler={pooler!r} is not one of: {', '.join(POOLERS)}")
+    args: dict[str, Any] = {}
+    if pooler is not None and pooler.lower() != "none":
+        args[PREPARE_THRESHOLD] = None
+    given = prepare_threshold if prepare_threshold is not None else in_url
+    if given is not None:
+        args[PREPARE_THRESHOLD] = parse_prepare_threshold(given)
+    return parsed.set(query=query), args
+
+
+def declared_pooler(url: str) -> str | None:
+    """The ``pooler=`` a ledger URL declares (``none`` included), or None."""
+    value = parse_url(url).query.get(POOLER)
+    return value.lower() if isinstance(value, str) else None
+
+
 def is_sqlite(url: str) -> bool:
     return parse_url(url).get_backend_name() == "sqlite"
 
 
-def make_engine(url: str, **kwargs: Any) -> Engine:
-    """Create an engine for ``url`` with the ledger's connection settings applied."""
-    parsed = parse_url(url)
-    url = normalize_url(url)
+def make_engine(url: str, *, prepare_threshold: str | int | None = None, **kwargs: Any) -> Engine:
+    """Create an engine for ``url`` with the ledger's connection settings applied
+    (``prepare_threshold``: see ``driver_options``).
+
+    Raises:
+        ValueError: in the ledger's words, for a URL or option it cannot use.
+    """
+    parsed, options = driver_options(parse_url(url), prepare_threshold)
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, **kwargs)
+        engine = create_engine(parsed, **kwargs)
         _configure_sqlite(engine)
         return engine
     if backend == "postgresql":
-        connect_args = kwargs.pop("connect_args", {})
+        connect_args = {**options, **kwargs.pop("connect_args", {})}
         connect_args.setdefault("connect_timeout", PG_CONNECT_TIMEOUT_S)
         connect_args.setdefault("application_name", "celery-ledger")
         kwargs.setdefault("pool_size", 2)
         kwargs.setdefault("max_overflow", 4)
         kwargs.setdefault("pool_pre_ping", False)
-        return create_engine(url, connect_args=connect_args, **kwargs)
+        return create_engine(parsed, connect_args=connect_args, **kwargs)
     raise ValueError(f"celery-ledger supports sqlite and postgresql URLs, not {backend!r}")
 
 

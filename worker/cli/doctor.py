@@ -25,6 +25,7 @@ from celery_ledger.cli.common import (
     sqlite_file_problem,
     sqlite_path,
 )
+from celery_ledger.cli.doctor_pooler import check_pooler
 from celery_ledger.ledger import (
     RESUME_OWNER,
     LedgerStore,
@@ -476,6 +477,7 @@ def doctor_cmd(ctx: click.Context, as_json: bool, strict: bool) -> None:
     checks = [
         schema,
         _check_backend(url, app, store, schema),
+        Check(*check_pooler(url)),
         _check_visibility(app, settings, tasks),
         _check_hold(app, settings),
         _check_rabbitmq(app, settings),

@@ -105,7 +105,9 @@ class OwnPgBouncer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise PgBouncerUnavailable(f"pgbouncer exited ({self.proc.returncode}): {self.tail()}")
+                raise PgBouncerUnavailable(
+                    f"pgbouncer exited ({self.proc.returncode}): {self.tail()}"
+                )
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
                     return
