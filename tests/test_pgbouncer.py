@@ -155,6 +155,10 @@ def test_doctor_finds_pgbouncer_and_says_what_it_needs(bouncer: Any, pg_url: str
     assert pooler_line(declared) == (
         "pooler PASS behind a connection pooler; prepared statements off"
     )
+    from celery_ledger.cli.doctor_pooler import check_pooler
+
+    kept = check_pooler(through(bouncer, pg_url, "pooler=pgbouncer&prepare_threshold=5"))
+    assert kept[1] == "WARN" and "prepare_threshold=5 keeps prepared statements on" in kept[2]
 
 
 def test_doctor_sees_no_pooler_on_a_direct_or_proxied_connection(pg_url: str) -> None:
@@ -177,6 +181,11 @@ def test_doctor_sees_no_pooler_on_a_direct_or_proxied_connection(pg_url: str) ->
         )
     finally:
         proxy.stop()
+    assert check_pooler(proxied) == (
+        "pooler",
+        "WARN",
+        "not checked: the ledger is unreachable (see schema)",
+    )
 
 
 def test_the_urls_pooler_parameters_refuse_what_they_do_not_take(pg_url: str) -> None:

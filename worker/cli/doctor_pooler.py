@@ -24,10 +24,9 @@ from celery_ledger.ledger.engine import (
     make_engine,
     parse_url,
 )
-from celery_ledger.ledger.errors import as_unavailable
 from celery_ledger.view import one_line
 
-#: What a transaction pooler needs, in one line (the URL parameter or the setting).
+#: What a transaction pooler needs, in one line.
 ADVICE = "add ?pooler=pgbouncer to the ledger URL (ledger_url)"
 
 
@@ -43,9 +42,16 @@ def check_pooler(url: str) -> tuple[str, str, str]:
     prepares = options.get(PREPARE_THRESHOLD, 5) is not None
     try:
         pooled, startup_pid, backend_pid = _answered_by_pooler(url)
-    except sa_exc.SQLAlchemyError as exc:
-        cause = as_unavailable(exc) or getattr(exc, "orig", None) or exc
-        return ("pooler", "WARN", f"not checked: ledger unreachable: {one_line(cause)}")
+    except sa_exc.SQLAlchemyError:  # the schema check says why, in its line
+        return ("pooler", "WARN", "not checked: the ledger is unreachable (see schema)")
+    if pooled and prepares and PREPARE_THRESHOLD in parse_url(url).query:
+        return (
+            "pooler",
+            "WARN",
+            f"a connection pooler answers at this URL and prepare_threshold="
+            f"{options[PREPARE_THRESHOLD]} keeps prepared statements on: only a PgBouncer 1.21 or "
+            "later with max_prepared_statements > 0 takes them",
+        )
     if pooled and prepares:
         return (
             "pooler",
@@ -66,19 +72,17 @@ def check_pooler(url: str) -> tuple[str, str, str]:
 
 
 def _answered_by_pooler(url: str) -> tuple[bool, int, int]:
-    """(pooled, start-up pid, session pid) of one fresh connection to ``url``."""
+    """(pooled, start-up pid, session pid) of one fresh connection to ``url``.
+
+    Raises:
+        SQLAlchemyError: the ledger cannot be reached (the driver's error, wrapped).
+    """
     engine = make_engine(url)
     try:
-        fairy = engine.raw_connection()
-        try:
-            conn: Any = fairy.dbapi_connection
-            startup_pid = int(conn.info.backend_pid)
-            cur = conn.cursor()
-            cur.execute("SELECT pg_backend_pid()")
-            backend_pid = int(cur.fetchone()[0])
-            conn.rollback()
-        finally:
-            fairy.close()
+        with engine.connect() as conn:
+            dbapi: Any = conn.connection.dbapi_connection
+            startup_pid = int(dbapi.info.backend_pid)
+            backend_pid = int(conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one())
     finally:
         engine.dispose()
     return startup_pid != backend_pid, startup_pid, backend_pid
