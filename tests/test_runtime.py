@@ -333,9 +333,9 @@ def test_a_reconciled_verdict_is_retried_while_the_ledger_is_briefly_down(
 
 
 def test_a_retry_is_due_at_its_eta_plus_the_grace_with_its_own_arguments(tmp_path: Path) -> None:
-    """Issue 14, fault 3: what ``settle(retrying)`` stores so the sweep can re-send a lost
-    retry: the due time (countdown or ETA, plus ``ledger_retry_grace_seconds``) and the
-    retry's own arguments and retry count."""
+    """design.md § "Recovery": what ``settle(retrying)`` stores so the sweep can re-send a
+    lost retry (``timing.retry_due``): the due time (countdown or ETA, plus
+    ``ledger_retry_grace_seconds``) and the retry's own arguments and retry count."""
     from datetime import datetime, timezone
 
     from celery.exceptions import Retry
