@@ -1,4 +1,5 @@
-"""Encryption at rest for argument snapshots (issue 19): ``ledger_snapshot_keys``.
+"""Encryption at rest for argument snapshots: ``ledger_snapshot_keys`` (docs/design.md
+§ "Secrets out of sight, and snapshots sealed at rest").
 
 Unit cases of the cipher and the settings; ``doctor``'s warning; and real processes: a worker
 with a key stores ``page_app.pay``'s snapshot sealed (the card number is nowhere in the ledger
