@@ -124,7 +124,8 @@ class LedgerRuntime:
             store.dispose()
 
     def parts(self) -> dict[str, Any]:
-        """What this runtime holds now, without building anything (for a report or a test)."""
+        """What this runtime holds now (for a report or a test): which parts are built, the
+        events flag as fixed, the confirmed-publish state, the boot id. Builds none of them."""
         publisher = confirming(self.app)
         return {
             "installed": self.installed,
