@@ -5,7 +5,7 @@ cancellation.
   ``ledger_hold_threshold_seconds`` records a ``scheduled`` entry (due time and argument
   snapshot) and publishes nothing (``hold``); ``self.retry(countdown=)`` past it settles the
   entry ``scheduled`` instead of publishing the retry (``held_retry``). The sweep publishes
-  what is due with the original task id (``recovery.sweep.wake_due``). No broker ever holds a
+  what is due with the original task id (``recovery.wake.wake_due``). No broker ever holds a
   long-delayed message, so no visibility timeout or ``consumer_timeout`` can duplicate or kill
   it.
 - **Sleep.** ``self.sleep(seconds)`` / ``self.wait_until(when)`` is a step (its wake time is
