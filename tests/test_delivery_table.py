@@ -117,14 +117,13 @@ def test_the_design_documents_these_tables_in_this_order() -> None:
 
 
 def test_the_delivery_looks_up_the_runtime_once() -> None:
-    """The app's runtime (settings, store, events) is looked up in one place, the delivery's
-    constructor, once each; ``owner_for`` (this process's owner) is no look-up on the app."""
+    """The app's runtime (settings, store, events) is looked up once, in the delivery's
+    constructor; ``owner_for`` (this process's owner) is no look-up on the app."""
     source = Path(delivery.__file__).read_text()
     calls = re.findall(r"runtime\.(\w+)\(", source)
-    assert sorted(calls) == ["events_enabled", "owner_for", "settings_for", "store_for"]
+    assert sorted(calls) == ["owner_for", "runtime_of"]
     init = source[source.index("    def __init__") : source.index("    def __call__")]
-    for name in ("settings_for", "store_for", "events_enabled"):
-        assert f"runtime.{name}(" in init, name
+    assert "runtime.runtime_of(" in init
 
 
 # -- one delivery of each gate, through a real worker -----------------------------------------

@@ -25,13 +25,6 @@ MAX_FUNCTION_LINES = 80
 FOLDERS = ("ledger", "recovery", "worker")
 EXEMPT = ("worker/harness/",)
 
-#: Files that work still in progress is splitting (the delivery table: ``task.py`` and
-#: ``attempt.py``; the runtime work: ``recovery/sweep.py``), skipped until it lands. The lead
-#: empties this set at the merge; a file named here must exist.
-PENDING = {
-    "recovery/sweep.py",
-}
-
 #: How a function that must stay longer says why: a docstring line starting with this, then
 #: the reason.
 STAYS_LONG = "Stays long:"
@@ -70,7 +63,7 @@ def _checked(root: Path) -> list[str]:
         rel
         for folder in FOLDERS
         for path in sorted((root / folder).rglob("*.py"))
-        if not (rel := path.relative_to(root).as_posix()).startswith(EXEMPT) and rel not in PENDING
+        if not (rel := path.relative_to(root).as_posix()).startswith(EXEMPT)
     ]
 
 
@@ -89,10 +82,6 @@ def test_the_check_reads_every_package() -> None:
     assert {rel.split("/")[0] for rel in checked} == set(FOLDERS)
     assert "worker/cli/doctor.py" in checked and "ledger/hotpath.py" in checked
     assert not [rel for rel in checked if rel.startswith("worker/harness/")]
-
-
-def test_every_pending_file_exists() -> None:
-    assert not [rel for rel in sorted(PENDING) if not (REPO / rel).is_file()]
 
 
 def _function(name: str, body_lines: int, docstring: str = "", indent: str = "") -> str:
@@ -140,8 +129,8 @@ def test_a_long_function_that_says_why_is_allowed() -> None:
 
 
 def test_a_planted_big_module_and_function_fail_the_tree_check(tmp_path: Path) -> None:
-    """Planted in a copy of the tree, each fails the check the real tree passes; in the harness
-    or in a pending file, neither does."""
+    """Planted in a copy of the tree, each fails the check the real tree passes; in the
+    harness, neither does."""
     for folder in FOLDERS:
         shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("*.pyc"))
     big = "x = 1\n" * (MAX_MODULE_LINES + 1)
@@ -149,8 +138,6 @@ def test_a_planted_big_module_and_function_fail_the_tree_check(tmp_path: Path) -
     (tmp_path / "ledger" / "planted_big.py").write_text(big)
     (tmp_path / "worker" / "cli" / "planted_long.py").write_text(long)
     (tmp_path / "worker" / "harness" / "planted_harness.py").write_text(big + long)
-    pending = tmp_path / sorted(PENDING)[0]
-    pending.write_text(pending.read_text() + _function("planted_pending", MAX_FUNCTION_LINES))
     found = [line for line in report(tmp_path) if "planted" in line or "/harness/" in line]
     assert found == [
         f"ledger/planted_big.py: {MAX_MODULE_LINES + 1} lines (at most {MAX_MODULE_LINES})",

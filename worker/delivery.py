@@ -151,11 +151,11 @@ class Delivery:
         self.request = task.request
         self.args = args
         self.kwargs = kwargs
-        # The runtime, looked up once for the whole delivery.
-        app = task.app
-        self.settings = runtime.settings_for(app)
-        self.store = runtime.store_for(app)
-        self.events = runtime.events_enabled(app)
+        # The app's runtime, looked up once for the whole delivery.
+        parts = runtime.runtime_of(task.app)
+        self.settings = parts.settings
+        self.store = parts.store
+        self.events = parts.events_enabled()
         self.lease = float(task.lease_seconds or self.settings.lease_seconds)
         self.header_key = header(self.request, wire.KEY)
         self.key = ""
