@@ -78,4 +78,3 @@ def test_on_the_embedded_broker_an_idle_run_ends_with_its_canvas_incomplete(
         assert work.settle_tick(engine) is True
     finally:
         work.db.dispose()
-
