@@ -65,8 +65,9 @@ def request(
     )
 
 
-def wait_lease_expired(store: LedgerStore, key: str, timeout: float = 10.0) -> None:
-    """Poll the database clock until ``key``'s lease is over (bounded)."""
+def wait_lease_expired(store: LedgerStore, key: str, timeout: float = 60.0) -> None:
+    """Poll the database clock until ``key``'s lease is over (bounded). The bound only ends a
+    lease that never runs out; a loaded machine (one query a second) needed more than 10 s."""
     deadline = time.monotonic() + timeout
     while True:
         found = store.peek_status(key)
