@@ -10,11 +10,12 @@ TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 
 from servers import (
-    create_pg_database,
     create_rabbitmq_vhost,
     delete_rabbitmq_vhost,
-    drop_pg_database,
+    drop_pg_pool,
+    give_back_pg_database,
     redis_url,
+    take_pg_database,
 )
 
 
@@ -25,12 +26,12 @@ def sqlite_url(tmp_path: Path) -> str:
 
 @pytest.fixture
 def pg_url() -> Iterator[str]:
-    """A PostgreSQL database of this test's own, dropped afterwards."""
-    name, url = create_pg_database()
+    """A PostgreSQL database of this test's own, emptied afterwards for the next test."""
+    name, url = take_pg_database()
     try:
         yield url
     finally:
-        drop_pg_database(name)
+        give_back_pg_database(name)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -39,11 +40,11 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
         return
-    name, url = create_pg_database()
+    name, url = take_pg_database()
     try:
         yield url
     finally:
-        drop_pg_database(name)
+        give_back_pg_database(name)
 
 
 @pytest.fixture
@@ -87,3 +88,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("rabbitmq-server"))
         elif item.module is not None and item.module.__name__ in HEAVY:
             item.add_marker(pytest.mark.xdist_group("chaos-workloads"))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The databases this process kept for reuse are dropped with it (also in each xdist
+    worker, which may end without running ``atexit``)."""
+    drop_pg_pool()
