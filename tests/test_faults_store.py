@@ -65,10 +65,11 @@ def request(
     )
 
 
-def wait_lease_expired(store: LedgerStore, key: str, timeout: float = 10.0) -> None:
+def wait_lease_expired(store: LedgerStore, key: str, timeout: float = 60.0) -> None:
     """Poll the database clock until ``key``'s lease is over: bounded by the lease the store
     reports at the start plus ``timeout``, since recovery's back-off lengthens a lease with the
-    time an entry has waited, and that time grows with the machine's load."""
+    time an entry has waited, and that time grows with the machine's load. The bound only ends
+    a lease that never runs out."""
     first = store.peek_status(key)
     assert first is not None, f"{key} vanished"
     bound = timeout + max(first[1] or 0.0, 0.0)
