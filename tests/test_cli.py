@@ -551,6 +551,8 @@ def test_doctor_passes_on_the_embedded_default(
     assert set(checks) == {
         "schema",
         "backend",
+        "pooler",
+        "connections",
         "visibility",
         "hold",
         "rabbitmq",

@@ -144,6 +144,9 @@ class LedgerSettings:
     #: the first seals, every one opens (rotation: new key first, old ones after). Empty: the
     #: snapshots are stored as plain JSON. Kept out of ``repr``: a key must not reach a log.
     snapshot_keys: tuple[str, ...] = field(default=(), repr=False)
+    #: The most connections one process keeps to the ledger (ledger/budget.py); unset: a pool
+    #: of 2 plus 4 overflow, and 2 hot-path connections (docs/operations.md § "Deploying").
+    max_connections: int | None = None
 
     @classmethod
     def from_mapping(
@@ -199,6 +202,8 @@ class LedgerSettings:
             raise ValueError("ledger_lease_seconds must be > 0")
         if self.sweep_interval <= 0:
             raise ValueError("ledger_sweep_interval must be > 0")
+        if self.max_connections is not None and self.max_connections < 2:
+            raise ValueError("ledger_max_connections must be >= 2 (one hot-path, one pooled)")
         if self.max_resumes < 0:
             raise ValueError("ledger_max_resumes must be >= 0")
         if self.tombstone_days < 0:
@@ -254,6 +259,7 @@ _INTS = {
     "max_snapshot_bytes",
     "max_exception_bytes",
     "sweep_batch",
+    "max_connections",
 }
 _SETS = {"crash_points", "operator_tokens", "redact"}
 #: Order matters (the first snapshot key seals).
