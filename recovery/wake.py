@@ -146,11 +146,11 @@ def finish_cancelled(
     )
 
 
-#: How long one sweep's prune may go on, batch after batch (design.md § "Retention"). A batch
-#: of ``ledger_sweep_batch`` entries takes tens of milliseconds, so this covers hundreds of
-#: thousands of settled entries per sweep, far more than any worker settles in a sweep interval;
-#: a larger backlog (retention just shortened, a long outage) is left to the next sweeps rather
-#: than holding the pool process that runs the sweep.
+#: How long one sweep's prune may go on, batch after batch (design.md § "Recovery", its
+#: Retention item). Each batch is one transaction of ``ledger_sweep_batch`` entries; 10 s of
+#: them is many times what a worker settles in a sweep interval (the soak: 120 tasks/s x 30 s,
+#: about 3,600 entries, 8 batches), while a larger backlog (retention just shortened, a long
+#: outage) is left to the next sweeps rather than holding the pool process that runs the sweep.
 PRUNE_BUDGET_SECONDS = 10.0
 
 
@@ -168,8 +168,8 @@ def prune(
     (one batch of each at least). Returns how many settled entries were pruned.
 
     Batch after batch, not one: one batch per sweep (500 per 30 s by default) is a ceiling of
-    17 settled tasks a second, and a ledger that settles faster grew without bound (the soak,
-    docs/benchmarks.md § "Soak")."""
+    17 settled tasks a second, and a ledger that settled faster grew without bound
+    (docs/benchmarks.md § "Soak (production deployment, section 3)")."""
     deadline = time.monotonic() + budget_seconds
     older = retention_days * 86400.0
     if tombstone_days <= 0:

@@ -1,4 +1,4 @@
-"""Retention keeps up: one sweep prunes more than one batch (design.md § "Retention").
+"""Retention keeps up: one sweep prunes more than one batch (design.md § "Recovery", Retention).
 
 The soak (``benchmarks/soak.py``) found the ledger growing without bound once tasks settled
 faster than one ``ledger_sweep_batch`` per ``ledger_sweep_interval`` (500 per 30 s by default:
