@@ -18,6 +18,7 @@ fault; it ends the sweep (the next one retries).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
@@ -29,6 +30,7 @@ from celery_ledger.recovery.handoff import ResumeOutcome, expire_passed
 from celery_ledger.recovery.outbox import sweep_outbox
 from celery_ledger.recovery.ports import Publisher, SweepStore, WakeStore
 from celery_ledger.recovery.resume import contained, resend_retry, resume_entry
+from celery_ledger.recovery.wake import PRUNE_BUDGET_SECONDS
 
 __all__ = [
     "SEND_CHUNK",
@@ -141,7 +143,10 @@ def run_sweep(
         store, app, batch=batch, cipher=cipher
     )
     pruned = wake.prune(store, retention_days, tombstone_days, batch=batch)
-    store.prune_outbox(limit=batch)
+    # The outbox rows of the entries just pruned, as many batches as the prune took at most.
+    wake.in_batches(
+        lambda: store.prune_outbox(limit=batch), batch, time.monotonic() + PRUNE_BUDGET_SECONDS
+    )
     report = SweepReport(
         interrupted=len(interrupted),
         found=found,

@@ -12,6 +12,8 @@ the stale-lease sweep resumes it like any interrupted entry.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 from celery_ledger.ledger import (
     EntryStatus,
@@ -144,12 +146,48 @@ def finish_cancelled(
     )
 
 
-def prune(store: WakeStore, retention_days: float, tombstone_days: float, *, batch: int) -> int:
+#: How long one sweep's prune may go on, batch after batch (design.md § "Recovery", its
+#: Retention item). Each batch is one transaction of ``ledger_sweep_batch`` entries; 10 s of
+#: them is many times what a worker settles in a sweep interval (the soak: 120 tasks/s x 30 s,
+#: about 3,600 entries, 8 batches), while a larger backlog (retention just shortened, a long
+#: outage) is left to the next sweeps rather than holding the pool process that runs the sweep.
+PRUNE_BUDGET_SECONDS = 10.0
+
+
+def prune(
+    store: WakeStore,
+    retention_days: float,
+    tombstone_days: float,
+    *,
+    batch: int,
+    budget_seconds: float = PRUNE_BUDGET_SECONDS,
+) -> int:
     """Retention: prune settled entries past ``retention_days``, to tombstones when
-    ``tombstone_days`` > 0, and delete tombstones past ``retention_days + tombstone_days``.
-    Returns how many settled entries were pruned."""
+    ``tombstone_days`` > 0, and delete tombstones past ``retention_days + tombstone_days``,
+    one batch per transaction, until a batch comes back short or ``budget_seconds`` ran out
+    (one batch of each at least). Returns how many settled entries were pruned.
+
+    Batch after batch, not one: one batch per sweep (500 per 30 s by default) is a ceiling of
+    17 settled tasks a second, and a ledger that settled faster grew without bound
+    (docs/benchmarks.md § "Soak (production deployment, section 3)")."""
+    deadline = time.monotonic() + budget_seconds
+    older = retention_days * 86400.0
     if tombstone_days <= 0:
-        return store.prune_settled(retention_days * 86400.0, limit=batch)
-    pruned = store.prune_settled(retention_days * 86400.0, limit=batch, tombstone=PRUNED_FAILURE)
-    store.prune_tombstones((retention_days + tombstone_days) * 86400.0, limit=batch)
+        return in_batches(lambda: store.prune_settled(older, limit=batch), batch, deadline)
+    pruned = in_batches(
+        lambda: store.prune_settled(older, limit=batch, tombstone=PRUNED_FAILURE), batch, deadline
+    )
+    gone = (retention_days + tombstone_days) * 86400.0
+    in_batches(lambda: store.prune_tombstones(gone, limit=batch), batch, deadline)
     return pruned
+
+
+def in_batches(prune_one: Callable[[], int], batch: int, deadline: float) -> int:
+    """Call ``prune_one`` (one transaction, up to ``batch`` rows) until it prunes fewer than a
+    batch or ``deadline`` (``time.monotonic()``) passed; at least once. Returns the total."""
+    total = 0
+    while True:
+        n = prune_one()
+        total += n
+        if n < batch or time.monotonic() >= deadline:
+            return total

@@ -210,3 +210,29 @@ def test_matrix_runs_the_round_trip_floors(redis: str, pg_url: str) -> None:
     assert math.isfinite(values["floor-async-combined / floor-async"]), values
     no_events = "floor-ledger-sql-async-no-events / floor-ledger-sql-async"
     assert math.isfinite(values[no_events]), values
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+@pytest.mark.processes
+def test_soak_samples_the_pool_the_ledger_and_beat(redis: str, pg_url: str) -> None:
+    """``benchmarks/soak.py`` at a tiny size, with a real worker and beat: every figure of its
+    summary is there (memory per pool process, the tables, beat's Redis side, claim p99)."""
+    values = run_table(
+        "soak.py",
+        *("--tasks", "300", "--sample-every", "100", "--retention", "1"),
+        *("--sweep-interval", "1", "--beat-every", "1"),
+        redis=redis,
+    )
+    for kind in ("RSS", "PSS", "USS"):
+        assert any(m.startswith(f"{kind} growth ") for m in values), values
+    for metric in (
+        "beat RSS",
+        "beat Redis subscribed, max",
+        "ledger_entries heap first/max/last",
+        "ledger_entries dead tuples, max",
+        "entries HOT updates",
+        "claim p99, first sample after warm-up",
+        "throughput",
+    ):
+        assert math.isfinite(values[metric]), (metric, values)
