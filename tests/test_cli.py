@@ -550,6 +550,7 @@ def test_doctor_passes_on_the_embedded_default(
     assert set(checks) == {
         "schema",
         "backend",
+        "pooler",
         "visibility",
         "hold",
         "rabbitmq",
@@ -557,6 +558,7 @@ def test_doctor_passes_on_the_embedded_default(
         "chords",
         "beat",
         "backlog",
+        "consumer",
         "reconcilers",
         "secrets",
     }

@@ -23,8 +23,6 @@ from celery_ledger.harness.orchestrate import Phases, Workload, staged
 from celery_ledger.harness.processes import wait_for, wait_ready
 from celery_ledger.harness.verify import KINDS
 
-pytestmark = [pytest.mark.processes]
-
 LEDGERED, PLAIN = KINDS
 HALF = 8
 BOUND = 5.0
@@ -51,6 +49,7 @@ def after_cut(work: Workload) -> set[str]:
     return work.refresh().with_effect("receipt") & set(work.order_ids[HALF:])
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", ["redis", "rabbitmq"])
 def test_a_broker_restart_plain_celery_beside_the_watchdog(kind, pg_url, tmp_path, monkeypatch):
     monkeypatch.setenv("CELERY_LEDGER_PUBLISH_INTENT_SECONDS", "8")

@@ -112,7 +112,7 @@ class ConsumerWatchdog:
         while not self._stop.wait(interval):
             try:
                 self.check()
-            except Exception:  # noqa: BLE001 - the watchdog must never take the worker down
+            except Exception:
                 log.exception("consumer watchdog check failed")
 
     def check(self) -> WatchState:
@@ -249,7 +249,34 @@ def install() -> None:
     signals.task_received.connect(on_task_received, weak=False)
     signals.worker_shutdown.connect(on_worker_shutdown, weak=False)
 
-    @inspect_command(name="ledger_consumer")  # type: ignore[misc]
+    @inspect_command(name="ledger_consumer")
     def ledger_consumer(state: Any) -> dict[str, Any]:
         """The consumer watchdog's last look (celery-ledger doctor, metrics)."""
         return {"watchdog": report()}
+
+
+def doctor_check(settings: Any) -> tuple[str, str, str]:
+    """``doctor``'s ``consumer`` check (name, PASS | WARN, why), from the settings alone:
+    ``doctor`` never opens the broker, so a live stall is the workers' to report (their log,
+    ``celery inspect ledger_consumer``, Flower's ``celery_ledger_consumer_*`` gauges)."""
+    mode, bound = settings.consumer_watchdog, settings.consumer_watchdog_seconds
+    if mode == "off":
+        return (
+            "consumer",
+            "WARN",
+            "ledger_consumer_watchdog=off: a worker that stops consuming after a broker cut "
+            "goes unnoticed beside a queue that holds work",
+        )
+    if mode == "log":
+        return (
+            "consumer",
+            "PASS",
+            f"a worker with messages waiting and none received for {bound:.0f}s is logged "
+            "(ledger_consumer_watchdog=restart also reconnects it)",
+        )
+    return (
+        "consumer",
+        "PASS",
+        f"a worker with messages waiting and none received for {bound:.0f}s reconnects its "
+        "consumer",
+    )

@@ -10,6 +10,7 @@ Without the server program a test skips, and fails under ``CI=true``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -157,10 +158,8 @@ class OwnRabbitMQ:
         """SIGKILL the node's Erlang VM, then its launcher; wait until the port is closed."""
         pid = self._node_pid()
         if pid is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         if self.proc is not None:
             if self.proc.poll() is None:
                 self.proc.kill()
