@@ -2,45 +2,36 @@
 
 Claim (new key), lease renewal, step writes and settle run on the hot path's raw cursors
 (``StoreCore.fast``), one statement each on PostgreSQL; only the claim of an existing key takes
-the slower ``SELECT … FOR UPDATE`` transaction.
+the slower ``SELECT … FOR UPDATE`` transaction (``claim_gates``, the base of ``HotPath``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, String, delete, literal, select, update
+from sqlalchemy import delete, select, update
 
 from celery_ledger.ledger import statements as sql
-from celery_ledger.ledger.admission import (
-    Refusal,
-    earliest_of,
-    expired_failure,
-    refusal,
-    refused_failure,
-)
-from celery_ledger.ledger.core import Note, StoreCore
-from celery_ledger.ledger.crashloop import crash_loop_reason
+from celery_ledger.ledger.admission import Refusal, expired_failure, refusal
+from celery_ledger.ledger.claim_gates import ClaimGates
+from celery_ledger.ledger.core import Note
 from celery_ledger.ledger.dbclock import db_now
-from celery_ledger.ledger.death import last_sign_of_life
 from celery_ledger.ledger.identity import is_declared
 from celery_ledger.ledger.schema import entries, steps
 from celery_ledger.ledger.states import EntryStatus, Gate, StepStatus
-from celery_ledger.ledger.values import (
-    NO_ARGS_HASH,
-    RESUME_OWNER,
-    Claim,
-    ClaimRequest,
-    StepRecord,
-)
+from celery_ledger.ledger.values import RESUME_OWNER, Claim, ClaimRequest, StepRecord
 
 #: Side-effect classes whose claim is the intent of a body without steps (design.md § "Durability
 #: follows effects").
 _CLAIM_IS_INTENT = frozenset({"non_idempotent", "irreversible"})
 
 
-class HotPath(StoreCore):
-    """Claim, renew, write steps, settle: the store methods every ledgered task calls."""
+class HotPath(ClaimGates):
+    """Claim, renew, write steps, settle: the store methods every ledgered task calls.
+
+    The claim of a key that has an entry, decided under its row lock, is ``ClaimGates``
+    (``claim_gates``).
+    """
 
     # -- claim ----------------------------------------------------------------------------
 
@@ -159,193 +150,6 @@ class HotPath(StoreCore):
             Note(event, req.owner.node),
             lazy=lazy,
         )
-
-    def _claim_existing_txn(self, conn: Connection, req: ClaimRequest) -> Claim | None:
-        row = conn.execute(
-            select(
-                entries,
-                (entries.c.lease_until - db_now()).label("remaining"),
-                db_now().label("now"),
-            )
-            .where(entries.c.key == req.key)
-            .with_for_update()
-        ).one_or_none()
-        if row is None:
-            return None
-        found = EntryStatus(row.status)
-
-        def decided(gate: Gate, event: str, detail: str | None = None, **kw: Any) -> Claim:
-            # A gate that leaves the entry as it is: only the event is written.
-            seen = (req.key, req.task_id, row.fence, row.status)
-            self._append_events(conn, Note(event, req.owner.node, detail), [seen])
-            return Claim(gate, req.key, row.fence, found=found, **kw)
-
-        if _conflicts(row.args_hash, req):
-            detail = f"args_hash {req.args_hash} != {row.args_hash}"
-            return decided(Gate.CONFLICT, "conflict", detail)
-        if found.settled:
-            return decided(Gate.RETURN, "returned", result=row.result, error=row.error)
-        if found is EntryStatus.BLOCKED:
-            return decided(Gate.BLOCK, "block-gate", reason=row.reason)
-        if found.waits_for_time:  # design.md § "Durable time": the ledger sends it when due
-            return decided(Gate.HOLD, "held", f"{found.value} until {row.due_at}")
-
-        interruptions = row.interruptions
-        gate = Gate.TAKEOVER
-        if found is EntryStatus.RETRYING:
-            gate = Gate.RUN
-        elif found is EntryStatus.RUNNING:
-            lease_live = row.remaining is not None and row.remaining > 0
-            previous_boot = row.owner == req.owner.node and row.owner_boot != req.owner.boot
-            if row.owner != RESUME_OWNER:
-                if lease_live and not previous_boot:
-                    return decided(Gate.WAIT, "waited", lease_remaining=float(row.remaining))
-                interruptions += 1  # the attempt that held it is gone: count the loss here
-
-        if gate is Gate.TAKEOVER and row.executions == 0:
-            # A publish intent (or its resume) that no attempt ran yet: a first run, with
-            # nothing that could be ambiguous and no crash to count.
-            gate = Gate.RUN
-        elif gate is Gate.TAKEOVER and row.due_at is not None:
-            # The wake of a clean settle: re-run it as the retry it is, never take it over.
-            # ``begin_wake`` keeps the due time the entry was woken for, and only a claim
-            # that hands the entry to an attempt clears it (``sql.claim_takeover``). So a
-            # due time on a running or interrupted entry proves that no attempt has run the
-            # body since one settled it ``scheduled`` (a held ``self.retry``) or ``sleeping``:
-            # an end as clean as a ``retrying`` settle, which left no body to doubt. RUN, as
-            # for ``retrying``: completed steps replay, and a started one is still decided
-            # before the body (``Ambiguity.before_body`` looks at every step it loads).
-            # A lost wake message: the resume marker's lease lapses, the sweep interrupts
-            # the entry (no interruption counted: nothing ran) and resumes it; neither
-            # touches the due time, so the claim of the re-sent message, or of the late
-            # original, still RUNs it. Exactly one claim does, under this row lock; any
-            # other finds the due time cleared and a live lease (WAIT) or a settled entry.
-            # An attempt that claimed the wake and then died cleared it: its takeover
-            # decides a possibly ambiguous body as before.
-            gate = Gate.RUN
-        # The admission gate (``admission``), asked of every delivery that would run: a
-        # retry's, a takeover's, a resume's, a wake's. The deadline only tightens.
-        rel = None if req.deadline_after is None else row.created_at + req.deadline_after
-        deadline = earliest_of(row.deadline_at, req.deadline_at, rel)
-        refused = refusal(row.cancel_requested_at, deadline, row.now)
-        if refused is not None:
-            return self._refuse_in_claim(conn, req, row, refused, deadline)
-        fence = row.fence + 1
-        if gate is Gate.TAKEOVER:
-            reason = crash_loop_reason(interruptions, req.max_interruptions)
-            if reason is not None:
-                self._block_in_claim(conn, req, fence, interruptions, reason)
-                return Claim(Gate.BLOCK, req.key, fence, found=found, reason=reason)
-
-        params = {
-            "k": req.key,
-            "new_fence": fence,
-            "new_task_id": req.task_id,
-            "new_args_hash": req.args_hash,
-            "new_snapshot": req.snapshot if req.snapshot is not None else row.snapshot,
-            "new_owner": req.owner.node,
-            "new_owner_boot": req.owner.boot,
-            "new_owner_pid": req.owner.pid,
-            "lease": req.lease_seconds,
-            "new_interruptions": interruptions,
-            "new_group_id": req.group_id,
-            "new_parent_id": req.parent_id,
-            "new_deadline": deadline,
-        }
-        event = (
-            "claimed" if row.executions == 0 else "takeover" if gate is Gate.TAKEOVER else "rerun"
-        )
-        note = Note(event, req.owner.node, f"from {found.value}")
-        self._write_with_event(conn, sql.claim_takeover(self.dialect), params, note)
-        return Claim(
-            gate,
-            req.key,
-            fence,
-            found=found,
-            steps=self._load_steps(conn, req.key),
-            executions=row.executions,
-            # Read before this claim's own renewal stamp replaced them (``death``).
-            prior_alive_at=last_sign_of_life(row, req.lease_seconds),
-            prior_lease=row.lease_seconds,
-            dead_fence=row.dead_fence,
-            now=row.now,
-        )
-
-    def _refuse_in_claim(
-        self, conn: Connection, req: ClaimRequest, row: Any, why: Refusal, deadline: float | None
-    ) -> Claim:
-        """Settle an entry the admission gate refused (``why``), under the claim's row lock,
-        and RETURN its failure. A step that started and never completed may have executed:
-        the reason says so, for the operator who reads ``show``."""
-        if why is Refusal.CANCELLED:
-            detail = f"cancelled by {row.cancel_by}: {row.cancel_reason}; this delivery did not run"
-        else:
-            detail = "the deadline passed before this delivery ran"
-        error = refused_failure(why, f"{req.task_name}[{req.task_id}] key {req.key}: {detail}")
-        started = conn.execute(
-            select(steps.c.name)
-            .where(steps.c.key == req.key, steps.c.status == StepStatus.STARTED.value)
-            .limit(1)
-        ).scalar_one_or_none()
-        reason = None
-        if started is not None:
-            reason = (
-                f"{detail}; step {started!r} started and never completed: it may have "
-                "executed (see its external reference)"
-            )
-        fence = row.fence + 1
-        upd = (
-            update(entries)
-            .where(entries.c.key == req.key)
-            .values(
-                status=why.value,
-                fence=fence,
-                error=error,
-                reason=reason,
-                lease_until=None,
-                due_at=None,
-                deadline_at=deadline,
-                settled_at=db_now(),
-                updated_at=db_now(),
-            )
-            .returning(
-                entries.c.key,
-                literal(req.task_id, String).label("task_id"),
-                entries.c.fence,
-                entries.c.status,
-            )
-        )
-        note = Note(why.value, req.owner.node, f"refused at the claim: {reason or detail}")
-        self._write_with_event(conn, sql.with_event(self.dialect, upd), {}, note)
-        return Claim(
-            Gate.RETURN, req.key, fence, found=EntryStatus(row.status), error=error, reason=reason
-        )
-
-    def _block_in_claim(
-        self, conn: Connection, req: ClaimRequest, fence: int, interruptions: int, reason: str
-    ) -> None:
-        """Park a crash loop the claim found (under the claim's row lock). The event carries
-        the claiming task id, which the entry keeps as it was."""
-        upd = (
-            update(entries)
-            .where(entries.c.key == req.key)
-            .values(
-                status=EntryStatus.BLOCKED.value,
-                fence=fence,
-                reason=reason,
-                interruptions=interruptions,
-                lease_until=None,
-                updated_at=db_now(),
-            )
-            .returning(
-                entries.c.key,
-                literal(req.task_id, String).label("task_id"),
-                entries.c.fence,
-                entries.c.status,
-            )
-        )
-        note = Note("blocked", req.owner.node, reason)
-        self._write_with_event(conn, sql.with_event(self.dialect, upd), {}, note)
 
     def args_hash_of(self, key: str) -> str | None:
         """The ``args_hash`` the entry of ``key`` was claimed (or published) with; None when
@@ -528,29 +332,6 @@ class HotPath(StoreCore):
         with self._read() as conn:
             return self._load_steps(conn, key)
 
-    def _load_steps(self, conn: Connection, key: str) -> tuple[StepRecord, ...]:
-        rows = conn.execute(
-            select(steps).where(steps.c.key == key).order_by(steps.c.seq, steps.c.occurrence)
-        ).all()
-        return tuple(
-            StepRecord(
-                name=r.name,
-                input_hash=r.input_hash,
-                occurrence=r.occurrence,
-                seq=r.seq,
-                status=StepStatus(r.status),
-                fence=r.fence,
-                output=r.output,
-                external_ref=r.external_ref,
-                error=r.error,
-                attempts=r.attempts,
-                authorized=r.authorized,
-                started_at=r.started_at,
-                completed_at=r.completed_at,
-            )
-            for r in rows
-        )
-
     # -- settle ---------------------------------------------------------------------------
 
     def settle(
@@ -615,14 +396,3 @@ class HotPath(StoreCore):
             lazy=self._lazy(status is EntryStatus.BLOCKED),
         )
         return bool(rows)
-
-
-def _conflicts(stored: str, req: ClaimRequest) -> bool:
-    """Whether a delivery's arguments conflict with the entry's (gate CONFLICT).
-
-    Other arguments under one key are a conflict, except where they may change: the entry
-    holds no hash (``NO_ARGS_HASH``, written before task-id keyed entries were hashed), or
-    the delivery says they may (``ClaimRequest.args_may_change``: a retry of an entry keyed
-    by its task id). The claim then stores the new hash with the fence it takes.
-    """
-    return stored != req.args_hash and stored != NO_ARGS_HASH and not req.args_may_change

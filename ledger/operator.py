@@ -247,72 +247,70 @@ class OperatorQueries(StoreCore):
             ).one_or_none()
             if row is None:
                 raise EntryNotFound(f"no ledger entry with key {key}")
-            found = EntryStatus(row.status)
-            if row.tombstone_at is not None:
-                raise ReleaseRefused(f"{key} is {TOMBSTONE_NOT_RELEASABLE}")
-            if found is EntryStatus.COMPLETED:
-                raise ReleaseRefused(f"{key} is completed; there is nothing to release")
-            if found is EntryStatus.RUNNING and row.remaining is not None and row.remaining > 0:
-                raise ReleaseRefused(
-                    f"{key} is running with a live lease ({row.remaining:.0f}s left, owner "
-                    f"{row.owner}); wait for it to expire or for the sweep to interrupt it"
-                )
-            if found not in RELEASABLE:  # pragma: no cover - every other status is listed
-                raise ReleaseRefused(f"{key} is {found.value}")
-            if row.released_executions is not None and row.executions == row.released_executions:
-                # One-shot: no attempt has run the body since the release (executions counts
-                # the attempts that did; the fence also moves for a resume whose message never
-                # ran, or a sweep). A second verdict (two operators, a retried command) must
-                # not authorize a second re-run or overwrite the first operator's stamp.
-                raise ReleaseRefused(
-                    f"{key} was released already by {row.released_by} "
-                    f"({row.released_reason!r}) and has not run since; release is one-shot"
-                )
+            _refuse_release(key, row)
             if require_death_signal and verified is Verdict.NOT_EXECUTED:
                 death_gate(conn, row)
-            fence = row.fence + 1
-            now = db_now()
-            released: tuple[str, ...] = ()
-            if verified is Verdict.COMPLETED:
-                to_status = EntryStatus.COMPLETED
-                conn.execute(
-                    update(steps)
-                    .where(
-                        steps.c.key == key,
-                        steps.c.status == StepStatus.STARTED.value,
-                    )
-                    .values(status=StepStatus.COMPLETED.value, completed_at=now, fence=fence)
-                )
-            else:
-                to_status = EntryStatus.INTERRUPTED
-                released = self._release_ambiguous_steps(conn, key, fence)
-            upd = (
-                update(entries)
-                .where(entries.c.key == key)
-                .values(
-                    status=to_status.value,
-                    fence=fence,
-                    lease_until=None,
-                    updated_at=now,
-                    result=result if to_status is EntryStatus.COMPLETED else row.result,
-                    error=None,
-                    reason=None,
-                    settled_at=now if to_status is EntryStatus.COMPLETED else None,
-                    interruptions=0,
-                    released_by=by,
-                    released_reason=reason,
-                    released_at=now,
-                    released_from=found.value,
-                    released_executions=row.executions,
-                    due_at=None,
-                )
-                .returning(*sql.RETURNED)
+            return self._apply_release(
+                conn, key, row, verified, by=by, reason=reason, result=result
             )
-            detail = f"verified {verified.value} from {found.value}: {reason}" + (
-                f" (steps: {', '.join(released)})" if released else ""
+
+    def _apply_release(
+        self,
+        conn: Any,
+        key: str,
+        row: Any,
+        verified: Verdict,
+        *,
+        by: str,
+        reason: str,
+        result: str | None,
+    ) -> Release:
+        """Write a release that ``_refuse_release`` let through, under the entry's row lock
+        (the caller's transaction): the steps, then the entry at fence + 1 with its event."""
+        found = EntryStatus(row.status)
+        fence = row.fence + 1
+        now = db_now()
+        released: tuple[str, ...] = ()
+        if verified is Verdict.COMPLETED:
+            to_status = EntryStatus.COMPLETED
+            conn.execute(
+                update(steps)
+                .where(
+                    steps.c.key == key,
+                    steps.c.status == StepStatus.STARTED.value,
+                )
+                .values(status=StepStatus.COMPLETED.value, completed_at=now, fence=fence)
             )
-            note = Note("released", by, detail)
-            self._write_with_event(conn, sql.with_event(self.dialect, upd), {}, note)
+        else:
+            to_status = EntryStatus.INTERRUPTED
+            released = self._release_ambiguous_steps(conn, key, fence)
+        upd = (
+            update(entries)
+            .where(entries.c.key == key)
+            .values(
+                status=to_status.value,
+                fence=fence,
+                lease_until=None,
+                updated_at=now,
+                result=result if to_status is EntryStatus.COMPLETED else row.result,
+                error=None,
+                reason=None,
+                settled_at=now if to_status is EntryStatus.COMPLETED else None,
+                interruptions=0,
+                released_by=by,
+                released_reason=reason,
+                released_at=now,
+                released_from=found.value,
+                released_executions=row.executions,
+                due_at=None,
+            )
+            .returning(*sql.RETURNED)
+        )
+        detail = f"verified {verified.value} from {found.value}: {reason}" + (
+            f" (steps: {', '.join(released)})" if released else ""
+        )
+        note = Note("released", by, detail)
+        self._write_with_event(conn, sql.with_event(self.dialect, upd), {}, note)
         return Release(
             key,
             verified,
@@ -478,4 +476,34 @@ class OperatorQueries(StoreCore):
             unclaimed=int(running[2]),
             oldest_unclaimed_age=float(running[3]),
             unclaimed_lapses=int(running[4]) // 2,
+        )
+
+
+def _refuse_release(key: str, row: Any) -> None:
+    """Refuse a release of the entry ``row`` (read under its row lock) that must not happen.
+
+    Raises:
+        ReleaseRefused: a tombstone, a completed entry, a live lease, or released already and
+            not run since (one-shot).
+    """
+    found = EntryStatus(row.status)
+    if row.tombstone_at is not None:
+        raise ReleaseRefused(f"{key} is {TOMBSTONE_NOT_RELEASABLE}")
+    if found is EntryStatus.COMPLETED:
+        raise ReleaseRefused(f"{key} is completed; there is nothing to release")
+    if found is EntryStatus.RUNNING and row.remaining is not None and row.remaining > 0:
+        raise ReleaseRefused(
+            f"{key} is running with a live lease ({row.remaining:.0f}s left, owner "
+            f"{row.owner}); wait for it to expire or for the sweep to interrupt it"
+        )
+    if found not in RELEASABLE:  # pragma: no cover - every other status is listed
+        raise ReleaseRefused(f"{key} is {found.value}")
+    if row.released_executions is not None and row.executions == row.released_executions:
+        # One-shot: no attempt has run the body since the release (executions counts
+        # the attempts that did; the fence also moves for a resume whose message never
+        # ran, or a sweep). A second verdict (two operators, a retried command) must
+        # not authorize a second re-run or overwrite the first operator's stamp.
+        raise ReleaseRefused(
+            f"{key} was released already by {row.released_by} "
+            f"({row.released_reason!r}) and has not run since; release is one-shot"
         )

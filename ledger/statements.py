@@ -164,7 +164,7 @@ def claim_takeover(dialect: Dialect) -> Any:
             interruptions=B("new_interruptions", Integer),
             updated_at=now,
             # A claimed retry waits for no time any more; a claimed wake no longer marks a
-            # clean settle that nothing ran since (``HotPath._claim_existing_txn``).
+            # clean settle that nothing ran since (``claim_gates._run_gate``).
             due_at=None,
             # Tightened under the claim's row lock (``admission.earliest_of``): never later.
             deadline_at=B("new_deadline", Float),

@@ -14,6 +14,7 @@ returns.
 
 from __future__ import annotations
 
+from celery_ledger.ledger.cancellation import CancellationQueries
 from celery_ledger.ledger.death import DeathSignals
 from celery_ledger.ledger.hotpath import HotPath
 from celery_ledger.ledger.links import LinkQueries
@@ -30,6 +31,7 @@ class LedgerStore(
     OperatorQueries,
     DeathSignals,
     ScheduleQueries,
+    CancellationQueries,
     TransactionSteps,
     OutboxQueries,
     LinkQueries,
@@ -41,12 +43,16 @@ class LedgerStore(
         StoreCore (core.py)          engine per process, fork safety, transactions, the hot
         │                            path's cursors, the event writer, error translation
         ├── HotPath (hotpath.py)     claim, renew_lease, write_step, settle, ...
+        │   └── ClaimGates           its base: the claim of a key that has an entry,
+        │       (claim_gates.py)     every gate decided under the entry's row lock
         ├── SweepQueries (sweeps.py) interrupt_*, begin_resume, block, prune_settled, ...
         ├── OperatorQueries          get_entry, list_entries, release, stats, ...
         │   (operator.py)
         ├── DeathSignals (death.py)  mark_dead, record_seen_alive (the release gate)
-        ├── ScheduleQueries          schedule, list_due, begin_wake, request_cancel, ...
+        ├── ScheduleQueries          schedule, list_due, begin_wake, prune_tombstones, ...
         │   (schedule.py)            durable time (design.md § "Durable time")
+        ├── CancellationQueries      request_cancel, finish_cancelled, set_deadline,
+        │   (cancellation.py)        expire_passed: the admission gate outside a claim
         ├── TransactionSteps         a step's completed row in a transaction: transaction
         │   (transactions.py)        steps, and a step's children (complete_step)
         ├── OutboxQueries            the children steps recorded: unpublished,

@@ -33,6 +33,7 @@ from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.core import Note, StoreCore
 from celery_ledger.ledger.crashloop import CrashLoop, crash_loop_reason
 from celery_ledger.ledger.dbclock import db_now, db_now_stable
+from celery_ledger.ledger.schedule import tombstone_values
 from celery_ledger.ledger.schema import entries, events, steps
 from celery_ledger.ledger.states import EntryStatus, StepStatus
 from celery_ledger.ledger.values import RESUME_OWNER, Interrupted, Overdue, Resuming
@@ -284,22 +285,9 @@ class SweepQueries(StoreCore):
         """
         if not picks:
             return {}
-        if self.is_sqlite:
-            wanted: Any = tuple_(entries.c.key, entries.c.fence).in_(list(picks))
-        else:
-            # Two array parameters, not two thousand scalars (unnest pairs them up).
-            pairs = (
-                func.unnest(
-                    bindparam("w_keys", [k for k, _ in picks], type_=ARRAY(String)),
-                    bindparam("w_fences", [f for _, f in picks], type_=ARRAY(Integer)),
-                )
-                .table_valued("key", "fence")
-                .render_derived()
-            )
-            wanted = tuple_(entries.c.key, entries.c.fence).in_(select(pairs.c.key, pairs.c.fence))
         picked = (
             select(entries.c.key, entries.c.fence.label("picked_fence"))
-            .where(wanted, entries.c.status == _INTERRUPTED)
+            .where(self._at_fences(picks), entries.c.status == _INTERRUPTED)
             .order_by(entries.c.key)
             .with_for_update(skip_locked=True)
             .cte("picked")
@@ -344,6 +332,21 @@ class SweepQueries(StoreCore):
             stmt = sql.with_event(self.dialect, upd)
             rows = self._write_with_event(conn, stmt, {}, Note(event, actor, detail))
         return {row.key: Resuming.from_row(row) for row in rows}
+
+    def _at_fences(self, picks: Sequence[tuple[str, int]]) -> Any:
+        """The predicate ``(key, fence) IN picks``, as one parameter per column on PostgreSQL."""
+        if self.is_sqlite:
+            return tuple_(entries.c.key, entries.c.fence).in_(list(picks))
+        # Two array parameters, not two thousand scalars (unnest pairs them up).
+        pairs = (
+            func.unnest(
+                bindparam("w_keys", [k for k, _ in picks], type_=ARRAY(String)),
+                bindparam("w_fences", [f for _, f in picks], type_=ARRAY(Integer)),
+            )
+            .table_valued("key", "fence")
+            .render_derived()
+        )
+        return tuple_(entries.c.key, entries.c.fence).in_(select(pairs.c.key, pairs.c.fence))
 
     def list_overdue_retries(self, *, limit: int = 500) -> list[Overdue]:
         """``retrying`` entries whose due time passed on the database clock, with an argument
@@ -501,8 +504,6 @@ class SweepQueries(StoreCore):
             if tombstone is None:
                 conn.execute(delete(entries).where(picked_rows))
             else:
-                from celery_ledger.ledger.schedule import tombstone_values
-
                 conn.execute(
                     update(entries).where(picked_rows).values(**tombstone_values(tombstone))
                 )

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+
+from celery_ledger.recovery.ports import Publisher
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def backoff_lease(lease_seconds: float, waited: float) -> float:
 class QueueDepths:
     """The broker's count of waiting messages per queue, asked once per queue per sweep."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Publisher) -> None:
         self.app = app
         self._seen: dict[str, int | None] = {}
 
@@ -65,7 +66,7 @@ class QueueDepths:
         return self._seen[name]
 
 
-def _ask(app: Any, queue: str) -> int | None:
+def _ask(app: Publisher, queue: str) -> int | None:
     try:
         with app.connection_for_write() as conn:
             # passive: never create the queue; a missing one raises (RabbitMQ closes the

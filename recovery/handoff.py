@@ -19,11 +19,11 @@ from kombu.utils.json import loads
 from celery_ledger.ledger import (
     ArgumentSnapshot,
     EntryStatus,
-    LedgerStore,
     SnapshotCipher,
     open_snapshot,
 )
 from celery_ledger.ledger.admission import expired_failure
+from celery_ledger.recovery.ports import ResumeQueries, TimeQueries
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def read_snapshot(text: str, cipher: SnapshotCipher | None = None) -> ArgumentSn
 
 
 def park_unreadable(
-    store: LedgerStore,
+    store: ResumeQueries,
     key: str,
     task_id: str,
     fence: int,
@@ -92,7 +92,7 @@ def park_unreadable(
     return ResumeOutcome.BLOCKED
 
 
-def expire_passed(store: LedgerStore, keys: Sequence[str], *, actor: str) -> set[str]:
+def expire_passed(store: TimeQueries, keys: Sequence[str], *, actor: str) -> set[str]:
     """Settle ``expired`` those of ``keys`` (about to be sent again) whose deadline passed and
     that no live attempt holds (``LedgerStore.expire_passed``); returns their keys."""
     done = store.expire_passed(

@@ -34,7 +34,6 @@ from kombu.exceptions import OperationalError
 from kombu.utils.json import loads
 
 from celery_ledger.ledger import (
-    LedgerStore,
     LedgerUnavailable,
     OutboxMessage,
     SnapshotCipher,
@@ -43,6 +42,7 @@ from celery_ledger.ledger import (
 )
 from celery_ledger.ledger.envelope import OPTIONS, Envelope
 from celery_ledger.recovery import resend
+from celery_ledger.recovery.ports import OutboxPublishing, Publisher
 from celery_ledger.recovery.publish import confirmed
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class Published:
 
 
 def send_child(
-    app: Any,
+    app: Publisher,
     message: OutboxMessage,
     *,
     connection: Any = None,
@@ -112,7 +112,7 @@ def send_child(
         ) from exc
 
 
-def broker_failure(app: Any, exc: BaseException) -> bool:
+def broker_failure(app: Publisher, exc: BaseException) -> bool:
     """Whether a failed publish is the broker's (down, unreachable, refusing), so that every
     later publish would fail too, rather than the message's own."""
     # A nack (AMQP confirms) is the broker refusing publishes (a full queue that rejects
@@ -131,8 +131,8 @@ def broker_failure(app: Any, exc: BaseException) -> bool:
 
 
 def publish(
-    store: LedgerStore,
-    app: Any,
+    store: OutboxPublishing,
+    app: Publisher,
     messages: Sequence[OutboxMessage],
     *,
     after_send: Callable[[], None] | None = None,
@@ -198,8 +198,8 @@ def publish(
 
 
 def sweep_outbox(
-    store: LedgerStore,
-    app: Any,
+    store: OutboxPublishing,
+    app: Publisher,
     *,
     batch: int = 500,
     grace_seconds: float = 5.0,

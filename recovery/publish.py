@@ -13,7 +13,10 @@ answer:
   the broker took it (``LPUSH``, a file written), so the app's own connection is used.
 
 One confirming connection per app and process, made on first use, never inherited across fork
-(a socket shared by two processes corrupts both) and replaced after a failure.
+(a socket shared by two processes corrupts both) and replaced after a failure. It is kept here,
+keyed by the app (``Confirming``), never set on the app: the worker's one attribute on an app
+is its ``LedgerRuntime`` (design.md § "Layout and the one import name"), which recovery cannot
+import, and which reports this state as its ``publisher``.
 """
 
 from __future__ import annotations
@@ -21,13 +24,56 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
+
+from celery_ledger.recovery.ports import Publisher
 
 _lock = threading.Lock()
 
 
-def confirms_needed(app: Any) -> bool:
+@dataclass
+class Confirming:
+    """The confirmed-publish state of one app: whether its broker needs confirms (asked once,
+    the same in every process), and this process's confirming connection."""
+
+    #: Whether publishes on the app's broker are fire-and-forget unless confirmed (AMQP);
+    #: None until first asked.
+    needed: bool | None = None
+    #: (pid, connection, the lock its publishes hold): made in the process that uses it, so a
+    #: forked pool process, seeing another pid, makes its own (and a lock no thread holds).
+    connection: tuple[int, Any, threading.Lock] | None = None
+
+    def open_here(self) -> bool:
+        """Whether this process holds a confirming connection."""
+        return self.connection is not None and self.connection[0] == os.getpid()
+
+
+#: App -> its ``Confirming``; an app that is garbage-collected drops its entry.
+_confirming: weakref.WeakKeyDictionary[Any, Confirming] = weakref.WeakKeyDictionary()
+#: id -> (app, its ``Confirming``) for a stand-in that cannot be weakly referenced (kept
+#: alive, so that its id is never reused).
+_pinned: dict[int, tuple[Any, Confirming]] = {}
+
+
+def confirming(app: Publisher) -> Confirming:
+    """``app``'s confirmed-publish state (made on first use). Celery's ``current_app`` proxy
+    stands for the app it proxies."""
+    unwrap = getattr(app, "_get_current_object", None)
+    target: Any = unwrap() if callable(unwrap) else app
+    with _lock:
+        try:
+            state = _confirming.get(target)
+            if state is None:
+                state = _confirming[target] = Confirming()
+        except TypeError:  # no weak reference to it (a stand-in)
+            state = _pinned.setdefault(id(target), (target, Confirming()))[1]
+        return state
+
+
+def confirms_needed(app: Publisher) -> bool:
     """Whether publishes on ``app``'s broker are fire-and-forget unless confirmed (AMQP)."""
     try:
         conn = app.connection_for_write()
@@ -40,7 +86,7 @@ def confirms_needed(app: Any) -> bool:
 
 
 @contextlib.contextmanager
-def confirmed(app: Any) -> Iterator[Any]:
+def confirmed(app: Publisher) -> Iterator[Any]:
     """A connection whose publishes the broker confirms (None: the app's own will do).
 
     Pass it on as ``send_task(..., connection=conn)`` / ``apply_async(connection=conn)``. A
@@ -59,37 +105,37 @@ def confirmed(app: Any) -> Iterator[Any]:
             raise
 
 
-def _needs_confirms(app: Any) -> bool:
-    cached = getattr(app, "_ledger_confirms_needed", None)
-    if cached is None:
-        cached = confirms_needed(app)
-        app._ledger_confirms_needed = cached
-    return bool(cached)
+def _needs_confirms(app: Publisher) -> bool:
+    state = confirming(app)
+    if state.needed is None:
+        state.needed = confirms_needed(app)
+    return state.needed
 
 
-def _connection(app: Any) -> tuple[Any, threading.Lock]:
+def _connection(app: Publisher) -> tuple[Any, threading.Lock]:
+    state = confirming(app)
     with _lock:
-        cached = getattr(app, "_ledger_confirmed", None)
+        cached = state.connection
         if cached is None or cached[0] != os.getpid():
             options = dict(app.conf.broker_transport_options or {}, confirm_publish=True)
             conn = app.connection_for_write(transport_options=options)
-            cached = (os.getpid(), conn, threading.Lock())
-            app._ledger_confirmed = cached
+            cached = state.connection = (os.getpid(), conn, threading.Lock())
         return cached[1], cached[2]
 
 
-def _drop(app: Any, conn: Any) -> None:
+def _drop(app: Publisher, conn: Any) -> None:
+    state = confirming(app)
     with _lock:
-        cached = getattr(app, "_ledger_confirmed", None)
+        cached = state.connection
         if cached is not None and cached[1] is conn:
-            app._ledger_confirmed = None
+            state.connection = None
     with contextlib.suppress(Exception):
         conn.close()
 
 
-def close(app: Any) -> None:
+def close(app: Publisher) -> None:
     """Close ``app``'s confirming connection in this process, if it has one."""
-    cached = getattr(app, "_ledger_confirmed", None)
+    cached = confirming(app).connection
     if cached is not None and cached[0] == os.getpid():
         _drop(app, cached[1])
 
@@ -115,7 +161,7 @@ class Batch:
     #: flushes itself, so that each flush is the caller's and its failure is reported.
     MAX_BUFFERED = 100_000
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Publisher) -> None:
         self.app = app
         self._stack: contextlib.ExitStack | None = None
         self._producer: Any = None

@@ -9,8 +9,8 @@ the one the producer meant:
 
 | path | caller | what it sends |
 |---|---|---|
-| resume (sweep, boot sweep) | ``sweep.resume_entry``, ``resume_batch`` | envelope, deadline |
-| overdue retry | ``sweep.resend_retry`` | the retry's envelope, deadline |
+| resume (sweep, boot sweep) | ``resume_entry``, ``resume_batch`` | envelope, deadline |
+| overdue retry | ``resume.resend_retry`` | the retry's envelope, deadline |
 | wake (held countdown, sleep) | ``wake.wake_entry`` | envelope, deadline |
 
 | outbox child (``self.send``) | ``outbox.send_child`` | the child's envelope; see below |
@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from celery_ledger.ledger import Envelope, wire
+from celery_ledger.recovery.ports import Publisher
 from celery_ledger.recovery.publish import Batch
 
 
@@ -90,7 +91,7 @@ def send_on(
 
 
 def send(
-    app: Any,
+    app: Publisher,
     name: str,
     task_id: str,
     envelope: Envelope,

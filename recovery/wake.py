@@ -12,11 +12,9 @@ the stale-lease sweep resumes it like any interrupted entry.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from celery_ledger.ledger import (
     EntryStatus,
-    LedgerStore,
     LedgerUnavailable,
     SnapshotCipher,
     SnapshotSealError,
@@ -29,14 +27,15 @@ from celery_ledger.recovery.handoff import (
     park_unreadable,
     read_snapshot,
 )
+from celery_ledger.recovery.ports import Publisher, TimeQueries, WakeStore
 from celery_ledger.recovery.resend import send
 
 log = logging.getLogger(__name__)
 
 
 def wake_entry(
-    store: LedgerStore,
-    app: Any,
+    store: WakeStore,
+    app: Publisher,
     key: str,
     fence: int,
     status: EntryStatus,
@@ -58,7 +57,7 @@ def wake_entry(
     try:
         snapshot = read_snapshot(snapshot_text, cipher)
     except SnapshotSealError as exc:
-        # This process lacks the key (as ``_snapshot_at``): a process with it wakes the entry.
+        # This process lacks the key (``resume.log_not_here``): a process with it wakes it.
         log.error("cannot wake key=%s fence=%s here: %s", key, fence, exc)
         return ResumeOutcome.LOST_RACE
     except UnreadableSnapshot as exc:
@@ -87,8 +86,8 @@ def wake_entry(
 
 
 def wake_due(
-    store: LedgerStore,
-    app: Any,
+    store: WakeStore,
+    app: Publisher,
     *,
     lease_seconds: float,
     batch: int,
@@ -133,7 +132,9 @@ def wake_due(
     return len(due), woken, errors, len(expired)
 
 
-def finish_cancelled(store: LedgerStore, app: Any, *, batch: int, actor: str = "sweep") -> int:
+def finish_cancelled(
+    store: TimeQueries, app: Publisher, *, batch: int, actor: str = "sweep"
+) -> int:
     """Settle ``cancelled`` the entries with a pending cancellation that no live attempt will
     settle (interrupted, asleep, running past its lease); one whose lost attempt left an effect
     step ``started`` is parked ``blocked`` instead (``LedgerStore.finish_cancelled``). Returns
@@ -143,7 +144,7 @@ def finish_cancelled(store: LedgerStore, app: Any, *, batch: int, actor: str = "
     )
 
 
-def prune(store: LedgerStore, retention_days: float, tombstone_days: float, *, batch: int) -> int:
+def prune(store: WakeStore, retention_days: float, tombstone_days: float, *, batch: int) -> int:
     """Retention: prune settled entries past ``retention_days``, to tombstones when
     ``tombstone_days`` > 0, and delete tombstones past ``retention_days + tombstone_days``.
     Returns how many settled entries were pruned."""

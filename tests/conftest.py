@@ -10,11 +10,12 @@ TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 
 from servers import (
-    create_pg_database,
     create_rabbitmq_vhost,
     delete_rabbitmq_vhost,
-    drop_pg_database,
+    drop_pg_pool,
+    give_back_pg_database,
     redis_url,
+    take_pg_database,
 )
 
 
@@ -25,12 +26,12 @@ def sqlite_url(tmp_path: Path) -> str:
 
 @pytest.fixture
 def pg_url() -> Iterator[str]:
-    """A PostgreSQL database of this test's own, dropped afterwards."""
-    name, url = create_pg_database()
+    """A PostgreSQL database of this test's own, emptied afterwards for the next test."""
+    name, url = take_pg_database()
     try:
         yield url
     finally:
-        drop_pg_database(name)
+        give_back_pg_database(name)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -39,11 +40,11 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
         return
-    name, url = create_pg_database()
+    name, url = take_pg_database()
     try:
         yield url
     finally:
-        drop_pg_database(name)
+        give_back_pg_database(name)
 
 
 @pytest.fixture
@@ -77,13 +78,50 @@ def rabbitmq() -> Iterator[str]:
 HEAVY = {"test_verify", "test_demo", "test_benchmarks", "test_broker_faults"}
 
 
+#: The longest tests outside those groups (``--durations``), by module and name (any
+#: parameters): they start first, so that the run does not end waiting for one of them
+#: started last. Only their order changes.
+LONG_FIRST = (
+    "test_protocol_model.py::test_protocol_model",
+    "test_fuzz_messages.py::test_two_hundred_malformed_messages",
+    "test_canvas.py::test_chord_members_killed",
+    "test_outbox_hostile.py::test_a_child_the_broker_refuses_never_holds_back_the_others",
+    "test_ledger_crash.py::test_three_ledger_crashes",
+    "test_cli.py::test_full_story_blocked_found_shown_released_runs_once",
+    "test_delivery.py::test_same_task_id_redelivered_by_redis_runs_body_once",
+    "test_canvas.py::test_link_error_under_redelivery_is_published_once",
+    "test_seams.py::test_a_reconcilers_not_executed_waits_out_a_paused_attempt",
+    "test_time.py::test_cancel_stops_a_running_task_at_its_next_step",
+    "test_seams.py::test_a_backlog_does_not_multiply_itself",
+    "test_sealing.py::test_a_sealed_snapshot_is_resumed_by_a_process_with_the_key",
+    "test_death_signal.py::test_a_sigstopped_zombie_blocks_mark_dead",
+    "test_harness_intents.py::",
+    "test_recovery.py::test_paused_worker_is_fenced_out_after_takeover",
+    "test_flower.py::test_flower_task_list_tells_what_the_ledger_did",
+)
+
+
+def _rank(item: pytest.Item) -> int:
+    """The item's place in ``LONG_FIRST`` (the longest first); after them, every other."""
+    path = item.nodeid.rpartition("/")[2]
+    return next((i for i, p in enumerate(LONG_FIRST) if path.startswith(p)), len(LONG_FIRST))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for ``--dist loadgroup``: every test on RabbitMQ runs in one xdist worker, one at a
     time (some restart the shared server's app or shorten its ``consumer_timeout`` for a moment,
     which would cut the connections of any other RabbitMQ test beside them); the chaos
-    workloads share another."""
+    workloads share another. xdist hands out the groups first (the most tests first), then
+    single tests in this order: the long ones (``LONG_FIRST``) are moved to the front."""
+    items.sort(key=_rank)  # stable: the rest keep their order
     for item in items:
         if "rabbitmq" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("rabbitmq-server"))
         elif item.module is not None and item.module.__name__ in HEAVY:
             item.add_marker(pytest.mark.xdist_group("chaos-workloads"))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The databases this process kept for reuse are dropped with it (also in each xdist
+    worker, which may end without running ``atexit``)."""
+    drop_pg_pool()

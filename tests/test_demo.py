@@ -89,8 +89,9 @@ def test_demo_on_the_embedded_default_loses_and_duplicates_nothing():
     assert report["broker"] == "filesystem://"
     assert report["ledger"].startswith("sqlite:///")
     assert not report["kept"] and not Path(report["data_dir"]).exists()
-    assert report["seconds"] < 120, report["seconds"]  # a minute on an idle 2-core machine
-    assert time.monotonic() - started < 150
+    # About a minute on an idle 2-core machine: printed, not asserted (a loaded machine is
+    # slower; ``demo``'s own timeout, 150 s, bounds a run that hangs).
+    print(f"demo: {report['seconds']}s in the report, {time.monotonic() - started:.0f}s in all")
     # Progress went to stderr, one line per phase, so stdout is only the JSON.
     for phase in ("enqueue", "crash", "recover", "verify"):
         assert phase in proc.stderr

@@ -65,16 +65,22 @@ def request(
     )
 
 
-def wait_lease_expired(store: LedgerStore, key: str, timeout: float = 10.0) -> None:
-    """Poll the database clock until ``key``'s lease is over (bounded)."""
-    deadline = time.monotonic() + timeout
+def wait_lease_expired(store: LedgerStore, key: str, timeout: float = 60.0) -> None:
+    """Poll the database clock until ``key``'s lease is over: bounded by the lease the store
+    reports at the start plus ``timeout``, since recovery's back-off lengthens a lease with the
+    time an entry has waited, and that time grows with the machine's load. The bound only ends
+    a lease that never runs out."""
+    first = store.peek_status(key)
+    assert first is not None, f"{key} vanished"
+    bound = timeout + max(first[1] or 0.0, 0.0)
+    deadline = time.monotonic() + bound
     while True:
         found = store.peek_status(key)
         assert found is not None, f"{key} vanished"
         left = found[1]
         if left is None or left < 0:
             return
-        assert time.monotonic() < deadline, f"lease of {key} did not expire in {timeout}s"
+        assert time.monotonic() < deadline, f"lease of {key} did not expire in {bound:.1f}s"
         time.sleep(min(max(left, 0.01), 0.1))
 
 

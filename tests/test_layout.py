@@ -1,4 +1,5 @@
-"""One import name: celery-ledger installs ``celery_ledger`` and nothing else (issue 13).
+"""One import name: celery-ledger installs ``celery_ledger`` and nothing else (docs/design.md
+§ "Layout and the one import name").
 
 A library must never break the project it is installed into. Celery imports every
 ``celery.commands`` entry point into every ``celery`` command line, so a top-level ``worker``
@@ -410,3 +411,59 @@ def test_a_planted_edge_back_along_a_real_import_is_a_cycle_the_check_reports(
     report = _cycle_in(package, _import_graph(root))
     assert report is not None
     assert a in report and b in report, report
+
+
+# -- one runtime per app ------------------------------------------------------------------------
+
+#: The one module that keeps the ledger's state on a Celery app (``runtime_of``).
+RUNTIME_MODULE = "worker/runtime.py"
+
+
+def _ledger_attributes_touched(root: Path = REPO) -> list[str]:
+    """``file:line name`` for each place outside ``worker/runtime.py`` that names a ``_ledger_*``
+    attribute: an assignment to ``x._ledger_*`` (or a ``del``), or a ``_ledger_*`` string (the
+    ``getattr``/``setattr``/``vars(app)`` spelling). Read with ``ast`` from every package."""
+    found: list[str] = []
+    for folder in ROOTS:
+        for path in sorted((root / folder).rglob("*.py")):
+            where = str(path.relative_to(root))
+            if where == RUNTIME_MODULE or "migrations" in path.parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                    name = node.attr
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    name = node.value
+                else:
+                    continue
+                if name.startswith("_ledger_"):
+                    found.append(f"{where}:{node.lineno} {name}")
+    return found
+
+
+def test_no_module_but_the_runtime_keeps_ledger_state_on_an_app() -> None:
+    assert _ledger_attributes_touched() == []
+    # The runtime's own attribute is the one it names.
+    names = {
+        node.value
+        for node in ast.walk(ast.parse((REPO / RUNTIME_MODULE).read_text()))
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and node.value.startswith("_ledger_")
+    }
+    assert names == {"_ledger_runtime"}
+
+
+@pytest.mark.parametrize(
+    ("folder", "line"),
+    [
+        ("worker", "def f(app):\n    app._ledger_store = None\n"),
+        ("recovery", "def f(app):\n    setattr(app, '_ledger_confirmed', None)\n"),
+        ("worker/flower", "def f(app):\n    return getattr(app, '_ledger_settings', None)\n"),
+    ],
+)
+def test_a_planted_ledger_attribute_is_reported(tmp_path: Path, folder: str, line: str) -> None:
+    root = _copy_of_the_tree(tmp_path)
+    (root / folder / "planted.py").write_text(line)
+    found = _ledger_attributes_touched(root)
+    assert len(found) == 1 and found[0].startswith(f"{folder}/planted.py:2 _ledger_"), found

@@ -18,7 +18,7 @@ from celery import Celery
 from kombu.utils.json import dumps, loads
 from sqlalchemy import text
 
-from celery_ledger import LedgerTask, Reconciled, runtime
+from celery_ledger import LedgerTask, Reconciled, runtime, timing
 from celery_ledger.backoff import retry_while_unavailable
 from celery_ledger.codec import arguments_hash, encode_snapshot
 from celery_ledger.ledger import (
@@ -205,7 +205,7 @@ def test_snapshot_too_large_for_the_ledger_is_reported_with_its_setting(
         return len(blob)
 
     blob = "x" * (16 * 1024 * 1024 + 1)  # over the default ledger_max_snapshot_bytes
-    with caplog.at_level(logging.WARNING, logger="celery_ledger.task"):
+    with caplog.at_level(logging.WARNING, logger="celery_ledger.delivery"):
         result = big_args.apply(args=(blob,), task_id="big-1")
     assert result.get() == len(blob)
     (warning,) = [r.getMessage() for r in caplog.records if "no argument snapshot" in r.message]
@@ -333,9 +333,9 @@ def test_a_reconciled_verdict_is_retried_while_the_ledger_is_briefly_down(
 
 
 def test_a_retry_is_due_at_its_eta_plus_the_grace_with_its_own_arguments(tmp_path: Path) -> None:
-    """Issue 14, fault 3: what ``settle(retrying)`` stores so the sweep can re-send a lost
-    retry: the due time (countdown or ETA, plus ``ledger_retry_grace_seconds``) and the
-    retry's own arguments and retry count."""
+    """design.md § "Recovery": what ``settle(retrying)`` stores so the sweep can re-send a
+    lost retry (``timing.retry_due``): the due time (countdown or ETA, plus
+    ``ledger_retry_grace_seconds``) and the retry's own arguments and retry count."""
     from datetime import datetime, timezone
 
     from celery.exceptions import Retry
@@ -350,7 +350,7 @@ def test_a_retry_is_due_at_its_eta_plus_the_grace_with_its_own_arguments(tmp_pat
     later.push_request(id="t-1", retries=0, delivery_info={"routing_key": "q-1"})
     try:
         sig = later.signature_from_request(later.request, ("changed",), {}, countdown=5, retries=1)
-        due = later._retry_due(Retry(when=5, sig=sig), settings)
+        due = timing.retry_due(later, Retry(when=5, sig=sig), settings)
         assert due["due_in"] == 15.0
         assert loads(due["snapshot"]) == {
             "args": ["changed"],
@@ -360,13 +360,17 @@ def test_a_retry_is_due_at_its_eta_plus_the_grace_with_its_own_arguments(tmp_pat
             "retries": 1,
         }
         eta = datetime(2030, 1, 1, tzinfo=timezone.utc)
-        assert later._retry_due(Retry(when=eta), settings) == {"due_at": eta.timestamp() + 10}
+        assert timing.retry_due(later, Retry(when=eta), settings) == {
+            "due_at": eta.timestamp() + 10
+        }
         naive = eta.replace(tzinfo=None)  # Celery reads a naive ETA as UTC
-        assert later._retry_due(Retry(when=naive), settings) == {"due_at": eta.timestamp() + 10}
-        assert later._retry_due(Retry(when=eta.isoformat()), settings)["due_at"] == pytest.approx(
-            eta.timestamp() + 10
-        )
-        assert later._retry_due(Retry(), settings) == {"due_in": 10.0}
+        assert timing.retry_due(later, Retry(when=naive), settings) == {
+            "due_at": eta.timestamp() + 10
+        }
+        assert timing.retry_due(later, Retry(when=eta.isoformat()), settings)[
+            "due_at"
+        ] == pytest.approx(eta.timestamp() + 10)
+        assert timing.retry_due(later, Retry(), settings) == {"due_in": 10.0}
     finally:
         later.pop_request()
     with pytest.raises(ValueError, match="ledger_retry_grace_seconds must be >= 0"):

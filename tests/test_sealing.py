@@ -1,4 +1,5 @@
-"""Encryption at rest for argument snapshots (issue 19): ``ledger_snapshot_keys``.
+"""Encryption at rest for argument snapshots: ``ledger_snapshot_keys`` (docs/design.md
+§ "Secrets out of sight, and snapshots sealed at rest").
 
 Unit cases of the cipher and the settings; ``doctor``'s warning; and real processes: a worker
 with a key stores ``page_app.pay``'s snapshot sealed (the card number is nowhere in the ledger
@@ -9,6 +10,7 @@ snapshot, in a process that holds the key, to completion.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import text
 
+from celery_ledger import runtime
 from celery_ledger.cli.main import main
 from celery_ledger.ledger import SnapshotCipher, SnapshotSealError, is_sealed, open_snapshot
 from celery_ledger.settings import LedgerSettings
@@ -58,21 +61,21 @@ def test_settings_refuse_a_bad_key_without_echoing_it_and_keep_keys_out_of_repr(
 
 
 @pytest.fixture
-def doctor(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+def doctor(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Any]:
     monkeypatch.setenv("CELERY_LEDGER_URL", f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     monkeypatch.setenv("CELERY_LEDGER_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.delenv("CELERY_LEDGER_SNAPSHOT_KEYS", raising=False)
     import page_app
 
-    for attr in ("_ledger_settings", "_ledger_snapshot_cipher"):
-        monkeypatch.delattr(page_app.app, attr, raising=False)
+    runtime.reset(page_app.app)  # its settings are read again, from this environment
 
     def run() -> str:
         result = CliRunner().invoke(main, ["-A", "page_app", "doctor", "--json"])
         checks = {c["name"]: c for c in json.loads(result.output)["checks"]}
         return checks["secrets"]
 
-    return run
+    yield run
+    runtime.reset(page_app.app)  # not this test's environment for the next test
 
 
 def test_doctor_warns_when_secrets_are_declared_and_no_key_is_set(
@@ -84,7 +87,7 @@ def test_doctor_warns_when_secrets_are_declared_and_no_key_is_set(
     import page_app
 
     monkeypatch.setenv("CELERY_LEDGER_SNAPSHOT_KEYS", Fernet.generate_key().decode())
-    monkeypatch.delattr(page_app.app, "_ledger_settings", raising=False)
+    runtime.reset(page_app.app)
     assert doctor()["status"] == "PASS"
 
 

@@ -81,8 +81,9 @@ def request(
     )
 
 
-def wait_lease_expired(store: LedgerStore, key: str, timeout: float = 5.0) -> None:
-    """Poll the database clock until ``key``'s lease is over (bounded)."""
+def wait_lease_expired(store: LedgerStore, key: str, timeout: float = 60.0) -> None:
+    """Poll the database clock until ``key``'s lease is over (bounded). The bound only ends a
+    lease that never runs out: on a loaded machine a few seconds were not enough."""
     deadline = time.monotonic() + timeout
     while True:
         found = store.peek_status(key)

@@ -18,6 +18,7 @@ import pytest
 from seams_app import SEAMS_TASKS, register
 
 from celery_ledger import create_app
+from celery_ledger.codec import decode_failure
 from celery_ledger.ledger import ClaimRequest, EntryStatus, LedgerStore, Owner
 from helpers import key_of
 from procs import processes, test_env
@@ -38,14 +39,14 @@ def app(tmp_path: Path) -> Any:
 
 @pytest.mark.parametrize("name", ["TaskCancelled", "TaskExpired", "KeyPruned"])
 def test_a_row_naming_the_old_module_raises_the_ledgers_class(app: Any, name: str) -> None:
-    """The path a RETURN takes (``LedgerTask._stored_failure``, through Celery's
+    """The path a RETURN takes (``codec.decode_failure``, through Celery's
     ``backend.exception_to_python``) gives the class ``celery_ledger`` exports."""
     import celery_ledger
 
     cls = getattr(celery_ledger, name)
     assert cls.__module__ == "celery_ledger.ledger.errors"
     task = register(app)["bare"]
-    raised = task._stored_failure(old_row(name, "stored before the move"))
+    raised = decode_failure(task.backend, old_row(name, "stored before the move"))
     assert type(raised) is cls, type(raised)
     assert str(raised) == "stored before the move"
 

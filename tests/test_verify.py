@@ -181,10 +181,13 @@ def test_verify_on_postgresql_and_redis(redis, pg_url):
 
 
 @pytest.mark.rabbitmq
+@pytest.mark.timeout(330)
 def test_verify_on_postgresql_and_rabbitmq(rabbitmq, pg_url):
     """``verify --broker amqp://``: the same chaos on RabbitMQ, with the broker restart (every
     connection cut for a few seconds) in the loop; the test's vhost holds no queue afterwards."""
-    report = verify("--broker", rabbitmq, "--ledger", pg_url)
+    # The same bounds as on Redis: the settle phase waits (up to 120 s) for a chord member
+    # that a killed worker left to its lease and a sweep, which a loaded machine makes slow.
+    report = verify("--broker", rabbitmq, "--ledger", pg_url, timeout=300)
     led = check(report)
     assert report["broker"].startswith("amqp://")
     # RabbitMQ requeues what a dead connection held, so nothing may go missing before a claim.

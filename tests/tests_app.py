@@ -33,6 +33,15 @@ if os.environ.get("TEST_VISIBILITY_TIMEOUT"):
         "unacked_restore_throttle": 1,
     }
 
+if str(app.conf.broker_url or "").startswith("filesystem"):
+    # kombu polls a filesystem queue once a second by default: a worker at -c 2 (prefetch 1)
+    # then takes two messages a second, and a test of a few hundred waits minutes on the
+    # poll. Ten polls a second, as ``celery-ledger demo`` does (harness/demo_app.py).
+    app.conf.broker_transport_options = {
+        **(app.conf.broker_transport_options or {}),
+        "polling_interval": 0.1,
+    }
+
 configure_queue(app, os.environ)
 
 

@@ -145,9 +145,9 @@ class Ambiguity:
         """
         attempt = self.attempt
         name = ident[0]
-        # A keyed step past its provider's key window (design.md § "Durable time") is not re-run
-        # blindly: the
-        # provider may have forgotten the key. It goes to its reconciler, else an operator.
+        # A keyed step past its provider's key window (design.md § "Durable time") is not
+        # re-run blindly: the provider may have forgotten the key. It goes to its reconciler,
+        # else an operator.
         rerun = attempt.side_effect.rerun_when_ambiguous
         if rerun and not key_window_passed(attempt, ident):
             log.info(
@@ -159,37 +159,15 @@ class Ambiguity:
                 attempt.side_effect.value,
             )
             return None
-        step = AmbiguousStep(
-            key=attempt.key,
-            task_name=attempt.task.name,
-            task_id=attempt.task_id,
-            step=name,
-            input_hash=ident[1],
-            occurrence=ident[2],
-            external_ref=ref,
-            provider_key=step_provider_key(attempt.key, ident),
-            args=self.args,
-            kwargs=self.kwargs,
-        )
+        step = self._question(ident, ref)
         answer = ask(self.reconciler_for(name), step, timeout=attempt.settings.reconcile_timeout)
         if answer.verdict is Verdict.NOT_EXECUTED:
             answer = self._after_silence(ident, step, answer)
         if answer.verdict is Verdict.COMPLETED:
-            try:
-                encoded = encode(
-                    answer.output,
-                    limit=attempt.settings.max_result_bytes,
-                    what=f"reconciled output of step {name!r}",
-                )
-                # The children the step would have sent: its completed row, which records
-                # them, is this verdict's, and its body never runs again to send them.
-                sends = attempt.verdict_sends(ident, answer.children)
-            except (PayloadError, TypeError, ValueError) as exc:
-                answer = type(answer).unknown(str(exc))
-            else:
-                attempt.record_verdict(ident, Verdict.COMPLETED, encoded, sends=sends)
-                attempt.emit("reconciled", step=name, verdict="completed")
-                return (Verdict.COMPLETED, encoded)
+            recorded = self._record_completed(ident, answer)
+            if isinstance(recorded, str):
+                return (Verdict.COMPLETED, recorded)
+            answer = recorded
         if (
             answer.verdict is Verdict.NOT_EXECUTED
             and attempt.side_effect is not SideEffect.IRREVERSIBLE
@@ -197,13 +175,56 @@ class Ambiguity:
             attempt.record_verdict(ident, Verdict.NOT_EXECUTED)
             attempt.emit("reconciled", step=name, verdict="not_executed")
             return (Verdict.NOT_EXECUTED, "")
+        self.block(self._blocked_reason(name, ref, answer, rerun=rerun, unstored=unstored))
+
+    def _question(self, ident: Ident, ref: str | None) -> AmbiguousStep:
+        """What the reconciler is asked about the step ``ident`` (its external ``ref``)."""
+        attempt = self.attempt
+        return AmbiguousStep(
+            key=attempt.key,
+            task_name=attempt.task.name,
+            task_id=attempt.task_id,
+            step=ident[0],
+            input_hash=ident[1],
+            occurrence=ident[2],
+            external_ref=ref,
+            provider_key=step_provider_key(attempt.key, ident),
+            args=self.args,
+            kwargs=self.kwargs,
+        )
+
+    def _record_completed(self, ident: Ident, answer: Reconciled) -> str | Reconciled:
+        """Record a reconciler's ``completed`` verdict on the step ``ident``; returns its
+        encoded output, or an ``unknown`` answer when the output (or the children the
+        reconciler returned) cannot be stored."""
+        attempt = self.attempt
+        name = ident[0]
+        try:
+            encoded = encode(
+                answer.output,
+                limit=attempt.settings.max_result_bytes,
+                what=f"reconciled output of step {name!r}",
+            )
+            # The children the step would have sent: its completed row, which records
+            # them, is this verdict's, and its body never runs again to send them.
+            sends = attempt.verdict_sends(ident, answer.children)
+        except (PayloadError, TypeError, ValueError) as exc:
+            return type(answer).unknown(str(exc))
+        attempt.record_verdict(ident, Verdict.COMPLETED, encoded, sends=sends)
+        attempt.emit("reconciled", step=name, verdict="completed")
+        return encoded
+
+    def _blocked_reason(
+        self, name: str, ref: str | None, answer: Reconciled, *, rerun: bool, unstored: str | None
+    ) -> str:
+        """Why the step ``name`` parks the entry, for the operator who reads ``show``."""
         why = answer.note or answer.verdict.value
         if answer.verdict is Verdict.NOT_EXECUTED:
             why = "irreversible steps are never re-run without an operator"
         # Past here, a class that re-runs is a keyed step (or body) past its key window.
         window = (
-            f"; past provider_key_ttl={attempt.task.provider_key_ttl}s, the provider may have "
-            "forgotten its key"
+            f"; past provider_key_ttl={self.attempt.task.provider_key_ttl}s, the provider may "
+            "have forgotten its key"
             if rerun
             else ""
         )
@@ -214,12 +235,11 @@ class Ambiguity:
             if unstored is not None
             else "may have executed"
         )
-        reason = (
+        return (
             f"step {name!r} {what} (external ref: {ref or 'none'}; "
             f"reconciler: {why}{window}); reconcile or release: "
-            f"celery-ledger show {attempt.key}"
+            f"celery-ledger show {self.attempt.key}"
         )
-        self.block(reason)
 
     def _after_silence(self, ident: Ident, step: AmbiguousStep, answer: Reconciled) -> Reconciled:
         """Trust a reconciler's ``not_executed`` about a step an earlier attempt started only

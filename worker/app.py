@@ -124,9 +124,10 @@ class _SweepTask(Task):
 
 def install(app: Celery) -> Celery:
     """Make ``app`` ledger-aware: sweep task, beat entry, boot id, boot sweeps. Idempotent."""
-    if getattr(app, "_ledger_installed", False):
+    ledger = runtime.runtime_of(app)
+    if ledger.installed:
         return app
-    app._ledger_installed = True
+    ledger.installed = True
     ledger_apps.add(app)
     _connect_signals()
     # revoke() is recorded in the ledger (design.md § "Durable time")
@@ -250,14 +251,10 @@ def _publishing_apps() -> list[Celery]:
     return [app for app in apps if app.finalized]
 
 
-def _installed(app: Any) -> bool:
-    return bool(getattr(app, "_ledger_installed", False))
-
-
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     # Before the pool forks: the parent and every pool process share this boot id.
     global _freeze_before_fork
-    if sender is not None and _installed(sender.app):
+    if sender is not None and runtime.is_installed(sender.app):
         settings = _usable_settings(sender.app)
         runtime.new_boot()
         timing.install_worker_revoke_hook()
@@ -342,7 +339,7 @@ def _on_before_fork(**_: Any) -> None:
 
 def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
-    if app is None or not _installed(app):
+    if app is None or not runtime.is_installed(app):
         return
     settings = runtime.settings_for(app)
     try:
@@ -366,7 +363,7 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
 
 def _on_beat_init(sender: Any = None, **_: Any) -> None:
     app = getattr(sender, "app", None)
-    if app is None or not _installed(app):
+    if app is None or not runtime.is_installed(app):
         return
     try:
         sweep_now(app, actor="beat")

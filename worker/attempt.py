@@ -1,4 +1,4 @@
-"""One attempt at a ledgered task: its fence, its replay rows, and the step runner.
+"""One attempt at a ledgered task: its fence, its replay rows, and every write under them.
 
 A step is the unit of at-most-once. For an effect step the order of writes is the whole
 safety argument:
@@ -12,7 +12,11 @@ A crash between 1 and 3 is the ambiguous window; it is resolved by the side-effe
 reconciler, or an operator, never by guessing. Read/idempotent steps skip 1 (re-running them is
 harmless) and write once.
 
-Which row a step call is (its name and position, its input checked) is ``replay``'s.
+Which row a step call is (its name and position, its input checked) is ``replay``'s; what a
+step call does, in the order above, is ``steps.StepRunner``'s, a role this class mixes in.
+The writes themselves are all here: step rows, the external reference, a verdict, the lease,
+and the settle, among them the ``cancelled``/``expired`` settle of a start that a cancellation
+or a passed deadline refused (``timing.explain_refusal`` asks ``stop_reason``, then ``settle``).
 """
 
 from __future__ import annotations
@@ -24,15 +28,8 @@ from contextvars import ContextVar
 from typing import Any, NoReturn, Protocol, TypeVar
 
 from celery_ledger.backoff import retry_while_unavailable
-from celery_ledger.codec import arguments_hash, decode, encode
 from celery_ledger.crashpoints import crash_point
-from celery_ledger.errors import (
-    Drift,
-    NestedStepError,
-    SendRefused,
-    StepUsageError,
-    TransactionEndedError,
-)
+from celery_ledger.errors import StepUsageError
 from celery_ledger.ledger import (
     BODY_STEP,
     Child,
@@ -41,22 +38,18 @@ from celery_ledger.ledger import (
     LedgerBlocked,
     LedgerStore,
     LedgerUnavailable,
-    OutboxMessage,
-    PayloadError,
     SideEffect,
     SnapshotCipher,
     StepRecord,
     StepStatus,
     Verdict,
-    cipher_from,
     step_provider_key,
 )
 from celery_ledger.outbox import Sends
-from celery_ledger.recovery.outbox import publish
 from celery_ledger.redact import scrub_for_call
-from celery_ledger.replay import Ident, Identify, ReplayBook, check_step_name, identity_of
+from celery_ledger.replay import Ident, ReplayBook
 from celery_ledger.settings import LedgerSettings
-from celery_ledger.transaction import TransactionStep
+from celery_ledger.steps import AttemptTask, StepRunner
 
 log = logging.getLogger(__name__)
 
@@ -70,60 +63,20 @@ BODY_IDENT: Ident = (BODY_STEP, "", 0)
 current_attempt: ContextVar[Attempt | None] = ContextVar("ledger_attempt", default=None)
 
 
-#: Child task names already warned about (``_warn_if_not_ledgered``): once per process.
-_warned_children: set[str] = set()
-
-
-def _warn_if_not_ledgered(app: Any, name: str) -> None:
-    """Warn once when a child sent through the outbox is a task this app knows and that is not
-    ledgered: a re-publish (a crash between the publish and its mark) would run it twice,
-    since only a ledgered child's claim deduplicates by task id. Warn once too when no task of
-    that name is registered here: it may be another service's, so it is sent, but a typo
-    would be published to a queue no worker runs it from, and lost."""
-    if name in _warned_children:
-        return
-    task = (getattr(app, "tasks", None) or {}).get(name)
-    # Duck-typed (``LedgerTask`` imports this module): a ledgered task has ``ledger_key``.
-    if task is not None and callable(getattr(task, "ledger_key", None)):
-        return
-    _warned_children.add(name)
-    if task is None:
-        log.warning(
-            "child task %s sent through the outbox: no app here registers it; it is "
-            "published, and lost unless some worker runs a task of that name",
-            name,
-        )
-        return
-    log.warning(
-        "child task %s sent through the outbox is not a LedgerTask: a crash between its "
-        "publish and its mark publishes it twice, and nothing deduplicates it",
-        name,
-    )
-
-
-class AttemptTask(Protocol):
-    """What an attempt reads from its task (``LedgerTask``)."""
-
-    name: str
-    side_effect: str
-    app: Any
-    #: ``keyed`` tasks: how long the provider keeps an idempotency key (None: no window).
-    provider_key_ttl: float | None
-
-
 class EmitEvent(Protocol):
-    """Sends a ``task-ledger-<kind>`` event for an entry (``LedgerTask._emit``)."""
+    """Sends a ``task-ledger-<kind>`` event for an entry (``Delivery.emit``)."""
 
     def __call__(self, kind: str, key: str, fence: int, **fields: Any) -> None: ...
 
 
-class Attempt:
+class Attempt(StepRunner):
     """State of one run of a body under one fence; the only writer under that fence.
 
-    Every fenced write of the attempt goes through its methods: step rows (``step``,
-    ``record_verdict``, ``start_body``), the external reference, the lease (``renew_lease``)
-    and the settle (``settle``, ``block``). A write the fence refuses marks the attempt
-    superseded; a write the ledger cannot take is retried (``backoff``).
+    Every fenced write of the attempt goes through its methods: step rows (``_write``,
+    ``write_completed``, ``write_marker``, ``record_verdict``, ``start_body``), the external
+    reference, the lease (``renew_lease``) and the settle (``settle``, ``block``). A write the
+    fence refuses marks the attempt superseded; a write the ledger cannot take is retried
+    (``backoff``). The step calls (``step``, ``send``, ``transaction``) are ``StepRunner``'s.
     """
 
     def __init__(
@@ -285,237 +238,49 @@ class Attempt:
             on_retry=warn,
         )
 
-    # -- the step runner ------------------------------------------------------------------
+    # -- the writes a step asks for (``steps.StepRunner`` decides) ------------------------
 
-    def step(
-        self,
-        name: str,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        effect: bool | None = None,
-        not_executed_on: tuple[type[BaseException], ...] = (),
-        identify: Identify | None = None,
-    ) -> Any:
-        """Run ``fn`` as the named step, or return its stored output if it completed before.
+    def write_completed(self, ident: Ident, seq: int, encoded: str, sends: Sends) -> None:
+        """Write a step's ``completed`` row with its output and the children it sent.
 
-        The step is its name and position, its input checked (``replay``); ``identify``
-        declares which of its arguments identify it instead (``identity_of``).
+        The children are recorded in the same write (a transaction when there are any): a
+        crash before it loses both, after it keeps both.
 
         Raises:
-            ValueError: a bad step name or ``identify`` (nothing was written or run).
-            NestedStepError: called inside another step's function.
-            LedgerBlocked: an effect step's input drifted; the entry is parked.
-            Fenced: this attempt was superseded; the step did not run.
-            PayloadError: the output cannot be stored; the step stays ambiguous.
+            Fenced: the fence moved (superseded).
+            LedgerUnavailable: the ledger stayed unreachable; the step is ambiguous (it ran,
+                the ledger could not be told).
         """
-        check_step_name(name)
-        self._check_fence()
-        if self.current is not None:
-            raise NestedStepError(
-                f"step {name!r} started inside step {self.current[0]!r}; steps do not nest"
-            )
-        writes_intent = self.side_effect.writes_intent if effect is None else effect
-        input_hash = arguments_hash([list(args), kwargs])
-        identity = None if identify is None else identity_of(name, fn, args, kwargs, identify)
         try:
-            ident, row = self._replay.place(
-                name, input_hash, identity=identity, effect=writes_intent
-            )
-        except Drift as drift:
-            self.park(drift.reason)
-        if row is not None and row.status is StepStatus.COMPLETED:
-            self.replayed += 1
-            log.debug(
-                "step replayed key=%s task_id=%s fence=%s step=%s#%s",
-                self.key,
-                self.task_id,
-                self.fence,
-                name,
-                ident[2],
-            )
-            return decode(row.output)
-        self._seq += 1
-        seq = row.seq if row is not None else self._seq
-        if writes_intent:
-            self._fenced(self._write(ident, seq, StepStatus.STARTED), f"step {name} start")
-            crash_point(self.settings, f"step-started:{name}")
-        self.current = ident
-        self._current_has_row = writes_intent
-        sends = self._sends = Sends(self.key, name, ident[2])
-        try:
-            output = fn(*args, **kwargs)
-        except StepUsageError:
-            raise  # a programming error in the step's function: never ambiguous, never re-run
-        except not_executed_on as exc:
-            if writes_intent:
-                self._fenced(
-                    self._write(ident, seq, StepStatus.NOT_EXECUTED, error=repr(exc)),
-                    f"step {name} not-executed",
-                )
-            raise
-        except BaseException:
-            if writes_intent:
-                self.ambiguous = ident
-            raise
-        finally:
-            self.current = None
-            self._sends = None
-        crash_point(self.settings, f"step-returned:{name}")
-        try:
-            encoded = encode(
-                output, limit=self.settings.max_result_bytes, what=f"output of step {name!r}"
-            )
-        except PayloadError as exc:
-            if writes_intent:
-                self.ambiguous = ident
-                self.unstored_output = str(exc)
-            raise
-        try:
-            # The children the step sent are recorded in the same write (a transaction when
-            # there are any): a crash before it loses both, after it keeps both.
             done = self._retrying(
                 lambda: self._store.complete_step(
                     self.key, self.fence, ident, seq=seq, output=encoded, children=sends.children
                 ),
-                f"step {name} write",
+                f"step {ident[0]} write",
             )
         except LedgerUnavailable:
             self.ambiguous = ident  # it ran; the ledger could not be told
             raise
-        self._fenced(done, f"step {name} complete")
-        crash_point(self.settings, f"step-completed:{name}")
-        self.publish_children(ident, sends)
-        # Return what replay would return, so the first run and a resume agree exactly.
-        return decode(encoded)
+        self._fenced(done, f"step {ident[0]} complete")
 
-    # -- the outbox -----------------------------------------------------------------------
-
-    def send(self, sig: Any) -> str:
-        """Record ``sig`` as a child of the running step; returns the child's task id.
-
-        The child is published after the step's completed row commits (``outbox``).
+    def write_marker(self, ident: Ident, seq: int) -> None:
+        """Write the marker row of a first transaction step (``TRANSACTION_STEP_REF``).
 
         Raises:
-            StepUsageError: outside a step.
-            SendRefused: not a signature, an option the outbox cannot keep or no publish could
-                send, arguments that cannot be stored (``Sends.add``).
+            Fenced: the fence moved (superseded).
         """
-        if self._sends is None:
-            raise StepUsageError(
-                "send() records a child with the step that sends it: call it inside a step "
-                "(self.step, self.transaction), not in the body itself"
-            )
-        try:
-            child_id = self._sends.add(
-                sig, limit=self.settings.max_snapshot_bytes, cipher=self._cipher()
-            )
-        except (TypeError, ValueError, PayloadError) as exc:
-            # A programming error, the same on every run: the task fails naming it. Left as
-            # it was, it escaped the step as any exception and blocked the entry as "may have
-            # executed", and a not-executed release only blocked it again.
-            raise SendRefused(f"{type(exc).__name__}: {exc}") from exc
-        _warn_if_not_ledgered(self.task.app, sig.task)
-        return child_id
-
-    def publish_children(self, ident: Ident, sends: Sends) -> None:
-        """Publish the children a step recorded, after its row committed (never raises for the
-        broker: what is not confirmed waits for the sweep)."""
-        if not sends.children:
-            return
-        messages = [
-            OutboxMessage(
-                child_id=c.child_id,
-                parent_key=self.key,
-                step=ident[0],
-                occurrence=ident[2],
-                n=c.n,
-                task_name=c.task_name,
-                payload=c.payload,
-                fence=self.fence,
-                created_at=0.0,
-                published_at=None,
-            )
-            for c in sends.children
-        ]
-        name = ident[0]
-        publish(
-            self._store,
-            self.task.app,
-            messages,
-            after_send=lambda: crash_point(self.settings, f"children-published:{name}"),
-            cipher=self._cipher(),
+        what = f"step {ident[0]} marker"
+        self._fenced(
+            self._retrying(
+                lambda: self._store.write_transaction_marker(self.key, self.fence, ident, seq=seq),
+                what,
+            ),
+            what,
         )
-
-    def _cipher(self) -> SnapshotCipher | None:
-        """The snapshot cipher (``ledger_snapshot_keys``) that seals the children's payloads."""
-        if not self._cipher_read:
-            self._snapshot_cipher = cipher_from(self.settings.snapshot_keys)
-            self._cipher_read = True
-        return self._snapshot_cipher
-
-    # -- transaction steps ----------------------------------------------------------------
-
-    def transaction(
-        self, name: str, input_hash: str, *, identity: str | None = None, session: bool = False
-    ) -> TransactionStep:
-        """The transaction step ``name`` (``celery_ledger.transaction``): place it, and hand
-        back what runs or replays it.
-
-        Raises:
-            ValueError: a bad step name.
-            NestedStepError: inside another step.
-            LedgerBlocked: its input drifted; the entry is parked.
-            Fenced: this attempt was superseded.
-        """
-        check_step_name(name)
-        self._check_fence()
-        if self.current is not None:
-            raise NestedStepError(
-                f"step {name!r} started inside step {self.current[0]!r}; steps do not nest"
-            )
-        try:
-            # A transaction step counts as an effect for drift: its writes committed with its
-            # row, so running it again under another input would write them twice.
-            ident, row = self._replay.place(name, input_hash, identity=identity, effect=True)
-        except Drift as drift:
-            self.park(drift.reason)
-        if row is not None and row.status is StepStatus.COMPLETED:
-            self.replayed += 1
-            return TransactionStep(self, ident, 0, replayed=row.output, session=session)
-        first = self._seq == 0 and row is None
-        self._seq += 1
-        seq = row.seq if row is not None else self._seq
-        if first and self.side_effect.writes_intent:
-            # No replay row yet: a crash inside would leave none, and the next attempt would
-            # take the body for a stepless one that ran (ambiguous). One marker row, once
-            # per entry, says a step was under way (``TRANSACTION_STEP_REF``).
-            self._fenced(
-                self._retrying(
-                    lambda: self._store.write_transaction_marker(
-                        self.key, self.fence, ident, seq=seq
-                    ),
-                    f"step {name} marker",
-                ),
-                f"step {name} marker",
-            )
-        return TransactionStep(self, ident, seq, replayed=None, session=session)
 
     def open_transaction(self) -> AbstractContextManager[Any]:
         """A connection of the ledger's engine in a new transaction (``step_transaction``)."""
         return self._store.step_transaction()
-
-    def enter_transaction(self, ident: Ident) -> Sends:
-        """Mark the transaction step ``ident`` as running (for ``send`` and nesting)."""
-        self.current = ident
-        self._current_has_row = False
-        sends = self._sends = Sends(self.key, ident[0], ident[2])
-        return sends
-
-    def leave_transaction(self) -> None:
-        self.current = None
-        self._sends = None
 
     def complete_on_connection(
         self, dbapi: Any, ident: Ident, seq: int, encoded: str, sends: Sends
@@ -549,21 +314,6 @@ class Attempt:
             conn, self.key, self.fence, ident, seq=seq, output=encoded, children=sends.children
         )
 
-    def transaction_ended(self, ident: Ident, how: str) -> NoReturn:
-        """A transaction step's block ended the step's transaction (``how``): refuse to
-        record the step. The row is not written, what is still open rolls back, and the task
-        fails; what the block committed itself stays, and is not counted as the step done.
-
-        Raises:
-            TransactionEndedError: always.
-        """
-        raise TransactionEndedError(
-            f"transaction step {ident[0]!r}: its block ended the step's transaction "
-            f"({how}); the step commits its writes together with its row, so it was not "
-            "recorded as done. Do not commit or roll back inside the block (a savepoint, "
-            "begin_nested(), is fine)"
-        )
-
     def refuse_transaction(self, ident: Ident) -> NoReturn:
         """A transaction step's row was refused (the fence moved): mark this attempt
         superseded and stop it. Called once the step's transaction rolled back, so that the
@@ -589,7 +339,7 @@ class Attempt:
 
         A short outage must not turn into a failed task: the row is an upsert, so writing it
         again after a lost reply is harmless. Past the bound, ``LedgerUnavailable`` propagates
-        and the task leaves the entry running for recovery (``LedgerTask._run_attempt``).
+        and the delivery leaves the entry running for recovery (``delivery.ESCAPES``).
         """
         return self._retrying(
             lambda: self._store.write_step(
@@ -599,22 +349,6 @@ class Attempt:
         )
 
     # -- writes made outside a step: ambiguity resolution and the body row -----------------
-
-    def verdict_sends(self, ident: Ident, sigs: Sequence[Any]) -> Sends:
-        """The children a reconciler returned with a ``completed`` verdict on ``ident``, as
-        the step's own ``send`` calls would have recorded them: the same child ids (the n-th
-        send of that step and occurrence), payloads sealed the same way.
-
-        Raises:
-            TypeError: one is not a task signature, or has an option the outbox cannot keep.
-            ValueError: one has an option no publish could send (``outbox.check_options``).
-            PayloadError: its arguments cannot be stored.
-        """
-        sends = Sends(self.key, ident[0], ident[2])
-        for sig in sigs:
-            sends.add(sig, limit=self.settings.max_snapshot_bytes, cipher=self._cipher())
-            _warn_if_not_ledgered(self.task.app, sig.task)
-        return sends
 
     def record_verdict(
         self,
@@ -786,3 +520,12 @@ class Attempt:
             self.scrub(reason),
         )
         return self.settle(EntryStatus.BLOCKED, reason=reason)
+
+    def stop_reason(self) -> str | None:
+        """Why the ledger refuses this fence a start (``cancelled``, ``expired``), if it does
+        (``timing.explain_refusal`` settles it)."""
+        return self._store.stop_reason(self.key, self.fence)
+
+    def now(self) -> float:
+        """The database clock (seconds since the epoch): the clock leases and wake times use."""
+        return self._store.now()

@@ -245,7 +245,7 @@ def on_task_prerun(sender: Any = None, **_: Any) -> None:
     ``celery.chord_unlock`` starts in a pool process of a ledger app."""
     if sender is None or getattr(sender, "name", None) != "celery.chord_unlock":
         return
-    if not getattr(sender.app, "_ledger_installed", False):
+    if not runtime.is_installed(sender.app):
         return
     crash_point(runtime.settings_for(sender.app), "chord-unlock")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from celery.exceptions import Reject
 from kombu.utils.json import dumps, loads
 
 from celery_ledger.ledger import (
@@ -19,7 +20,7 @@ from celery_ledger.ledger import (
     SnapshotCipher,
     canonical_json,
 )
-from celery_ledger.ledger.errors import IdentityError, stored_failure
+from celery_ledger.ledger.errors import IdentityError, loadable_failure, stored_failure
 from celery_ledger.ledger.identity import lone_surrogate, sha256_hex
 
 
@@ -60,6 +61,26 @@ def encode_failure(exc: BaseException, *, limit: int) -> str:
         PayloadTooLarge: even its short form exceeds ``limit`` (``ledger_max_exception_bytes``).
     """
     return stored_failure(exc, limit=limit, dumps=dumps)
+
+
+def decode_failure(backend: Any, error: str) -> BaseException:
+    """The exception a RETURN raises for a stored failure: read through ``loadable_failure``
+    (classes that moved since it was stored), then Celery's ``backend.exception_to_python``."""
+    data = loadable_failure(decode(error))
+    try:
+        exc = backend.exception_to_python(data)
+    except Exception:  # noqa: BLE001
+        exc = None
+    if isinstance(exc, Reject) and exc.requeue:
+        # Stored before a requeueing Reject settled ``retrying`` (``Delivery.after_reject``):
+        # raising it again requeued the message forever. The entry is settled; the message
+        # has nothing left to do.
+        return Reject(exc.reason, requeue=False)
+    if isinstance(exc, Exception):
+        return exc
+    # Never raise a stored SystemExit/KeyboardInterrupt again (older versions stored
+    # them): in a worker it would end the pool process on every delivery.
+    return RuntimeError(f"stored failure: {data!r}")
 
 
 def encode_snapshot(

@@ -25,7 +25,7 @@ programming error, and the task settles ``failed`` with it. ``Drift`` is a verdi
 that wraps its work in ``except Exception`` must not swallow the signal that its entry was
 settled (sleeping, cancelled, expired) under it.
 
-Not here: the other layers' own. Recovery's ``UnreadableSnapshot`` (``recovery.sweep``) and
+Not here: the other layers' own. Recovery's ``UnreadableSnapshot`` (``recovery.handoff``) and
 ``Unpublishable`` (``recovery.outbox``) are about what recovery reads and sends; Flower's
 ``ActionRefused`` (``flower.actions``) carries an HTTP status.
 """

@@ -116,6 +116,58 @@ class LedgerCollector:
         self._computed_at = now
 
 
+#: The gauges with one sample each, read off the aggregates, in the order the page lists them:
+#: (name after the prefix, help, the value).
+_GAUGES: tuple[tuple[str, str, Callable[[LedgerStats], float]], ...] = (
+    (
+        "expired_leases",
+        "Entries still running whose lease expired (the sweep will interrupt them)",
+        lambda s: float(s.expired_running),
+    ),
+    (
+        "blocked_entries",
+        "Entries parked blocked until an operator releases them",
+        lambda s: float(s.by_status.get(EntryStatus.BLOCKED.value, 0)),
+    ),
+    (
+        "oldest_running_age_seconds",
+        "Seconds since the oldest running entry last changed state",
+        lambda s: s.oldest_running_age,
+    ),
+    (
+        "unsettled_interruptions",
+        "Interruptions (each one a resume) recorded on entries not yet settled",
+        lambda s: float(s.interruptions),
+    ),
+    (
+        "duplicate_executions",
+        "Step executions beyond the first that no operator or reconciler authorized",
+        lambda s: float(s.duplicate_executions),
+    ),
+    (
+        "duplicate_execution_ratio",
+        "duplicate_executions per ledger entry; the ledger's promise is 0",
+        lambda s: s.duplicate_execution_rate,
+    ),
+    (
+        "unclaimed_entries",
+        "Published tasks no worker has claimed yet (the backlog)",
+        lambda s: float(s.unclaimed),
+    ),
+    (
+        "oldest_unclaimed_age_seconds",
+        "Seconds since the oldest unclaimed task was published",
+        lambda s: s.oldest_unclaimed_age,
+    ),
+    (
+        "unclaimed_lapses",
+        "Lease lapses of unclaimed tasks (re-sends, or re-sends deferred while their queue "
+        "held messages): growing with unclaimed steady is a backlog",
+        lambda s: float(s.unclaimed_lapses),
+    ),
+)
+
+
 def _families(
     stats: LedgerStats | None, age: float, query_seconds: float, *, failed: bool
 ) -> Iterator[Metric]:
@@ -137,42 +189,7 @@ def _families(
     by_task = GaugeMetricFamily(
         f"{PREFIX}_task_entries", "Ledger entries by task and status", labels=["task", "status"]
     )
-    expired = GaugeMetricFamily(
-        f"{PREFIX}_expired_leases",
-        "Entries still running whose lease expired (the sweep will interrupt them)",
-    )
-    blocked = GaugeMetricFamily(
-        f"{PREFIX}_blocked_entries", "Entries parked blocked until an operator releases them"
-    )
-    oldest = GaugeMetricFamily(
-        f"{PREFIX}_oldest_running_age_seconds",
-        "Seconds since the oldest running entry last changed state",
-    )
-    resumes = GaugeMetricFamily(
-        f"{PREFIX}_unsettled_interruptions",
-        "Interruptions (each one a resume) recorded on entries not yet settled",
-    )
-    duplicates = GaugeMetricFamily(
-        f"{PREFIX}_duplicate_executions",
-        "Step executions beyond the first that no operator or reconciler authorized",
-    )
-    rate = GaugeMetricFamily(
-        f"{PREFIX}_duplicate_execution_ratio",
-        "duplicate_executions per ledger entry; the ledger's promise is 0",
-    )
-    unclaimed = GaugeMetricFamily(
-        f"{PREFIX}_unclaimed_entries",
-        "Published tasks no worker has claimed yet (the backlog)",
-    )
-    oldest_unclaimed = GaugeMetricFamily(
-        f"{PREFIX}_oldest_unclaimed_age_seconds",
-        "Seconds since the oldest unclaimed task was published",
-    )
-    lapses = GaugeMetricFamily(
-        f"{PREFIX}_unclaimed_lapses",
-        "Lease lapses of unclaimed tasks (re-sends, or re-sends deferred while their queue "
-        "held messages): growing with unclaimed steady is a backlog",
-    )
+    gauges = [GaugeMetricFamily(f"{PREFIX}_{name}", doc) for name, doc, _ in _GAUGES]
     if stats is not None:
         up.add_metric([], 1.0)
         timing.add_metric([], query_seconds)
@@ -183,34 +200,12 @@ def _families(
             )
         for (task, status), n in sorted(stats.by_task_status.items()):
             by_task.add_metric([task, status], float(n))
-        expired.add_metric([], float(stats.expired_running))
-        blocked.add_metric([], float(stats.by_status.get(EntryStatus.BLOCKED.value, 0)))
-        oldest.add_metric([], stats.oldest_running_age)
-        resumes.add_metric([], float(stats.interruptions))
-        duplicates.add_metric([], float(stats.duplicate_executions))
-        rate.add_metric([], stats.duplicate_execution_rate)
-        unclaimed.add_metric([], float(stats.unclaimed))
-        oldest_unclaimed.add_metric([], stats.oldest_unclaimed_age)
-        lapses.add_metric([], float(stats.unclaimed_lapses))
+        for family, (_, _, value) in zip(gauges, _GAUGES, strict=True):
+            family.add_metric([], value(stats))
     elif failed:
         up.add_metric([], 0.0)
         timing.add_metric([], query_seconds)
-    yield from (
-        up,
-        timing,
-        cache_age,
-        by_status,
-        by_task,
-        expired,
-        blocked,
-        oldest,
-        resumes,
-        duplicates,
-        rate,
-        unclaimed,
-        oldest_unclaimed,
-        lapses,
-    )
+    yield from (up, timing, cache_age, by_status, by_task, *gauges)
 
 
 # -- Flower ------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from typing import Any, NoReturn
 from celery import Task
 from celery.exceptions import Ignore, Reject
 
-from celery_ledger import runtime
 from celery_ledger.ledger import EntryStatus, LedgerStore, LedgerUnavailable, wire
 from celery_ledger.recovery.publish import confirmed
 from celery_ledger.settings import LedgerSettings
@@ -83,7 +82,11 @@ def redeliver(
 
 
 def ledger_unavailable(
-    task: Task, exc: LedgerUnavailable, args: tuple[Any, ...], kwargs: dict[str, Any]
+    task: Task,
+    exc: LedgerUnavailable,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    settings: LedgerSettings,
 ) -> NoReturn:
     """Fail closed at claim: the body does not run; re-send it after a backoff that doubles
     with each unreachable claim in a row (``ledger_unavailable_backoff``, up to
@@ -92,7 +95,6 @@ def ledger_unavailable(
     Raises:
         Ignore: always (``redeliver``).
     """
-    settings = runtime.settings_for(task.app)
     n = int(header(task.request, wire.UNAVAILABLE) or 0)
     countdown = min(settings.unavailable_backoff * (2**n), settings.unavailable_backoff_max)
     log.warning(

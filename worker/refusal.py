@@ -10,7 +10,7 @@ material no business key can have (``refused_key``), settled ``failed`` with the
 its reason; a redelivery of the same message RETURNs that failure. The refusal names what is
 wrong, never the arguments (a secret may be among them).
 
-Two callers: the pool process (``LedgerTask.__call__``: keying and storing the arguments) and
+Two callers: the pool process (``Delivery``: keying and storing the arguments) and
 the worker's parent (``LedgerRequest``: the message's fields, before Celery uses them).
 """
 
@@ -34,6 +34,7 @@ from celery_ledger.ledger import (
     MalformedArguments,
     entry_key,
 )
+from celery_ledger.settings import LedgerSettings
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +73,21 @@ def as_refusal(task: Any, exc: BaseException) -> LedgerError:
     )
 
 
-def record(task: Any, store: LedgerStore, task_id: str, refusal: LedgerError, actor: str) -> None:
-    """Settle the refused delivery's own entry ``failed`` with ``refusal`` as its reason.
-    Never raises: a refusal that cannot be recorded is logged, and refused all the same."""
+def record(
+    task: Any,
+    store: LedgerStore,
+    task_id: str,
+    refusal: LedgerError,
+    actor: str,
+    settings: LedgerSettings | None = None,
+) -> None:
+    """Settle the refused delivery's own entry ``failed`` with ``refusal`` as its reason
+    (``settings``: the delivery's, else the app's). Never raises: a refusal that cannot be
+    recorded is logged, and refused all the same."""
     key = refused_key(task.name, task_id)
     reason = one_line(str(refusal), REASON_LIMIT)
     try:
-        settings = runtime.settings_for(task.app)
+        settings = settings or runtime.settings_for(task.app)
         claim = store.claim(
             ClaimRequest(
                 key=key,

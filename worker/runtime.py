@@ -1,9 +1,22 @@
-"""Per-process, per-app ledger runtime: the store, the settings, this worker's boot id.
+"""Per-app ledger runtime: one ``LedgerRuntime`` per Celery app, and this worker's boot id.
+
+Everything the ledger keeps for an app (its settings, store, snapshot cipher, events flag,
+whether ``install`` ran) is one ``LedgerRuntime``, set on the app under one attribute
+(``ATTRIBUTE``) and read through ``runtime_of(app)``; no other module sets anything on an app
+(``tests/test_layout.py``). The functions below (``settings_for``, ``store_for``,
+``snapshot_cipher``, ...) are thin reads of it, for the callers that hold only the app.
+
+Fork: the runtime is made in the worker's parent (``install``, ``worker_init``) and each pool
+process inherits a copy. What must not cross a fork is per process inside its parts, as it was
+when they were separate attributes: the store's engine and connections
+(``LedgerStore`` re-opens them in a process of another pid), and the confirming broker
+connection (``recovery.publish.Confirming``, per pid). Settings, cipher and events flag are
+plain values, the same in every process.
 
 The boot id names one start of a worker node. It is made in the worker's parent process
 before the pool forks (``worker_init``), so the parent and its pool processes share it; a
 restarted worker gets a new one, which is how the boot sweep tells its own previous, dead
-process from a live one with the same node name.
+process from a live one with the same node name. It belongs to the process, not to an app.
 """
 
 from __future__ import annotations
@@ -15,10 +28,138 @@ import uuid
 from typing import Any
 
 from celery_ledger.ledger import LedgerStore, Owner, SnapshotCipher, cipher_from
+from celery_ledger.recovery.publish import Confirming, confirming
 from celery_ledger.settings import LedgerSettings
+
+#: The one attribute the ledger sets on a Celery app.
+ATTRIBUTE = "_ledger_runtime"
 
 _boot_id: str | None = None
 _boot_lock = threading.Lock()
+
+
+class LedgerRuntime:
+    """The ledger's state for one Celery app: each part is made on first use.
+
+    Made cheaply (``install`` makes it before any configuration is read); the settings are
+    read from the app's configuration and ``CELERY_LEDGER_*`` on first use, and the store and
+    cipher are built from them then. Two threads that race to build a part build it twice
+    and keep one, as before: every part is a pure function of the settings.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        #: ``install(app)`` ran: the sweep task, beat entry and signal handlers are in place.
+        self.installed = False
+        self._settings: LedgerSettings | None = None
+        self._store: LedgerStore | None = None
+        self._cipher: SnapshotCipher | None = None
+        self._cipher_made = False
+        #: ``ledger_send_events`` as the worker fixed it at start (``fix_events``), or None.
+        self._events_fixed: bool | None = None
+
+    @property
+    def settings(self) -> LedgerSettings:
+        """The app's ledger settings, read once.
+
+        Raises:
+            ValueError: a setting that does not parse or cannot be used, naming it.
+        """
+        settings = self._settings
+        if settings is None:
+            settings = self._settings = LedgerSettings.from_app(self.app)
+        return settings
+
+    @property
+    def store(self) -> LedgerStore:
+        """The app's ledger store (its engine is per process and fork-safe)."""
+        store = self._store
+        if store is None:
+            settings = self.settings
+            store = self._store = LedgerStore(settings.url, durability=settings.durability)
+        return store
+
+    @property
+    def cipher(self) -> SnapshotCipher | None:
+        """The snapshot cipher (``ledger_snapshot_keys``), or None when no key is set."""
+        if not self._cipher_made:
+            self._cipher = cipher_from(self.settings.snapshot_keys)
+            self._cipher_made = True
+        return self._cipher
+
+    @property
+    def publisher(self) -> Confirming:
+        """The app's confirmed-publish state (``recovery.publish``: whether its broker needs
+        confirms, this process's confirming connection). Recovery keeps it, keyed by the app:
+        it cannot import this module."""
+        return confirming(self.app)
+
+    def events_enabled(self) -> bool:
+        """See ``events_enabled``."""
+        fixed = self._events_fixed
+        if fixed is not None:
+            return fixed
+        return self._events_setting()
+
+    def fix_events(self) -> None:
+        """See ``fix_events``."""
+        self._events_fixed = self._events_setting()
+
+    def _events_setting(self) -> bool:
+        flag = self.settings.send_events
+        if flag is None:
+            return bool(self.app.conf.worker_send_task_events)
+        return flag
+
+    def reset(self) -> None:
+        """Read the settings again on next use, and rebuild what is built from them (store,
+        cipher, events flag); ``installed`` stays. The store built so far closes this
+        process's connections. For a process whose configuration or environment changed (a
+        test, a CLI run in the same process)."""
+        store, self._store = self._store, None
+        self._settings = None
+        self._cipher, self._cipher_made = None, False
+        self._events_fixed = None
+        if store is not None:
+            store.dispose()
+
+    def parts(self) -> dict[str, Any]:
+        """What this runtime holds now (for a report or a test): which parts are built, the
+        events flag as fixed, the confirmed-publish state, the boot id. Builds none of them."""
+        publisher = confirming(self.app)
+        return {
+            "installed": self.installed,
+            "settings": self._settings is not None,
+            "store": self._store is not None,
+            "cipher": self._cipher_made and self._cipher is not None,
+            "events_fixed": self._events_fixed,
+            "publisher": {"confirms": publisher.needed, "connection": publisher.open_here()},
+            "boot": _boot_id,
+        }
+
+
+def runtime_of(app: Any) -> LedgerRuntime:
+    """``app``'s ``LedgerRuntime``, made on first use and kept on the app (``ATTRIBUTE``).
+
+    ``setdefault`` on the app's own ``__dict__`` makes it once, whichever thread asks first.
+    """
+    found: LedgerRuntime | None = getattr(app, ATTRIBUTE, None)
+    if found is None:
+        found = vars(app).setdefault(ATTRIBUTE, LedgerRuntime(app))
+    return found
+
+
+def is_installed(app: Any) -> bool:
+    """Whether ``install(app)`` ran (never makes a runtime for an app without one)."""
+    found: LedgerRuntime | None = getattr(app, ATTRIBUTE, None)
+    return found is not None and found.installed
+
+
+def reset(app: Any) -> None:
+    """``LedgerRuntime.reset`` for ``app``, if it has a runtime."""
+    found: LedgerRuntime | None = getattr(app, ATTRIBUTE, None)
+    if found is not None:
+        found.reset()
 
 
 def boot_id() -> str:
@@ -57,26 +198,18 @@ def owner_for(hostname: str | None, *, per_process: bool = False) -> Owner:
 
 
 def settings_for(app: Any) -> LedgerSettings:
-    return LedgerSettings.from_app(app)
+    """The app's ledger settings (``LedgerRuntime.settings``)."""
+    return runtime_of(app).settings
 
 
 def store_for(app: Any) -> LedgerStore:
     """The app's ledger store (one per app; its engine is per process and fork-safe)."""
-    store = getattr(app, "_ledger_store", None)
-    if store is None:
-        settings = settings_for(app)
-        store = LedgerStore(settings.url, durability=settings.durability)
-        app._ledger_store = store
-    return store
+    return runtime_of(app).store
 
 
 def snapshot_cipher(app: Any) -> SnapshotCipher | None:
     """The app's snapshot cipher (``ledger_snapshot_keys``), or None when no key is set."""
-    try:
-        cipher: SnapshotCipher | None = app._ledger_snapshot_cipher
-    except AttributeError:
-        cipher = app._ledger_snapshot_cipher = cipher_from(settings_for(app).snapshot_keys)
-    return cipher
+    return runtime_of(app).cipher
 
 
 def publish_intent_enabled(app: Any) -> bool:
@@ -95,10 +228,7 @@ def events_enabled(app: Any) -> bool:
     """Whether ledgered tasks send ``task-ledger-*`` events (``ledger_send_events``, else the
     worker's ``worker_send_task_events`` / ``-E``): fixed for a worker's life when it starts
     (``fix_events``), read from the configuration elsewhere."""
-    fixed = getattr(app, "_ledger_events_fixed", None)
-    if fixed is not None:
-        return bool(fixed)
-    return _events_setting(app)
+    return runtime_of(app).events_enabled()
 
 
 def fix_events(app: Any) -> None:
@@ -106,11 +236,4 @@ def fix_events(app: Any) -> None:
     configuration, before the pool forks): a worker's setting does not change after that,
     and reading it from Celery's configuration costs about 15 us per lookup (a key looked up
     through each of its maps), twice per task."""
-    app._ledger_events_fixed = _events_setting(app)
-
-
-def _events_setting(app: Any) -> bool:
-    flag = settings_for(app).send_events
-    if flag is None:
-        return bool(app.conf.worker_send_task_events)
-    return flag
+    runtime_of(app).fix_events()

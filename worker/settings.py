@@ -1,7 +1,8 @@
 """One frozen settings object, read once from Celery config and ``CELERY_LEDGER_*`` env.
 
 Nothing here runs at import time: ``LedgerSettings.from_app(app)`` reads the environment when a
-worker, a beat or the CLI first needs the ledger, and the result is cached on the app.
+worker, a beat or the CLI first needs the ledger, and the app's ``LedgerRuntime`` keeps the
+result (``celery_ledger.runtime.settings_for``).
 """
 
 from __future__ import annotations
@@ -179,12 +180,13 @@ class LedgerSettings:
 
     @classmethod
     def from_app(cls, app: Any) -> LedgerSettings:
-        """The settings of a Celery app, built once and cached on it."""
-        cached = getattr(app, "_ledger_settings", None)
-        if cached is None:
-            cached = cls.from_mapping(app.conf)
-            app._ledger_settings = cached
-        return cached
+        """The settings of a Celery app's configuration, read now. The app's runtime reads
+        them once and keeps them: ask ``celery_ledger.runtime.settings_for(app)``.
+
+        Raises:
+            ValueError: a value that does not parse, naming the setting.
+        """
+        return cls.from_mapping(app.conf)
 
     def validate(self) -> None:
         """Raises ValueError naming the first setting that cannot be used."""

@@ -5,7 +5,7 @@ cancellation.
   ``ledger_hold_threshold_seconds`` records a ``scheduled`` entry (due time and argument
   snapshot) and publishes nothing (``hold``); ``self.retry(countdown=)`` past it settles the
   entry ``scheduled`` instead of publishing the retry (``held_retry``). The sweep publishes
-  what is due with the original task id (``recovery.sweep.wake_due``). No broker ever holds a
+  what is due with the original task id (``recovery.wake.wake_due``). No broker ever holds a
   long-delayed message, so no visibility timeout or ``consumer_timeout`` can duplicate or kill
   it.
 - **Sleep.** ``self.sleep(seconds)`` / ``self.wait_until(when)`` is a step (its wake time is
@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Retry
 from celery.utils.time import maybe_make_aware
 
 from celery_ledger import canvas, envelope, runtime
@@ -53,6 +53,7 @@ from celery_ledger.redelivery import header
 
 if TYPE_CHECKING:
     from celery_ledger.attempt import Attempt
+    from celery_ledger.settings import LedgerSettings
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +186,45 @@ def hold(
     return recorded
 
 
+def retry_due(task: Any, exc: Retry, settings: LedgerSettings) -> dict[str, Any]:
+    """When a ``self.retry()`` is due and what it re-sends: the fields of its ``retrying``
+    settle (``Delivery.after_retry``), so that the sweep re-sends a retry whose message is
+    lost (design.md § "Recovery").
+
+    Due at its ETA (``countdown`` seconds from now on the database clock, or the ``eta``
+    datetime) plus ``ledger_retry_grace_seconds``; the snapshot becomes the retry's own
+    arguments and retry count (``retry(args=...)`` may change them).
+    """
+    grace = settings.retry_grace_seconds
+    when = exc.when
+    due: dict[str, Any] = {"due_in": grace}  # no ETA known: due after the grace alone
+    if isinstance(when, str):
+        with contextlib.suppress(ValueError):
+            when = datetime.fromisoformat(when)
+    if isinstance(when, datetime):
+        due = {"due_at": maybe_make_aware(when).timestamp() + grace}
+    elif isinstance(when, (int, float)):
+        due = {"due_in": max(float(when), 0.0) + grace}
+    sig = exc.sig
+    if sig is None:
+        return due
+    req = task.request
+    try:
+        due["snapshot"] = envelope.seal(
+            task.app, envelope.of_retry(req, sig, canvas=canvas.placement(req))
+        )
+    except Exception as exc_:  # noqa: BLE001 - nothing here may stop the retry itself
+        # The entry keeps the snapshot it has, as a claim does for arguments it cannot
+        # snapshot; the retry's own message carries the new arguments.
+        log.warning(
+            "no argument snapshot for the retry of task_id=%s (%s); a lost retry is "
+            "re-sent with the arguments last stored",
+            req.id,
+            exc_,
+        )
+    return due
+
+
 def mark_held(retry: BaseException, call: RetryCall) -> None:
     """Tie the hold of ``call`` (if its publish was held) to the ``Retry`` it made: the hold
     is that exception's, and only its settle (``held_retry``) may use it."""
@@ -212,9 +252,10 @@ def delivery_deadline(req: Any) -> float | None:
 # -- cancellation and refused starts -----------------------------------------------------------
 
 
-def explain_refusal(task: Any, attempt: Attempt, store: LedgerStore) -> None:
+def explain_refusal(attempt: Attempt) -> None:
     """A fenced write was refused: if it was an effect step's start that a cancellation or a
-    passed deadline refused, settle the entry ``cancelled``/``expired`` (same fence).
+    passed deadline refused, settle the entry ``cancelled``/``expired`` (same fence, through
+    the attempt: ``Attempt.settle``).
 
     Returns when the fence moved (superseded: the caller goes on as before).
 
@@ -222,18 +263,18 @@ def explain_refusal(task: Any, attempt: Attempt, store: LedgerStore) -> None:
         Stopped: settled cancelled or expired.
     """
     try:
-        why = store.stop_reason(attempt.key, attempt.fence)
+        why = attempt.stop_reason()
     except LedgerError:
         return
     if why == EntryStatus.CANCELLED.value:
-        _settle_stop(task, attempt, EntryStatus.CANCELLED, "cancelled before this step started")
+        _settle_stop(attempt, EntryStatus.CANCELLED, "cancelled before this step started")
     if why == EntryStatus.EXPIRED.value:
-        _settle_stop(task, attempt, EntryStatus.EXPIRED, "the deadline passed before this step")
+        _settle_stop(attempt, EntryStatus.EXPIRED, "the deadline passed before this step")
 
 
-def _settle_stop(task: Any, attempt: Attempt, status: EntryStatus, why: str) -> None:
+def _settle_stop(attempt: Attempt, status: EntryStatus, why: str) -> None:
     exc_type = TaskCancelled if status is EntryStatus.CANCELLED else TaskExpired
-    exc = exc_type(f"{task.name}[{attempt.task_id}] key {attempt.key}: {why}")
+    exc = exc_type(f"{attempt.task.name}[{attempt.task_id}] key {attempt.key}: {why}")
     error = encode_failure(exc, limit=attempt.settings.max_exception_bytes)
     if not attempt.settle(status, error=error):
         raise Stopped(Ignore())  # another attempt owns it now
@@ -392,9 +433,7 @@ def key_window_passed(attempt: Attempt, ident: tuple[str, str, int]) -> bool:
 # -- sleep -------------------------------------------------------------------------------------
 
 
-def sleep_until(
-    task: Any, attempt: Attempt, store: LedgerStore, *, seconds: float | None, when: float | None
-) -> None:
+def sleep_until(attempt: Attempt, *, seconds: float | None, when: float | None) -> None:
     """The body of ``self.sleep``/``self.wait_until``: a step whose output is the wake time
     (database clock), so a resume never sleeps again; while it is ahead, settle ``sleeping``
     and end the attempt.
@@ -404,11 +443,11 @@ def sleep_until(
     """
     if seconds is not None:
         wake = attempt.step(
-            SLEEP_STEP, lambda s: store.now() + s, (float(seconds),), {}, effect=False
+            SLEEP_STEP, lambda s: attempt.now() + s, (float(seconds),), {}, effect=False
         )
     else:
         wake = attempt.step(SLEEP_STEP, lambda w: w, (float(when),), {}, effect=False)  # type: ignore[arg-type]
-    if store.now() >= float(wake):
+    if attempt.now() >= float(wake):
         return
     if not attempt.settle(EntryStatus.SLEEPING, due_at=float(wake)):
         raise Stopped(Ignore())

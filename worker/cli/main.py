@@ -7,8 +7,9 @@
 
 Each command family lives in a module of its own and is added here:
 ``celery_ledger.cli.ops`` (list/show/release/resume/sweep/stats),
-``celery_ledger.cli.doctor`` (doctor/migrate), ``celery_ledger.metrics``
-(metrics), ``celery_ledger.harness.demo`` (demo), ``celery_ledger.harness.verify`` (verify).
+``celery_ledger.cli.doctor`` (doctor), ``celery_ledger.cli.migrate`` (migrate),
+``celery_ledger.metrics`` (metrics), ``celery_ledger.harness.demo`` (demo),
+``celery_ledger.harness.verify`` (verify).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ COMMANDS = [
     ("celery_ledger.cli.sealing", "COMMANDS"),
     ("celery_ledger.cli.schedule", "COMMANDS"),
     ("celery_ledger.cli.doctor", "COMMANDS"),
+    ("celery_ledger.cli.migrate", "COMMANDS"),
     ("celery_ledger.cli.metrics", "COMMANDS"),
     ("celery_ledger.harness.demo", "COMMANDS"),
     ("celery_ledger.harness.verify", "COMMANDS"),

@@ -35,6 +35,8 @@ from celery_ledger.ledger import (
     STEP_RETURNED_WARNING,
     EntryStatus,
     Interrupted,
+    LedgerStore,
+    Release,
     Verdict,
     check_release_text,
     cipher_from,
@@ -224,19 +226,7 @@ def release_cmd(
         verified=verdict.value,
         by=by,
     )
-    outcome = None
-    if rel.to_status is EntryStatus.INTERRUPTED:
-        outcome = ResumeOutcome.NO_SNAPSHOT
-        if rel.snapshot is not None:
-            outcome = resume_entry(
-                store,
-                load_app(ctx),
-                Interrupted(key, rel.task_name, rel.task_id, rel.fence),
-                lease_seconds=settings.lease_seconds,
-                max_resumes=settings.max_resumes,
-                actor=by,
-                cipher=cipher_from(settings.snapshot_keys),
-            )
+    outcome = _resume_released(ctx, store, settings, rel, by)
     data = {
         "key": key,
         "verified": verdict.value,
@@ -253,9 +243,36 @@ def release_cmd(
     if as_json:
         emit_json(data)
         return
+    _print_release(ctx, rel, verdict, by, outcome)
+
+
+def _resume_released(
+    ctx: click.Context, store: LedgerStore, settings: Any, rel: Release, by: str
+) -> ResumeOutcome | None:
+    """Re-enqueue an entry a ``not-executed`` release left interrupted, from its snapshot;
+    None for a ``completed`` release (nothing to run)."""
+    if rel.to_status is not EntryStatus.INTERRUPTED:
+        return None
+    if rel.snapshot is None:
+        return ResumeOutcome.NO_SNAPSHOT
+    return resume_entry(
+        store,
+        load_app(ctx),
+        Interrupted(rel.key, rel.task_name, rel.task_id, rel.fence),
+        lease_seconds=settings.lease_seconds,
+        max_resumes=settings.max_resumes,
+        actor=by,
+        cipher=cipher_from(settings.snapshot_keys),
+    )
+
+
+def _print_release(
+    ctx: click.Context, rel: Release, verdict: Verdict, by: str, outcome: ResumeOutcome | None
+) -> None:
+    """What ``release`` did, and what the operator does next, for a person."""
     echo(
         ctx,
-        f"released {key} ({rel.task_name}): {rel.from_status.value} -> "
+        f"released {rel.key} ({rel.task_name}): {rel.from_status.value} -> "
         f"{rel.to_status.value}, fence {rel.fence}, verified {verdict.value} by {by}",
     )
     if rel.steps_released:

@@ -364,6 +364,11 @@ class Chaos:
         self.started = time.monotonic()
         self.next_at = self.started + rng.uniform(*self.interval)
         self.timers: list[tuple[float, str, Any]] = []
+        #: A drawn worker action no run could take yet (no worker ready: one still starting
+        #: after a kill, on a loaded machine), with its draw: tried again at every tick until
+        #: one run takes it, before anything new is drawn. Dropped, it would make the
+        #: actions taken depend on the machine's speed, not on ``--seed``.
+        self.pending: tuple[str, float] | None = None
         self.outage_on = False
         weights = {
             "kill-child": 4,
@@ -386,6 +391,12 @@ class Chaos:
         for timer in [t for t in self.timers if t[0] <= now]:
             self.timers.remove(timer)
             timer[2]()
+        if self.pending is not None:
+            action, pick = self.pending
+            if self._act_on_runs(action, pick):
+                self.pending = None
+                self.next_at = now + self.rng.uniform(*self.interval)
+            return
         if now >= self.next_at and len(self.log.actions) < self.max_actions:
             self.next_at = now + self.rng.uniform(*self.interval)
             self.act(self.rng.choices(self.actions, self.weights)[0])
@@ -425,12 +436,21 @@ class Chaos:
                 {"t": at, "action": action, "run": "ledgered", "detail": detail}
             )
             return
+        if not self._act_on_runs(action, pick):
+            self.pending = (action, pick)
+
+    def _act_on_runs(self, action: str, pick: float) -> bool:
+        """Take a worker action on every run that can; whether one could."""
+        at = round(time.monotonic() - self.started, 1)
+        taken = False
         for work in self.works:
             done = self._act_on(work, action, pick)
             if done:
+                taken = True
                 self.log.actions.append(
                     {"t": at, "action": action, "run": work.kind.id, "detail": done}
                 )
+        return taken
 
     def _act_on(self, work: Workload, action: str, pick: float) -> str | None:
         ready = [

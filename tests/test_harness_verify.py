@@ -1,0 +1,126 @@
+"""``verify``'s harness where the machine's speed used to decide the outcome.
+
+When the settle phase calls a run over (``orchestrate.Workload.settle_tick``): a
+ledgered run whose orders are all final while its canvas is not (a chord member still waiting
+for its lease and a sweep, a callback still queued) is not idle, however long that takes on a
+loaded machine; ``settle``'s own bound is what ends a canvas that never completes.
+
+No worker runs there: the run's effects and ledger are real SQLite files, and the idle clock
+is moved back by hand instead of waited out.
+
+A chaos action drawn while no worker of any run is ready (one still starting after a kill) is
+taken once one is, not lost: with ``--seed`` the actions taken are the seed's, not the load's.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from celery_ledger.harness import canvas_load, orchestrate
+from celery_ledger.harness.processes import ProcessGroup, wait_for
+from celery_ledger.harness.verify import KINDS, Chaos, ChaosLog, NoOutage
+
+LEDGERED = next(k for k in KINDS if k.ledgered)
+
+
+def workload(tmp_path: Path, broker: str | None) -> orchestrate.Workload:
+    box = orchestrate.Sandbox.create(prefix="settle", broker=broker, ledger=None, data_dir=tmp_path)
+    orchestrate.prepare(box)
+    # No order: every order is final. One chain and the chord, none of whose effects exist.
+    work = orchestrate.Workload(
+        LEDGERED, box, orch=None, orders=0, concurrency=1, env={}, ledger_idle=5.0
+    )
+    work.canvas_chains = 1
+    return work
+
+
+def idle_for_long(work: orchestrate.Workload) -> None:
+    """As if nothing had moved for longer than the run's idle time (the effects counted
+    first: a count that changed is progress)."""
+    work.refresh()
+    work._progress_at = time.monotonic() - 10 * work.ledger_idle
+
+
+@pytest.fixture
+def engine(tmp_path: Path):  # type: ignore[no-untyped-def]
+    from celery_ledger.ledger.engine import make_engine
+
+    eng = make_engine(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    try:
+        yield eng
+    finally:
+        eng.dispose()
+
+
+def test_an_unsettled_chord_keeps_a_run_on_a_real_broker_from_going_idle(
+    tmp_path: Path, engine: object
+) -> None:
+    work = workload(tmp_path, "redis://127.0.0.1:6379/15")
+    try:
+        idle_for_long(work)
+        assert work.settle_tick(engine) is False, "the run went idle with its chord unsettled"
+        assert not work.finished
+        # Once the chord and the chain are complete, the run is over at once.
+        for n in range(canvas_load.CHORD_SIZE):
+            work.db.record(work.run, canvas_load.chord_id(work.run), f"link{n}")
+        work.db.record(work.run, canvas_load.chord_id(work.run), "join")
+        for n in range(1, canvas_load.CHAIN_LENGTH + 1):
+            work.db.record(work.run, canvas_load.chain_id(work.run, 0), f"link{n}")
+        assert work.settle_tick(engine) is True
+    finally:
+        work.db.dispose()
+
+
+def test_on_the_embedded_broker_an_idle_run_ends_with_its_canvas_incomplete(
+    tmp_path: Path, engine: object
+) -> None:
+    # filesystem:// may drop a member before any claim (CanvasReport.strict): idle still ends it.
+    work = workload(tmp_path, None)
+    try:
+        idle_for_long(work)
+        assert work.settle_tick(engine) is True
+    finally:
+        work.db.dispose()
+
+
+#: A stand-in worker: a parent that forks one child (its pool process), and says " ready."
+#: only once the file named by its argument exists.
+GATED = r"""
+import os, sys, time
+from pathlib import Path
+if os.fork() == 0:
+    while True:
+        time.sleep(0.05)
+print("starting", flush=True)
+while not Path(sys.argv[1]).exists():
+    time.sleep(0.05)
+print("w1 ready.", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_kill_drawn_before_any_worker_is_ready_is_taken_once_one_is(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    with ProcessGroup(tmp_path) as group:
+        proc = group.spawn("w1", [sys.executable, "-c", GATED, str(gate)], ready_marker=" ready.")
+        proc.wait_log("starting", timeout=60)
+        run = SimpleNamespace(workers={"w1": proc}, kind=LEDGERED)
+        log = ChaosLog()
+        chaos = Chaos([run], random.Random(1), NoOutage("none here"), log)  # type: ignore[list-item]
+        chaos.actions, chaos.weights = ["kill-child"], [1]
+        chaos.next_at = time.monotonic()
+        chaos.tick()  # drawn now: no worker is ready
+        assert log.actions == []
+        gate.touch()
+        proc.wait_ready(timeout=60)
+        wait_for(proc.children, timeout=30, what="the pool process")
+        chaos.next_at = time.monotonic() + 3600  # nothing new is due: only the drawn kill
+        chaos.tick()
+        assert [a["action"] for a in log.actions] == ["kill-child"], log.actions
