@@ -221,8 +221,10 @@ def on_worker_ready(sender: Any = None, **_: Any) -> None:
     global _watchdog
     from celery_ledger import runtime
 
+    if _watchdog is not None or not runtime.is_installed(sender.app):
+        return
     settings = runtime.settings_for(sender.app)
-    if settings.consumer_watchdog == "off" or _watchdog is not None:
+    if settings.consumer_watchdog == "off":
         return
     _watchdog = ConsumerWatchdog(
         sender, mode=settings.consumer_watchdog, bound_seconds=settings.consumer_watchdog_seconds
