@@ -25,8 +25,8 @@ import pytest
 from celery_ledger.harness.processes import wait_for
 
 
-def _missing(program: str) -> None:
-    why = f"{program} is not installed"
+def _missing(program: str, why: str = "") -> None:
+    why = why or f"{program} is not installed"
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(why)
     pytest.skip(why)
@@ -96,6 +96,7 @@ class OwnRabbitMQ:
         self.dist_port = free_port()
         self.node = f"ledger{self.port}@localhost"
         self.proc: subprocess.Popen[bytes] | None = None
+        self._started_once = False
         (directory / "enabled_plugins").write_text("[].\n")
         (directory / "rabbitmq.conf").write_text(f"listeners.tcp.default = 127.0.0.1:{self.port}\n")
         (directory / "env").write_text("")
@@ -146,7 +147,11 @@ class OwnRabbitMQ:
         )
         if not port_open(self.port):
             tail = (self.dir / "server.out").read_text(errors="replace")[-600:]
-            raise RuntimeError(f"the second RabbitMQ node did not start: {tail}")
+            if not self._started_once:  # this machine cannot run a second node
+                self.stop()
+                _missing("rabbitmq-server", f"a second RabbitMQ node does not start here: {tail}")
+            raise RuntimeError(f"the second RabbitMQ node did not start again: {tail}")
+        self._started_once = True
 
     def _node_pid(self) -> int | None:
         try:
