@@ -119,7 +119,8 @@ class ConsumerWatchdog:
         """One look: update the state, log a stall's start and end, restart if asked."""
         now = self.clock()
         restarts = getattr(self.consumer, "restart_count", 0)
-        if restarts != self._restart_count:  # the consumer reconnected: its bound starts now
+        reconnected = restarts != self._restart_count
+        if reconnected:  # the consumer reconnected: its bound starts now
             self._restart_count = restarts
             self._last = now
         state = self.state
@@ -141,7 +142,10 @@ class ConsumerWatchdog:
             if state.mode == "restart":
                 self.restart_consumer()
         elif state.stalled and not stalled:
-            log.warning("consumer stall over: the worker receives messages again")
+            log.warning(
+                "consumer stall over: %s",
+                "the consumer reconnected" if reconnected else "the worker receives messages",
+            )
         state.stalled = stalled
         return state
 
