@@ -15,7 +15,7 @@ from kombu.transport import redis as kombu_redis
 
 from celery_ledger.settings import LedgerSettings
 from celery_ledger.watchdog import ConsumerStalled, ConsumerWatchdog, doctor_check
-from celery_ledger.watchdog_metrics import families
+from celery_ledger.watchdog_metrics import ask_workers, families
 
 
 class Hub:
@@ -158,4 +158,20 @@ def test_the_gauges_per_worker() -> None:
         "celery_ledger_consumer_idle_seconds": [({"worker": "w1@h"}, 12.5)],
         "celery_ledger_consumer_stalls": [({"worker": "w1@h"}, 2.0)],
         "celery_ledger_consumer_restarts": [({"worker": "w1@h"}, 1.0)],
+    }
+
+
+def test_the_inspect_command_and_its_replies() -> None:
+    from celery.worker.control import Panel
+
+    from celery_ledger.watchdog import install
+
+    install()  # what celery_ledger.install(app) runs once per process
+    assert Panel.data["ledger_consumer"](None) == {"watchdog": None}  # no watchdog here
+    replies = [{"w1@h": {"watchdog": {"stalls": 1}}}, {"w2@h": {"watchdog": None}}]
+    control = SimpleNamespace(broadcast=lambda name, reply, timeout: replies)
+    app = SimpleNamespace(control=control)
+    assert ask_workers(app, timeout=1.0) == {
+        "w1@h": {"watchdog": {"stalls": 1}},
+        "w2@h": {"watchdog": None},
     }

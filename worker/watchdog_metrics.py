@@ -47,10 +47,16 @@ class ConsumerCollector:
 
     def _ask(self) -> dict[str, dict[str, Any]]:
         try:
-            answers = self._app().control.inspect(timeout=REPLY_TIMEOUT).ledger_consumer() or {}
+            answers = ask_workers(self._app(), timeout=REPLY_TIMEOUT)
         except Exception:  # noqa: BLE001 - a broker that cannot be asked shows no workers
             return {}
         return {w: a["watchdog"] for w, a in answers.items() if (a or {}).get("watchdog")}
+
+
+def ask_workers(app: Any, *, timeout: float) -> dict[str, Any]:
+    """Every answering worker's ``ledger_consumer`` reply (worker name -> reply)."""
+    replies = app.control.broadcast("ledger_consumer", reply=True, timeout=timeout) or []
+    return {name: answer for reply in replies for name, answer in reply.items()}
 
 
 def families(replies: dict[str, dict[str, Any]]) -> Iterator[Metric]:
