@@ -17,7 +17,7 @@ still imports nothing of celery-ledger: the memory benchmark reports the ledger 
 Celery as shipped and against plain Celery with that idiom, to separate what the ledger's modules
 cost from what the freeze saves.
 
-Issue 20's variants, from the environment too: ``BENCH_BODY_MS`` (the body sleeps that long,
+The durability variants, from the environment too: ``BENCH_BODY_MS`` (the body sleeps that long,
 every mode), ``BENCH_SIDE_EFFECT`` (the ledgered task's class; default ``non_idempotent``, no
 steps) and ``BENCH_FLOOR_SETTLE_ASYNC=1`` (the floor's settle ``UPDATE`` commits on a second
 connection with ``synchronous_commit = off``: the floor of a task whose claim is its intent and
@@ -401,7 +401,7 @@ app = make_app(
 )
 
 
-# -- issue 20, part 1: a wall-clock trace of each task (``benchmarks/trace.py``) ----------------
+# -- a wall-clock trace of each task (``benchmarks/trace.py``) -----------------------------------
 
 ENV_TRACE = "BENCH_TRACE"
 

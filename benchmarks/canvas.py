@@ -1,4 +1,5 @@
-"""What recording a chain's next link with the settle costs (issue 17).
+"""What recording a chain's next link with the settle costs (design.md § "Canvas: chains,
+groups, chords, callbacks").
 
     python benchmarks/canvas.py                 # PostgreSQL (scratch db) and SQLite (temp file)
     python benchmarks/canvas.py --tasks 200 --backend sqlite
@@ -8,7 +9,8 @@ of an entry without links (``settle``: one statement) against the same settle re
 next link as an outbox child (``settle_with_links``: one transaction, the settle and one
 insert), alternated entry by entry in one run; medians, their ratio, and the statements each
 makes. The link's publish after the commit is the outbox's (a broker round trip plus one
-mark, the same as any ``self.send`` child: benchmarks/steps.py and docs/benchmarks.md, issue 16).
+mark, the same as any ``self.send`` child: benchmarks/steps.py and docs/benchmarks.md
+§ "Transaction steps").
 """
 
 from __future__ import annotations

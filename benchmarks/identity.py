@@ -6,7 +6,8 @@
 Every claim calls ``ledger_key`` once, in the pool process, before the claim's round trip (and a
 publish with intents calls it once more). For an entry keyed by its task id, the key is the task
 id's hash; the arguments hash (canonical JSON of ``[args, kwargs]``, then SHA-256) is what lets
-a claim tell a fresh publish with other arguments from the first one (issue 14, fault 13). The
+a claim tell a fresh publish with other arguments from the first one (guarantees.md § "The hardening
+faults", fault 13). The
 cases are a typical task (an order id and an amount), a task with a 1 KiB string, one with a
 list of 100 small dicts, and the same typical task keyed by ``key_from``. Pure CPU in this one
 process: no database, no broker.

@@ -1,4 +1,5 @@
-"""The ledger's CPU per task, layer by layer, in one process (issue 20): where the gap to the
+"""The ledger's CPU per task, layer by layer, in one process (docs/benchmarks.md § "The hidden
+millisecond"): where the gap to the
 floor is the schema's and where it is the ledger's Python.
 
     python benchmarks/layers.py                  # 5,000 tasks per layer, median of 3 rounds

@@ -1,4 +1,5 @@
-"""What the sweep's durable-time pass costs with many entries held by the ledger (issue 18).
+"""What the sweep's durable-time pass costs with many entries held by the ledger (design.md
+§ "Durable time").
 
     python benchmarks/schedule.py                         # PostgreSQL: 1,000,000 settled rows,
                                                           # 100,000 scheduled, 1,000 due

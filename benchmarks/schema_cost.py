@@ -1,4 +1,5 @@
-"""What the ledger's schema costs per task, part by part (issue 20): its secondary indexes, the
+"""What the ledger's schema costs per task, part by part (docs/benchmarks.md
+§ "The schema's floor"): its secondary indexes, the
 audit event in each statement, and the rest of its row.
 
     python benchmarks/schema_cost.py                 # 4,000 tasks per case, median of 3 rounds

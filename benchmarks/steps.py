@@ -12,7 +12,8 @@ delivery around them, so the figures are the ledger's own cost per step.
   ``non_idempotent`` one (``started`` intent, then ``completed``: two writes). The overhead
   per step is ``(ledgered - plain) / 10``, median over ``--tasks`` tasks. Writes per step are
   counted with SQLAlchemy's ``before_cursor_execute``.
-- Transaction step (issue 16): one INSERT into an application table committed with the step's
+- Transaction step (design.md § "Transaction steps and the transactional outbox"): one INSERT into
+  an application table committed with the step's
   ``completed`` row (``self.transaction_step``), against the same INSERT committed by the user
   on the same engine without the ledger (``engine.begin()``), alternated in one run: the ratio
   of medians (target <= 1.3x) and the commits per step (target 1). Each entry's first

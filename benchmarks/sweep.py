@@ -2,7 +2,7 @@
 
     python benchmarks/sweep.py                      # 1,000,000 settled rows, PostgreSQL + SQLite
     python benchmarks/sweep.py --rows 10000 --backend sqlite
-    python benchmarks/sweep.py --rows 1000 --backend postgres --broker redis   # issue 20
+    python benchmarks/sweep.py --rows 1000 --backend postgres --broker redis   # batched
 
 The ledger (a scratch PostgreSQL database, or a temporary SQLite file) is bulk-loaded with
 one ``INSERT ... SELECT`` over ``generate_series`` (PostgreSQL) or a recursive CTE (SQLite),
@@ -19,7 +19,8 @@ sets the leases of the first E running entries in the past (the rest stay live),
 With ``--broker redis`` the re-sends go to Redis through a real Celery app (a queue of this
 run's own, deleted after each sweep) instead of the stub, and each size is also swept the old
 way, one entry at a time (``resume_entry`` per entry: a read, a CAS and a commit, a producer
-per re-send), beside the batched sweep (issue 20, part 4).
+per re-send), beside the batched sweep (design.md § "The sweep resumes
+in batches").
 
 Each figure is the median of ``--repeat`` sweeps, measured first with 1,000 settled rows and
 then with ``--rows`` settled rows and the same running entries: the sweep should cost what the
@@ -166,7 +167,7 @@ def sweep_once(store: LedgerStore, batch: int, broker: RedisApp | None = None) -
 
 
 def sweep_one_by_one(store: LedgerStore, batch: int, broker: RedisApp) -> float:
-    """The sweep before issue 20: ``resume_entry`` for each entry (ms)."""
+    """The sweep before it resumed in batches: ``resume_entry`` for each entry (ms)."""
     started = time.perf_counter()
     store.interrupt_expired(limit=batch)
     resumed = sum(
@@ -298,7 +299,7 @@ def run(
                             f"sweep {expired:,} expired one entry at a time, {size} ({name}{via})",
                             got["single"],
                             "ms",
-                            note="resume_entry per entry (before issue 20)",
+                            note="resume_entry per entry (before the batched sweep)",
                         )
                     report.add(
                         BENCH,

@@ -3,7 +3,7 @@
     python benchmarks/throughput.py                    # 5,000 tasks, median of 3 rounds
     python benchmarks/throughput.py --tasks 200 --rounds 1
     python benchmarks/throughput.py --amqp amqp://guest:guest@127.0.0.1:5672//   # + RabbitMQ
-    python benchmarks/throughput.py --matrix --tasks 1000 --rounds 1 -c 2 --body-ms 10  # issue 20
+    python benchmarks/throughput.py --matrix --tasks 1000 --rounds 1 -c 2 --body-ms 10  # durability
 
 Setup (identical for both, see ``bench_app``): Redis broker and result backend, one worker
 ``-P prefork -c 2``, ``acks_late``, prefetch 1, ``result_extended``, log level warning. The
@@ -18,7 +18,8 @@ claim-then-settle design must make per task (an ``INSERT`` before the body, an `
 on a bare psycopg connection; see ``bench_app``). ``floor/plain`` is the most a ledgered task can
 reach on this machine whatever the ledger's own code does; ``ledger/floor`` is what that code costs.
 
-``--matrix`` (issue 20) drains, side by side in one invocation, with a body of ``--body-ms``:
+``--matrix`` (docs/benchmarks.md § "The hidden millisecond") drains, side by side in one invocation,
+with a body of ``--body-ms``:
 plain; the floor with synchronous commits, with asynchronous ones (``PGOPTIONS``), and with one
 of each (``floor-intent``: a synchronous claim, an asynchronous settle, what a task whose claim
 is its intent needs); the ledger with ``ledger_durability`` ``every-write`` and ``effects``
@@ -378,7 +379,7 @@ def run_matrix(
     body_ms: float,
     variants: list[str] | None = None,
 ) -> Report:
-    """Issue 20's table: every variant (or ``variants``) drained in one invocation, rounds
+    """The durability table: every variant (or ``variants``) drained in one invocation, rounds
     alternating order."""
     report = Report()
     names = variants or list(VARIANTS)
@@ -579,7 +580,7 @@ def main() -> None:
         help="also run each mode on this RabbitMQ broker (amqp://...), side by side in each round",
     )
     parser.add_argument(
-        "--matrix", action="store_true", help="issue 20's variants side by side (see above)"
+        "--matrix", action="store_true", help="the durability variants side by side (see above)"
     )
     parser.add_argument("--body-ms", type=float, default=0.0, help="--matrix: the body's sleep")
     parser.add_argument(

@@ -1,4 +1,5 @@
-"""Where a ledgered task waits that a floor task does not: a wall-clock trace (issue 20, part 1).
+"""Where a ledgered task waits that a floor task does not: a wall-clock trace
+(docs/benchmarks.md § "The hidden millisecond", part 1).
 
     python benchmarks/trace.py --tasks 1000 -c 2
     python benchmarks/trace.py --tasks 1000 -c 2 --variants floor-intent,ledger-effects

@@ -31,6 +31,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine
 
 from celery_ledger.ledger import statements as sql
+from celery_ledger.ledger.budget import pool_options
 from celery_ledger.ledger.dialect import dialect_for
 from celery_ledger.ledger.engine import (
     READ_ONLY,
@@ -133,6 +134,7 @@ class StoreCore:
         engine_options: dict[str, Any] | None = None,
         durability: str = DEFAULT_DURABILITY,
         prepare_threshold: str | int | None = None,
+        max_connections: int | None = None,
     ) -> None:
         if durability not in DURABILITY:
             raise ValueError(
@@ -148,7 +150,10 @@ class StoreCore:
         self.dialect = dialect_for(url)
         self.is_sqlite = self.dialect.name == "sqlite"
         self._migrate = migrate
-        self._engine_options = dict(engine_options or {})
+        # ``max_connections`` bounds this process's share (ledger/budget.py); options given
+        # in ``engine_options`` win over it.
+        bounded, self._fast_keep = pool_options(max_connections)
+        self._engine_options = {**bounded, **(engine_options or {})}
         if prepare_threshold is not None:
             # psycopg's, on every connection of both engines; checked here, at construction
             # (``driver_options``: it wins over the URL's ``prepare_threshold=`` and ``pooler=``).
@@ -215,7 +220,8 @@ class StoreCore:
             )
         else:
             self._autocommit = fast_engine = engine
-        self._fast = FastPath(fast_engine, self.dialect)
+        keep = {} if self._fast_keep is None else {"keep": self._fast_keep}
+        self._fast = FastPath(fast_engine, self.dialect, **keep)
         self._pid = os.getpid()
 
     def _check_schema(self, engine: Engine) -> None:

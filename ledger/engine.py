@@ -24,6 +24,9 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 PG_CONNECT_TIMEOUT_S = 5
 
 
+#: ``application_name`` of the ledger's PostgreSQL connections, unless the URL gives one.
+APPLICATION_NAME = "celery-ledger"
+
 #: Execution option marking a connection whose transaction only reads.
 READ_ONLY = "ledger_read_only"
 
@@ -142,7 +145,10 @@ def make_engine(url: str, *, prepare_threshold: str | int | None = None, **kwarg
     if backend == "postgresql":
         connect_args = {**options, **kwargs.pop("connect_args", {})}
         connect_args.setdefault("connect_timeout", PG_CONNECT_TIMEOUT_S)
-        connect_args.setdefault("application_name", "celery-ledger")
+        if "application_name" not in parsed.query:
+            # The name operators count a fleet's connections by (docs/operations.md §
+            # "Deploying"); one given in the URL names this worker's connections apart.
+            connect_args.setdefault("application_name", APPLICATION_NAME)
         kwargs.setdefault("pool_size", 2)
         kwargs.setdefault("max_overflow", 4)
         kwargs.setdefault("pool_pre_ping", False)

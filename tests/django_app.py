@@ -41,7 +41,7 @@ def credit(self: LedgerTask, order_id: str) -> list[str]:
 
 def _credit_rolled_back(order_id: str) -> str:
     Credit.objects.create(order_id=order_id, kind="credit")
-    transaction.set_rollback(True)  # the ledger's transaction: refused (issue 30, item 6)
+    transaction.set_rollback(True)  # refused by the ledger (guarantees.md § "Bad input", item 6)
     return f"credit:{order_id}"
 
 

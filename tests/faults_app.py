@@ -1,4 +1,5 @@
-"""Tasks for the failing-first tests of issue 14, registered on ``tests_app``'s app.
+"""Tasks for the failing-first tests of the hardening faults (guarantees.md
+§ "The hardening faults"), registered on ``tests_app``'s app.
 
 A worker loads them with ``celery -A tests_app worker -I faults_app`` (``FAULT_TASKS`` below is
 that option). Every effect goes through ``tests_app.effect``: one row in ``test_effects`` per
@@ -31,8 +32,8 @@ def charge_at(order_id: str, ts: float) -> dict[str, Any]:
 @app.task(shared=False, base=LedgerTask, bind=True, name="faults_app.drift_charge")
 def drift_charge(self: LedgerTask, order_id: str, declared: bool = False) -> dict[str, Any]:
     ts = time.time()  # read outside any step: a different value on every attempt
-    # The proposed declaration (issue 14, fault 6): the arguments of ``charge_at`` that
-    # identify the step; the others (``ts``) may change between attempts.
+    # The proposed declaration (guarantees.md § "The hardening faults", fault 6): the arguments of
+    # ``charge_at`` that identify the step; the others (``ts``) may change between attempts.
     options: dict[str, Any] = {"identify": ("order_id",)} if declared else {}
     charged = self.step("charge", charge_at, order_id, ts, **options)
     receipt = self.step("receipt", effect, order_id, "receipt")

@@ -1,4 +1,5 @@
-"""Tasks for the outbox's hostile-input tests (issue 30, items 2, 7, 8), on ``tests_app``'s app.
+"""Tasks for the outbox's hostile-input tests (guarantees.md § "Bad input", items 2, 7, 8), on
+``tests_app``'s app.
 
 A worker loads them with ``celery -A tests_app worker -I outbox_app`` (``OUTBOX_TASKS``). Each
 task sends one child through the outbox from an effect step; ``kind`` picks what is wrong with

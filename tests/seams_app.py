@@ -1,4 +1,4 @@
-"""Tasks for the seams tests (issue 29's envelope and admission gate), registered on
+"""Tasks for the seams tests (design.md § "One envelope, one admission gate"), registered on
 ``tests_app``'s app.
 
 A worker loads them with ``celery -A tests_app worker -I seams_app`` (``SEAMS_TASKS``); a test's

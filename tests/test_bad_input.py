@@ -1,4 +1,4 @@
-"""Bad input gets a clear error and loses nothing (issue 2, 3)."""
+"""Bad input gets a clear error and loses nothing (guarantees.md § "Bad input")."""
 
 from __future__ import annotations
 
@@ -77,7 +77,8 @@ def test_unserializable_step_output_leaves_the_step_ambiguous(tmp_path):
     store = LedgerStore(ledger)
     key = key_of("tests_app.unserializable_output", result.id)
     entry = store.get_entry(key)
-    # The step returned: the reason says so, and that it executed (issue 30, item 19).
+    # The step returned: the reason says so, and that it executed (guarantees.md § "Bad input",
+    # item 19).
     assert entry.status is EntryStatus.BLOCKED
     assert "'make' returned, and only its output could not be stored" in entry.reason
     assert "it executed" in entry.reason and "may have executed" not in entry.reason

@@ -1,4 +1,4 @@
-"""Issue 30, hostile times (items 4, 13, 14): the failing-first tests.
+"""Hostile times (guarantees.md § "Bad input", items 4, 13, 14): the failing-first tests.
 
 A time that is not a finite number in range (``countdown=float('inf')``, NaN, ``'abc'``) is
 refused where it is given, in the ledger's words, before anything is recorded or published;

@@ -1,5 +1,5 @@
 """Broker faults, each on RabbitMQ and on Redis, the ledgered run against plain Celery
-(``acks_late`` + ``reject_on_worker_lost``) in the same run (issue 15).
+(``acks_late`` + ``reject_on_worker_lost``) in the same run (design.md § "Recovery").
 
 The runs are ``verify``'s: the same orders (three effect steps, each one row in an effects
 table without a unique constraint), one queue and one worker per run, a beat for the ledgered

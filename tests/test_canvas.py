@@ -1,4 +1,5 @@
-"""Celery canvas with ledgered members under SIGKILL (issue 17), with real workers.
+"""Celery canvas with ledgered members under SIGKILL (design.md § "Canvas: chains, groups,
+chords, callbacks"), with real workers.
 
 Broker and results: Redis (the result backend's chord counter) unless a test says otherwise;
 ledger and effects: the test's own PostgreSQL database. Each effect is a row in

@@ -1,5 +1,5 @@
-"""Issue 30, items 21-23: what Celery's own integration tests found, each through a real
-``celery worker`` over Redis with a PostgreSQL ledger.
+"""guarantees.md § "Bad input", items 21-23: what Celery's own integration tests found, each through
+a real ``celery worker`` over Redis with a PostgreSQL ledger.
 
 The whole of Celery's suite, plain and ledgered, is run by ``.ci/celery-suite`` (too long for
 the README's test command); docs/celery-suite.md lists the tests that differ and why.

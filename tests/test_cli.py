@@ -1,4 +1,5 @@
-"""The operator CLI (issue 5): click's runner, real subprocesses, and the full story.
+"""The operator CLI (docs/operations.md § "Commands"): click's runner, real subprocesses, and the
+full story.
 
 Runner tests drive ``celery_ledger.cli.main.main`` in-process against SQLite and PostgreSQL,
 with the ledger's state built through the store the way a worker builds it (claim, started step,
@@ -551,6 +552,7 @@ def test_doctor_passes_on_the_embedded_default(
         "schema",
         "backend",
         "pooler",
+        "connections",
         "visibility",
         "hold",
         "rabbitmq",
@@ -603,7 +605,8 @@ def test_doctor_warns_about_chord_counting_before_celery_5_7(
 def test_doctor_warns_when_the_hold_threshold_reaches_the_visibility_timeout(
     cli: Any, store: LedgerStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 18: a countdown below the hold threshold waits unacked in a worker."""
+    """design.md § "Durable time": a countdown below the hold threshold waits unacked in a
+    worker."""
     monkeypatch.setenv("CELERY_BROKER_URL", "redis://127.0.0.1:6379/15")
     monkeypatch.setenv("CELERY_RESULT_BACKEND", "cache+memory://")
     monkeypatch.setenv("CELERY_LEDGER_HOLD_THRESHOLD_SECONDS", "7200")
@@ -708,7 +711,8 @@ def test_both_installations_share_the_commands(
 def test_release_of_a_tombstone_is_refused_in_one_line(
     tmp_path: Path, store: LedgerStore, ledger_url: str
 ) -> None:
-    """Issue 29: ``celery-ledger release`` of a failed entry retention pruned to a tombstone
+    """guarantees.md § "The seams", fault 10: ``celery-ledger release`` of a failed entry retention
+    pruned to a tombstone
     (its completed step forgotten) exits 1 with one line that says why, no traceback, and
     writes nothing: a re-run could repeat the forgotten step's effect."""
     failed_tombstone(store, "k-tomb")
@@ -826,7 +830,7 @@ def test_full_story_blocked_found_shown_released_runs_once(tmp_path: Path, ledge
 
 
 def test_show_lists_children_and_the_child_names_its_parent(cli: Any, store: LedgerStore) -> None:
-    """Issue 16: the outbox in ``show``: a parent's children (sent / pending), navigable by
+    """The outbox in ``show``: a parent's children (sent / pending), navigable by
     their task ids, and a child's parent."""
     parent = claim(store, "shop.parent")
     sent, pending = (

@@ -1,4 +1,4 @@
-"""Issue 14, bad input at the CLI: the failing-first tests.
+"""Bad input at the CLI (guarantees.md § "The hardening faults"): the failing-first tests.
 
 Each case must print one line on stderr, in the ledger's own words (no driver text, no
 SQLAlchemy web link, no "None"), exit non-zero, and change nothing. The commands run in-process
@@ -257,8 +257,8 @@ def test_show_prints_stored_text_escaped_and_an_unreadable_snapshot_in_words(
 
 
 def test_an_overdue_retry_is_stuck_with_what_moves_it_on(cli: Any, tmp_path: Path) -> None:
-    """Issue 14, fault 3: a retry past its due time is in ``list --stuck``; with a snapshot
-    the sweep re-sends it, without one the operator must."""
+    """guarantees.md § "The hardening faults", fault 3: a retry past its due time is in ``list
+    --stuck``; with a snapshot the sweep re-sends it, without one the operator must."""
     url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
     store = LedgerStore(url)
     try:

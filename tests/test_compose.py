@@ -174,7 +174,7 @@ def test_the_dockerfile_builds_the_project_as_a_non_root_user() -> None:
                 assert (REPO / source).exists(), f"the Dockerfile copies missing {source}"
 
 
-# -- the same stack on RabbitMQ (docker-compose.rabbitmq.yml, issue 15) ----------------------
+# -- the same stack on RabbitMQ (docker-compose.rabbitmq.yml) -------------------------------
 
 RABBITMQ_OVERRIDE = REPO / "docker-compose.rabbitmq.yml"
 

@@ -1,4 +1,5 @@
-"""The death-signal gate (issue 19): ``mark-dead``, "seen alive at", and the release gate.
+"""The death-signal gate (design.md § "The death-signal gate"): ``mark-dead``, "seen alive at", and
+the release gate.
 
 Store and CLI cases run on SQLite and PostgreSQL, with the ledger built through the store the
 way a worker builds it (``test_cli``'s helpers). The SIGSTOP/SIGCONT zombie with real workers
@@ -379,7 +380,7 @@ def test_cli_mark_dead_is_gated_by_operator_tokens_like_a_release(
     assert store.get_entry(key).dead_by == "ann-token"
 
 
-# -- issue 29, fault 7: a sign of life an interrupt cannot erase, judged by the task's lease -----
+# -- the seams' fault 7: a sign of life an interrupt cannot erase, judged by the task's lease ---
 
 
 def _wait_lease_over(store: LedgerStore, key: str, timeout: float = 10.0) -> None:
@@ -397,7 +398,8 @@ def _wait_lease_over(store: LedgerStore, key: str, timeout: float = 10.0) -> Non
 def test_mark_dead_refuses_a_recent_renewal_after_the_sweep_interrupted_the_entry(
     store: LedgerStore,
 ) -> None:
-    """Issue 29, fault 7. The owner renewed its lease a moment ago; the lease then ran out
+    """guarantees.md § "The seams", fault 7. The owner renewed its lease a moment ago; the lease
+    then ran out
     and the sweep interrupted the entry (which clears the lease). The renewal is still a sign
     of life inside the grace window: ``mark-dead`` refuses, and writes nothing."""
     c = claim(store, lease=0.3)
@@ -413,8 +415,8 @@ def test_mark_dead_refuses_a_recent_renewal_after_the_sweep_interrupted_the_entr
 
 
 def test_mark_dead_judges_the_grace_by_the_tasks_own_lease(store: LedgerStore) -> None:
-    """Issue 29, fault 7. The grace is two leases (``ledger_death_grace_seconds`` for the
-    global ``ledger_lease_seconds``), and a task may take its own lease. A task with a lease
+    """guarantees.md § "The seams", fault 7. The grace is two leases (``ledger_death_grace_seconds``
+    for the global ``ledger_lease_seconds``), and a task may take its own lease. A task with a lease
     six times the global one renews six times less often: a renewal 1.3 s old is recent for
     it under a 1 s grace made for a 0.5 s lease. Its worker's process is gone (the fast path
     interrupted it); ``mark-dead`` still refuses on the renewal, judged by the task's lease."""
@@ -436,7 +438,8 @@ def test_mark_dead_judges_the_grace_by_the_tasks_own_lease(store: LedgerStore) -
 
 
 def test_mark_dead_does_not_age_a_short_lease_by_the_global_one(store: LedgerStore) -> None:
-    """Issue 29, fault 7. A task with a 1 s lease renewed just now, and runs. Reading its
+    """guarantees.md § "The seams", fault 7. A task with a 1 s lease renewed just now, and runs.
+    Reading its
     renewal as ``lease_until`` minus the global 60 s lease puts it 59 s in the past, outside a
     30 s grace: ``mark-dead`` must refuse a renewal made this instant."""
     c = claim(store, lease=1.0)
@@ -448,7 +451,8 @@ def test_mark_dead_does_not_age_a_short_lease_by_the_global_one(store: LedgerSto
 def test_a_lost_attempts_renewal_outlives_the_takeover_that_blocked_the_entry(
     store: LedgerStore,
 ) -> None:
-    """Issue 29, fault 7. Attempt A renewed, then its process was lost (interrupted); attempt
+    """guarantees.md § "The seams", fault 7. Attempt A renewed, then its process was lost
+    (interrupted); attempt
     B took the entry over and blocked it at once on A's ambiguous step. A may be paused mid
     call: its renewal still refuses ``mark-dead`` inside the grace. (An attempt that settles
     an entry no attempt lost before, as ``blocked()`` does, leaves no sign: it has ended.)"""

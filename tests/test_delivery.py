@@ -1,4 +1,5 @@
-"""Delivery semantics with real workers: duplicates, business keys, conflicts (issue 2).
+"""Delivery semantics with real workers: duplicates, business keys, conflicts (contract.md § "The
+claim and its gates").
 
 Every test here starts real ``celery worker`` processes over a real broker and database.
 """

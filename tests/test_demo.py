@@ -1,4 +1,4 @@
-"""``celery-ledger demo`` (issue 7), run as a subprocess exactly as a newcomer runs it.
+"""``celery-ledger demo``, run as a subprocess exactly as a newcomer runs it.
 
 Each run starts real workers and beat, SIGKILLs them, and counts effects; the assertions are
 on what the JSON reports: the ledgered run lost and duplicated nothing, and the plain runs'

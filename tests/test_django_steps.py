@@ -1,4 +1,5 @@
-"""Django transaction steps under a real worker (issue 16): the model writes and the step's
+"""Django transaction steps under a real worker (design.md § "Transaction steps
+and the transactional outbox"): the model writes and the step's
 completed row commit together on Django's connection, on PostgreSQL and SQLite.
 
 The worker is ``celery -A django_app worker`` (Django set up, ``tests/djangoproj``); the
@@ -117,7 +118,8 @@ def test_sigkill_in_a_django_transaction_step_writes_exactly_once(
 def test_a_django_step_whose_block_asks_for_a_rollback_fails_the_task(
     tmp_path: Path, redis: str, ledger_url: str
 ) -> None:
-    """Issue 30 (item 6): ``transaction.set_rollback(True)`` in the step's function rolled the
+    """guarantees.md § "Bad input", item 6: ``transaction.set_rollback(True)`` in the step's
+    function rolled the
     model write and the step's row back, and the step returned as if done: the task
     completed with its credit lost. The step refuses instead: the task fails, nothing is
     written, no row says the step is done."""

@@ -1,4 +1,4 @@
-"""``doctor``'s broker checks (issue 15), through the installed console script.
+"""``doctor``'s broker checks (design.md § "Recovery"), through the installed console script.
 
 RabbitMQ: ``consumer_timeout`` shorter than the longest lease, classic queues without publisher
 confirms, a quorum queue's ``x-delivery-limit`` against ``ledger_max_resumes``. Redis:

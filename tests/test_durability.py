@@ -1,4 +1,5 @@
-"""Durability follows effects (issue 20, part 2): which hot-path writes wait for the flush to
+"""Durability follows effects (design.md § "Durability follows effects"): which hot-path writes wait
+for the flush to
 disk, and that the connections they run on really are set that way. That a crash of the
 database loses no effect and duplicates none is tests/test_ledger_crash.py's business."""
 

@@ -1,4 +1,5 @@
-"""Issue 14, hostile input (faults 12, 13, 14): the failing-first tests.
+"""Hostile input (guarantees.md § "The hardening faults", faults 12, 13, 14): the failing-first
+tests.
 
 Tried as an adversarial user would: through a real worker (and beat) on the embedded default
 (``filesystem://`` broker, SQLite ledger), the ``celery-ledger`` console script as a

@@ -1,4 +1,5 @@
-"""Issue 14, store-level faults: the failing-first tests, on SQLite and PostgreSQL.
+"""Store-level faults (guarantees.md § "The hardening faults"): the failing-first tests, on SQLite
+and PostgreSQL.
 
 Each test states the behaviour the issue requires, through the store's public methods and
 ``celery_ledger.recovery.run_sweep`` (with an app that records what it would enqueue), and
@@ -36,7 +37,7 @@ NODE_A = "worker-a@host"
 OWNER = Owner(NODE_A, "boot-a1", 101)
 OTHER = Owner("worker-b@host", "boot-b1", 202)
 SNAPSHOT = '{"args":[1],"kwargs":{},"queue":null,"ledger_key":null}'
-#: A snapshot nested 5,000 deep (issue 14, fault 12): valid JSON that no default Python
+#: A snapshot nested 5,000 deep (the hardening faults, fault 12): valid JSON that no default Python
 #: decoder reads (RecursionError), written as text so that building it needs no recursion.
 DEEP_SNAPSHOT = (
     '{"args":["deep",' + "[" * 5000 + "]" * 5000 + '],"kwargs":{},"queue":null,"ledger_key":null}'

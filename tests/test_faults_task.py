@@ -1,5 +1,5 @@
-"""Issue 14, task-level faults: the failing-first tests, with real ``celery worker`` and
-``celery beat`` processes (``tests/procs.py``) over a real broker and ledger.
+"""Task-level faults (guarantees.md § "The hardening faults"): the failing-first tests, with real
+``celery worker`` and ``celery beat`` processes (``tests/procs.py``) over a real broker and ledger.
 
 The tasks live in ``tests/faults_app.py`` (the worker imports it with ``-I faults_app``). Crash
 tests run on Redis + PostgreSQL, as ``test_steps_crash.py`` does (Redis gives a killed pool

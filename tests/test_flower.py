@@ -239,7 +239,8 @@ def test_worker_dash_e_alone_sends_ledger_events(tmp_path: Path, redis: str, pg_
 def test_flower_task_list_tells_what_the_ledger_did(
     tmp_path: Path, redis: str, pg_url: str
 ) -> None:
-    """Issue 19's "what an operator sees today", with real beat, worker and Flower processes.
+    """What an operator sees today (design.md § "The Ledger page in Flower"), with real beat, worker
+    and Flower processes.
 
     Beat sends a sweep every second before any worker runs, so a backlog of sweeps expires
     (revoked before any event names them); the worker's pool process is SIGKILLed when

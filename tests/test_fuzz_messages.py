@@ -1,4 +1,4 @@
-"""Issue 30: 200 random malformed messages, sent by name, through a real worker.
+"""guarantees.md § "Bad input": 200 random malformed messages, sent by name, through a real worker.
 
 A careless or hostile producer sends the ledgered tasks of ``fuzz_app`` by name with missing
 arguments, wrong types, NaN, infinities, huge numbers and strings, deep nesting, lone

@@ -1,4 +1,4 @@
-"""Issue 30, hostile input at the operator's surfaces: the failing-first tests.
+"""Hostile input (guarantees.md § "Bad input") at the operator's surfaces: the failing-first tests.
 
 ``verify --duration nan``, ``metrics --port -1``, a URL that does not parse, a 55 KB key prefix
 and a cancel with a megabyte of reason each got Python's words (or a traceback, or "ledger

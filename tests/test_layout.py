@@ -11,6 +11,7 @@ project that has all three, with celery-ledger installed, through real ``celery`
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -467,3 +468,168 @@ def test_a_planted_ledger_attribute_is_reported(tmp_path: Path, folder: str, lin
     (root / folder / "planted.py").write_text(line)
     found = _ledger_attributes_touched(root)
     assert len(found) == 1 and found[0].startswith(f"{folder}/planted.py:2 _ledger_"), found
+
+
+# -- readable without the issue tracker ----------------------------------------------------------
+
+#: What must read on its own: the code, its tests and benchmarks, the docs and the README.
+#: CHANGELOG.md is history and keeps its numbers.
+READABLE = ("worker", "ledger", "recovery", "tests", "benchmarks", "docs", "README.md")
+
+#: A reference to the tracker (a number after the word). Spelled in two pieces so that this file
+#: does not match it.
+TRACKER_NUMBER = re.compile(r"\b" + "iss" + r"ue \d+", re.IGNORECASE)
+
+#: A citation of a section: ``NAME.md`` (or ``docs/NAME.md``, or a Markdown link to it), then the
+#: section mark and the title in double quotes, read over line breaks and comment markers.
+CITATION = re.compile(r"([\w-]+)\.md[`)]?,?\s*" + "\N{SECTION SIGN}" + r'\s*"([^"]+)"')
+SECTION_MARK = re.compile("\N{SECTION SIGN}" + r'\s*"')
+
+
+def _readable_files(root: Path) -> list[Path]:
+    """Every text file under ``READABLE`` (compiled and binary files left out)."""
+    files: list[Path] = []
+    for name in READABLE:
+        top = root / name
+        for path in sorted(top.rglob("*")) if top.is_dir() else [top]:
+            if not path.is_file() or "__pycache__" in path.parts:
+                continue
+            try:
+                path.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                continue
+            files.append(path)
+    return files
+
+
+def _tracker_numbers(root: Path = REPO) -> list[str]:
+    """``file:line text`` for each reference to the issue tracker by number."""
+    return [
+        f"{path.relative_to(root)}:{number} {match.group(0)}"
+        for path in _readable_files(root)
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        for match in TRACKER_NUMBER.finditer(line)
+    ]
+
+
+def _flattened(text: str) -> str:
+    """The text as one line: each line's indentation and comment marker (``#``, ``#:``) dropped,
+    so that a citation wrapped over two lines reads as one."""
+    return " ".join(re.sub(r"^\s*(#:?\s*)?", "", line) for line in text.splitlines())
+
+
+def _headings(doc: Path) -> set[str]:
+    """A Markdown file's headings, outside fenced code, without their ``#`` and numbering."""
+    found: set[str] = set()
+    fenced = False
+    for line in doc.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            found.add(re.sub(r"^\d+\.\s+", "", line.lstrip("#").strip()))
+    return found
+
+
+def _names_a_heading(title: str, headings: set[str]) -> bool:
+    """The whole heading, or its short form: the words before its colon or its parenthesis."""
+    return any(
+        title == heading or heading.startswith((f"{title}:", f"{title} (")) for heading in headings
+    )
+
+
+def _broken_citations(root: Path = REPO) -> list[str]:
+    """``file: NAME.md "title"`` for each citation whose document has no such heading, and each
+    section mark with a title but no document."""
+    docs = {path.stem: path for path in (root / "docs").glob("*.md")}
+    docs["README"] = root / "README.md"
+    headings = {name: _headings(path) for name, path in docs.items()}
+    broken: list[str] = []
+    for path in _readable_files(root):
+        text = _flattened(path.read_text(encoding="utf-8"))
+        where = path.relative_to(root)
+        cited = list(CITATION.finditer(text))
+        for match in cited:
+            name, title = match.group(1), " ".join(match.group(2).split())
+            if name not in headings or not _names_a_heading(title, headings[name]):
+                broken.append(f'{where}: {name}.md "{title}"')
+        if len(SECTION_MARK.findall(text)) != len(cited):
+            broken.append(f"{where}: a section title cited without its document")
+    return broken
+
+
+def test_nothing_cites_the_issue_tracker_by_number() -> None:
+    assert _tracker_numbers() == []
+
+
+def test_every_cited_section_is_a_heading_of_its_document() -> None:
+    assert _broken_citations() == []
+
+
+def test_the_citation_reader_knows_the_short_and_wrapped_forms() -> None:
+    headings = {"Bad input: a clear error, nothing lost (project brief)", "Durable time"}
+    assert _names_a_heading("Bad input", headings)
+    assert _names_a_heading("Durable time", headings)
+    assert not _names_a_heading("Bad", headings)
+    wrapped = 'x (design.md \N{SECTION SIGN} "Canvas: chains,\n    # groups") y'
+    assert [m.groups() for m in CITATION.finditer(_flattened(wrapped))] == [
+        ("design", "Canvas: chains, groups")
+    ]
+
+
+def _copy_of_what_must_read(tmp_path: Path) -> Path:
+    for name in READABLE:
+        source = REPO / name
+        if source.is_dir():
+            shutil.copytree(source, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(source, tmp_path / name)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("where", "text"),
+    [
+        ("tests/test_planted.py", '"""A test (see ' + "Iss" + 'ue 14, fault 3)."""\n'),
+        ("docs/planted.md", "# Planted\n\nSince " + "iss" + "ue 20 the sweep is faster.\n"),
+    ],
+)
+def test_a_planted_tracker_number_is_reported(tmp_path: Path, where: str, text: str) -> None:
+    root = _copy_of_what_must_read(tmp_path)
+    assert _tracker_numbers(root) == []
+    (root / where).write_text(text)
+    found = _tracker_numbers(root)
+    assert len(found) == 1 and found[0].startswith(f"{where}:"), found
+
+
+@pytest.mark.parametrize(
+    ("where", "text", "reported"),
+    [
+        (
+            "worker/planted.py",
+            '# A cited section that is gone (design.md \N{SECTION SIGN} "Crash\n# points").\n',
+            'worker/planted.py: design.md "Crash points"',
+        ),
+        (
+            "docs/planted.md",
+            'See guarantees.md \N{SECTION SIGN} "Bad inputs".\n',
+            'docs/planted.md: guarantees.md "Bad inputs"',
+        ),
+        (
+            "tests/test_planted.py",
+            '"""The nowhere.md \N{SECTION SIGN} "Recovery" of no document."""\n',
+            'tests/test_planted.py: nowhere.md "Recovery"',
+        ),
+        (
+            "benchmarks/planted.py",
+            '"""A title alone (\N{SECTION SIGN} "Recovery")."""\n',
+            "benchmarks/planted.py: a section title cited without its document",
+        ),
+    ],
+)
+def test_a_planted_broken_citation_is_reported(
+    tmp_path: Path, where: str, text: str, reported: str
+) -> None:
+    root = _copy_of_what_must_read(tmp_path)
+    assert _broken_citations(root) == []
+    (root / where).write_text(text)
+    assert _broken_citations(root) == [reported]

@@ -1,4 +1,5 @@
-"""Part 3 of issue 20: the ledger's PostgreSQL crashes under verify's workload.
+"""design.md § "Durability follows effects": the ledger's PostgreSQL crashes under verify's
+workload.
 
 ``celery-ledger verify --crash-ledger`` starts a PostgreSQL server of its own (``initdb`` into
 a temporary directory, a free port, the machine's binaries), runs the ledgered and the plain

@@ -340,8 +340,8 @@ class TestReading(PageCase):
         )
 
     def test_stuck_list_shows_a_retry_past_its_due_time(self) -> None:
-        """Issue 14, fault 3: a retry nobody claimed by its due time (its message may be lost)
-        is stuck, kind ``overdue``; one still due later is not."""
+        """guarantees.md § "The hardening faults", fault 3: a retry nobody claimed by its due time
+        (its message may be lost) is stuck, kind ``overdue``; one still due later is not."""
         late, soon = self.claim(), self.claim()
         for c, due_in in ((late, -90.0), (soon, 600.0)):
             assert self.store.settle(c.key, c.fence, EntryStatus.RETRYING, due_in=due_in)
@@ -549,8 +549,8 @@ class TestActions(ActionCase):
         assert "re-enqueued with its task id" in self.page(resp.headers["Location"])
 
     def test_the_release_form_warns_when_the_step_returned(self) -> None:
-        """Issue 30 (item 19): blocked on a step that returned and whose output could not be
-        stored: the form warns against not-executed and offers completed first."""
+        """guarantees.md § "Bad input", item 19: blocked on a step that returned and whose output
+        could not be stored: the form warns against not-executed and offers completed first."""
         key = self.blocked()
         plain = self.page(f"/ledger/entry/{key}")
         assert 'id="release-warning"' not in plain
@@ -583,7 +583,8 @@ class TestActions(ActionCase):
         assert self.rows() == before and self.store.get_entry(key).released_reason == "first"
 
     def test_a_tombstone_offers_no_release_and_a_post_is_refused(self) -> None:
-        """Issue 29: a failed entry pruned to a tombstone forgot its completed ``reserve``; a
+        """guarantees.md § "The seams", fault 10: a failed entry pruned to a tombstone forgot its
+        completed ``reserve``; a
         release would re-run it. The page offers no release and says why; a POST is refused
         by the store in the same words and changes nothing."""
         c = self.claim()
@@ -763,7 +764,7 @@ class TestUrlPrefix(ActionCase):
         assert resp.headers["Location"].startswith(f"/ops/flower/ledger/entry/{key}?done=")
 
 
-# -- the death-signal gate on the page (issue 19) ------------------------------------------------
+# -- the death-signal gate on the page -----------------------------------------------------------
 
 
 class TestDeathSignal(PageCase):
@@ -849,7 +850,7 @@ class TestNavbarCount(PageCase):
         assert 'id="ledger-nav-blocked"' in self.page("/workers")
 
 
-# -- sealed snapshots (issue 19) ------------------------------------------------------------------
+# -- sealed snapshots -----------------------------------------------------------------------------
 
 try:
     from cryptography.fernet import Fernet
@@ -951,7 +952,8 @@ FOREVER = "f" * 64
 
 
 class TestHostileTimes(PageCase):
-    """Issue 30, items 4 and 13: a stored infinite due time renders; ``?age=nan`` is refused."""
+    """guarantees.md § "Bad input", items 4 and 13: a stored infinite due time renders; ``?age=nan``
+    is refused."""
 
     def test_the_pages_render_an_entry_held_forever(self) -> None:
         assert self.store.schedule(

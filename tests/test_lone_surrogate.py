@@ -1,4 +1,5 @@
-"""Issue 30, item 14: a lone surrogate (``"\\ud800"``) in a ledgered task's arguments.
+"""guarantees.md § "Bad input", item 14: a lone surrogate (``"\\ud800"``) in a ledgered task's
+arguments.
 
 JSON carries it (``"\\ud800"``), but it is not text: UTF-8 cannot encode it, so the ledger
 cannot hash the arguments. It gave a ``UnicodeEncodeError`` traceback. At send it is refused

@@ -1,4 +1,4 @@
-"""Issue 30: a naive datetime (``eta``, ``wait_until``) means UTC, as in Celery.
+"""guarantees.md § "Bad input": a naive datetime (``eta``, ``wait_until``) means UTC, as in Celery.
 
 Each case runs in a process whose local time is not UTC (``TZ=America/Los_Angeles``): a naive
 datetime read as local time would land eight hours (or seven) late.

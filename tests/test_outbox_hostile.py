@@ -1,4 +1,5 @@
-"""Issue 30, the outbox under hostile input (items 2, 7, 8): the failing-first tests.
+"""The outbox under hostile input (guarantees.md § "Bad input", items 2, 7, 8): the failing-first
+tests.
 
 Through a real worker (Redis broker, PostgreSQL ledger), and beat's sweep where the outbox is
 published later. ``outbox_app.send_bad`` charges in an effect step, then sends one child that

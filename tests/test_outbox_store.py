@@ -1,4 +1,5 @@
-"""The outbox and the transaction step at the store (issue 16), on SQLite and PostgreSQL.
+"""The outbox and the transaction step at the store (design.md § "Transaction steps and the
+transactional outbox"), on SQLite and PostgreSQL.
 
 What the runtime relies on: a step's children are recorded with its completed row or not at
 all, and only under the attempt's fence; a transaction step's writes commit with its row, and

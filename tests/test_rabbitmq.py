@@ -1,4 +1,4 @@
-"""RabbitMQ as a first-class broker (issue 15): confirmed re-sends, quorum queues, the
+"""RabbitMQ as a first-class broker (design.md § "Recovery"): confirmed re-sends, quorum queues, the
 dead-lettered poison message, and the worker's basics on ``amqp://``.
 
 Every test gets a vhost of its own (``rabbitmq`` fixture), so parallel runs never share a queue,

@@ -1,5 +1,5 @@
 """Messages a whole-worker SIGKILL strands in the worker's prefetch, from a producer that does
-not know the ledger (issue 29, fault 15).
+not know the ledger (guarantees.md § "The seams", fault 15).
 
 A plain Celery producer (``send_task`` by name, no ledger app) records no publish intent: the
 worker's parent receives the message, nothing holds it, and if the whole worker is SIGKILLed

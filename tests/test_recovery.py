@@ -1,5 +1,5 @@
-"""Recovery with real processes (issue 4): lost workers, paused workers, racing sweeps,
-crash loops. Every wait is bounded."""
+"""Recovery with real processes (design.md § "Recovery"): lost workers, paused workers, racing
+sweeps, crash loops. Every wait is bounded."""
 
 from __future__ import annotations
 
@@ -396,7 +396,7 @@ def test_an_intent_whose_canvas_does_not_fit_keeps_its_arguments(tmp_path, caplo
     assert any("no canvas placement" in r.getMessage() for r in caplog.records), caplog.text
 
 
-# == issue 14: overdue retries, unreadable snapshots, one bad entry ==========================
+# == overdue retries, unreadable snapshots, one bad entry (the hardening faults 3, 4, 12) =====
 
 
 class OptionsApp(RecordingApp):
@@ -500,7 +500,8 @@ def test_one_entry_that_fails_never_aborts_the_sweep_or_the_prune(ledger_url, mo
 
 
 def test_the_sweep_passes_over_entries_it_cannot_resume(ledger_url):
-    """Issue 14, fault 4: entries without a snapshot are reported and left interrupted (the
+    """guarantees.md § "The hardening faults", fault 4: entries without a snapshot are reported and
+    left interrupted (the
     broker may still deliver them); they never fill the batch in front of newer work."""
     store = LedgerStore(ledger_url)
     try:

@@ -105,8 +105,8 @@ def test_a_snapshot_placement_is_redacted_by_each_tasks_own_rules() -> None:
 
 
 def test_a_secret_is_scrubbed_from_json_in_every_escaped_form() -> None:
-    """Issue 30, item 5(b): an audit detail or a stored error is JSON text, where a secret
-    with a non-ASCII letter, a quote or a backslash is escaped (``P\\u00e4sswort``,
+    """guarantees.md § "Bad input", item 5b: an audit detail or a stored error is JSON text, where a
+    secret with a non-ASCII letter, a quote or a backslash is escaped (``P\\u00e4sswort``,
     ``\\"``, ``\\\\``); scrubbing only the raw text missed every one of them."""
     import json
 
@@ -124,8 +124,8 @@ def test_a_secret_is_scrubbed_from_json_in_every_escaped_form() -> None:
 
 
 def test_secret_args_naming_no_parameter_fails_at_registration() -> None:
-    """Issue 30, item 5(c): ``secret_args=("card_numbr",)`` was accepted and the card shown
-    in clear; the names are checked against the signature, as ``key_from``'s are."""
+    """guarantees.md § "Bad input", item 5c: ``secret_args=("card_numbr",)`` was accepted and the
+    card shown in clear; the names are checked against the signature, as ``key_from``'s are."""
     import pytest
     from celery import Celery
 

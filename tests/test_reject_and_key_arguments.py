@@ -1,5 +1,5 @@
-"""Issue 30, items 20 and 12: Celery's ``Reject`` in a ledgered body, and a business key whose
-argument a call does not give.
+"""guarantees.md § "Bad input", items 20 and 12: Celery's ``Reject`` in a ledgered body, and a
+business key whose argument a call does not give.
 
 The delivery tests start real ``celery worker`` processes over Redis with a PostgreSQL ledger.
 """

@@ -1,4 +1,5 @@
-"""Step identity in one process (issue 14, fault 6): which replay row a step call takes, when a
+"""Step identity in one process (guarantees.md § "The hardening faults", fault 6): which replay row
+a step call takes, when a
 call is drift, declared identities, and the checks made before a step writes anything.
 
 Pure code paths over ``celery_ledger.replay.ReplayBook`` and ``celery_ledger.attempt``; the
@@ -253,7 +254,7 @@ def test_arguments_deeper_than_a_worker_decodes_are_refused_naming_the_depth() -
 
 
 def test_a_transaction_steps_marker_does_not_hold_its_position() -> None:
-    """Issue 16: a transaction step that died before its commit left only its marker row
+    """A transaction step that died before its commit left only its marker row
     (``started``, ``TRANSACTION_STEP_REF``); nothing of it committed, so the step coming back
     with another input is not drift."""
     from dataclasses import replace

@@ -218,7 +218,8 @@ def test_snapshot_too_large_for_the_ledger_is_reported_with_its_setting(
     "child, words",
     [
         ("not a signature", "send() takes a task signature"),
-        # Issue 30, item 2: an option no publish could send is refused as at send().
+        # guarantees.md § "Bad input", item 2: an option no publish could send is refused as at
+        # send().
         ({"countdown": float("nan")}, "countdown"),
     ],
     ids=["not-a-signature", "countdown-nan"],
@@ -395,7 +396,7 @@ def test_events_follow_the_setting_and_are_fixed_when_a_worker_starts() -> None:
     assert runtime.events_enabled(explicit) is False
 
 
-# -- a keyed body without steps, taken over past its provider's key window (issue 29) -----------
+# -- a keyed body without steps, taken over past its provider's key window (the seams' fault 11)
 
 
 def _keyed_bare(
@@ -461,7 +462,8 @@ def _ran_and_died(app: Celery, *, published_ago: float = 0.0, first_run_ago: flo
 def test_a_keyed_body_without_steps_past_its_key_window_is_blocked_not_rerun(
     tmp_path: Path,
 ) -> None:
-    """Issue 29: the body ran 5 s ago, the provider forgets keys after 1 s, no reconciler:
+    """guarantees.md § "The seams", fault 11: the body ran 5 s ago, the provider forgets keys after
+    1 s, no reconciler:
     the takeover does not run it again; the entry is blocked with a reason naming the window."""
     app = local_app(tmp_path)
     effects: list[str] = []
@@ -477,8 +479,8 @@ def test_a_keyed_body_without_steps_past_its_key_window_is_blocked_not_rerun(
 def test_a_keyed_body_without_steps_past_its_key_window_asks_its_reconciler(
     tmp_path: Path,
 ) -> None:
-    """Issue 29: past the window, the reconciler finds the charge: it is the result, and the
-    body does not run again."""
+    """guarantees.md § "The seams", fault 11: past the window, the reconciler finds the charge: it
+    is the result, and the body does not run again."""
     app = local_app(tmp_path)
     effects: list[str] = []
     asked: list[str] = []

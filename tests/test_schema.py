@@ -152,7 +152,7 @@ def test_audit_events_feed_only_the_index_their_readers_use(
     """Every transition appends an event (two per task on the hot path), so each index on
     ``ledger_events`` is paid for by every task. Its readers (``show``, the Ledger page,
     retention) find events by key; nothing reads them by type, so no index by type is kept
-    (issue 20: ``ix_ledger_events_event`` cost 0.02 ms of server time per task)."""
+    (``ix_ledger_events_event`` cost 0.02 ms of server time per task)."""
     store = LedgerStore(ledger_url)
     store.now()
     store.dispose()

@@ -98,7 +98,8 @@ def status_of(store: LedgerStore, key: str) -> EntryStatus | None:
 def test_a_cancellation_asked_while_a_stepless_body_runs_survives_its_retry(
     tmp_path, redis, pg_url
 ):
-    """Issue 29, fault 2: cancel a stepless task while its first attempt runs; that attempt
+    """guarantees.md § "The seams", fault 2: cancel a stepless task while its first attempt runs;
+    that attempt
     then retries (it never meets an effect step's gate). The retry's delivery must find the
     cancellation at its claim: no effect, ``cancelled``, ``TaskCancelled`` to the caller."""
     env = seams_env(tmp_path, redis, pg_url)
@@ -128,7 +129,8 @@ def test_a_cancellation_asked_while_a_stepless_body_runs_survives_its_retry(
 
 
 def test_a_message_that_expired_in_the_queue_is_never_run_by_a_re_send(tmp_path, redis, pg_url):
-    """Issue 29, fault 3: a task published with ``expires`` waits in a backlog (no worker)
+    """guarantees.md § "The seams", fault 3: a task published with ``expires`` waits in a backlog
+    (no worker)
     past it. Celery discards the message when a worker finally fetches it; the publish intent
     must not bring it back without its ``expires``: no effect, the entry ends ``expired``, and
     the sweep stops sending it."""
@@ -217,7 +219,8 @@ def test_a_published_task_whose_message_the_broker_lost_is_re_sent_as_it_was_mea
 
 
 def test_a_producer_behind_the_database_clock_does_not_expire_a_held_task(tmp_path, redis, pg_url):
-    """Issue 29, fault 6: a held task's due time is on the database clock; a relative
+    """guarantees.md § "The seams", fault 6: a held task's due time is on the database clock; a
+    relative
     ``expires`` must be too. A producer 30 s behind the database publishes ``countdown=3600,
     expires=3610``: the stored deadline is after the due time."""
     env = seams_env(tmp_path, redis, pg_url)
@@ -253,8 +256,8 @@ def queued_messages(env: dict[str, str], queue: str) -> int:
 
 
 def test_a_backlog_does_not_multiply_itself(tmp_path, redis, pg_url):
-    """Issue 29, fault 14: 50 tasks published to a queue no worker consumes right now (its
-    workers are down or busy), a 2 s intent lease and a 2 s task lease, beat sweeping every
+    """guarantees.md § "The seams", fault 14: 50 tasks published to a queue no worker consumes right
+    now (its workers are down or busy), a 2 s intent lease and a 2 s task lease, beat sweeping every
     second through a worker of another queue. The intents lapse over and over while their
     messages wait; the sweep must not add a copy of each every lease period: over 16 s the
     queue holds at most 2 messages per task (before: a copy per task every lease period)."""
@@ -286,7 +289,8 @@ GRACE = 8.0
 
 
 def test_a_reconcilers_not_executed_waits_out_a_paused_attempt(tmp_path, redis, pg_url):
-    """Issue 29, fault 17: a pool process is SIGSTOPped inside its provider call, just after
+    """guarantees.md § "The seams", fault 17: a pool process is SIGSTOPped inside its provider call,
+    just after
     its ``started`` row, past its lease. The sweep re-sends the entry; the takeover asks the
     reconciler, which finds no charge yet (``not_executed``). The step must not run again
     while the paused attempt may still land its call: it waits until that attempt has been

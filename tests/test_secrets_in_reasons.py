@@ -1,4 +1,5 @@
-"""Issue 30, item 5: a secret quoted by a reason or escaped inside JSON text stays out of sight.
+"""guarantees.md § "Bad input", item 5: a secret quoted by a reason or escaped inside JSON text
+stays out of sight.
 
 (a) A blocked reason that quotes a secret (an external ref built from the card) was printed
 raw by ``list --json`` and Flower's stuck list, while ``show`` scrubbed it. (b) A secret that

@@ -1,4 +1,5 @@
-"""Secret argument values never reach Flower's events or the log lines (issue 19).
+"""Secret argument values never reach Flower's events or the log lines (design.md § "Secrets out of
+sight, and snapshots sealed at rest").
 
 Real processes: a ``page_app`` worker (``-E``) on Redis, the ledger on PostgreSQL, and Flower
 with the shipped ``flowerconfig.py``. A plain client sends ``page_app.pay`` by name, so its
@@ -137,7 +138,8 @@ def test_secret_values_never_reach_flower_events_or_logs(
 def test_a_blocked_reason_that_quotes_a_secret_never_reaches_the_log_or_list(
     tmp_path: Path, redis: str, pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 30, item 5(a): a step recorded an external ref built from the card number, and
+    """guarantees.md § "Bad input", item 5a: a step recorded an external ref built from the card
+    number, and
     its worker died after it. The redelivery blocks the entry with a reason that quotes the
     ref: the worker's log line, the ``LedgerBlocked`` Celery logs, and ``list --json`` printed
     the card, while ``show`` scrubbed it."""

@@ -1,6 +1,6 @@
-"""An effect step that escapes with an exception, or whose output cannot be stored (issue 30,
-items 10 and 19): what the reconciler is handed, what the blocked reason says, and what
-``show``, ``release`` and Flower's release form tell an operator.
+"""An effect step that escapes with an exception, or whose output cannot be stored (guarantees.md
+§ "Bad input", items 10 and 19): what the reconciler is handed, what the blocked reason says, and
+what ``show``, ``release`` and Flower's release form tell an operator.
 
 Code paths in one process (``apply()``) on the real store (SQLite and PostgreSQL); no
 delivery is involved: the escape is decided inside the attempt that ran the step.

@@ -1,4 +1,5 @@
-"""Replay rows under SIGKILL at named crash points (issue 3), with real workers.
+"""Replay rows under SIGKILL at named crash points (design.md § "Where each crash point
+sits"), with real workers.
 
 Broker: Redis; ledger and effects: a PostgreSQL database of the test's own. Each effect is a
 row in ``test_effects`` (no unique constraint), so a duplicate is a count of 2.

@@ -263,7 +263,8 @@ def test_same_key_different_arguments_conflicts(store: LedgerStore) -> None:
 def test_arguments_that_may_change_take_the_new_hash_instead_of_a_conflict(
     store: LedgerStore,
 ) -> None:
-    """Issue 14, fault 13: a retry of an entry keyed by its task id may change its arguments
+    """guarantees.md § "The hardening faults", fault 13: a retry of an entry keyed by its task id
+    may change its arguments
     (``args_may_change``); the claim stores the new hash with the fence it takes, so that the
     next fresh delivery is checked against it."""
     store.claim(request())
@@ -492,7 +493,8 @@ def test_step_started_then_completed(store: LedgerStore) -> None:
 
 
 def test_record_external_ref_needs_a_step_row(store: LedgerStore) -> None:
-    """Issue 14, fault 8: a live attempt whose step has no row (a step that records no intent)
+    """guarantees.md § "The hardening faults", fault 8: a live attempt whose step has no row (a step
+    that records no intent)
     is a usage error, never "superseded"; a moved fence is the lost race, and says so."""
     store.claim(request())
     with pytest.raises(ValueError, match="no started row"):
@@ -812,7 +814,7 @@ def test_begin_resume_lease_lapses_back_to_the_sweep(store: LedgerStore) -> None
     wait_lease_expired(store, "key-1")
     again = store.interrupt_expired()
     # The lapse of the resume marker is no interruption of an attempt: nothing ran since the
-    # first one (issue 14, fault 5: only attempts that started the body count).
+    # first one (the hardening faults, fault 5: only attempts that started the body count).
     assert [(i.key, i.fence, i.interruptions) for i in again] == [("key-1", fence + 2, 1)]
 
 
@@ -1057,7 +1059,7 @@ def test_stats(store: LedgerStore) -> None:
         "retrying": 0,
         "interrupted": 1,
         "blocked": 0,
-        # issue 18's statuses
+        # durable time's statuses
         "scheduled": 0,
         "sleeping": 0,
         "cancelled": 0,
@@ -1312,7 +1314,7 @@ def test_a_statement_on_a_terminated_connection_is_translated_by_the_one_functio
     try:
         claim = store.claim(request())  # the hot path's connection now waits, idle
         # ... and so does one whose commits do not wait for the flush (``effects`` durability,
-        # issue 20), which the settle takes.
+        # design.md § "Durability follows effects"), which the settle takes.
         assert store.renew_lease("key-1", claim.fence, 60.0)
         assert store.get_entry("key-1").status is EntryStatus.RUNNING  # and the pool's
         with psycopg.connect(pg_url, autocommit=True) as admin:
@@ -1339,8 +1341,9 @@ def test_a_statement_on_a_terminated_connection_is_translated_by_the_one_functio
 
 def test_only_the_unavailable_classes_are_translated(store: LedgerStore) -> None:
     """A bug in our SQL (here a unique violation) is not turned into ``LedgerUnavailable``: it
-    would retry forever what can never succeed. Every other driver error is (issue 14, fault
-    2): a read-only standby, a corrupt SQLite file, a full disk mean "not now", never "failed"."""
+    would retry forever what can never succeed. Every other driver error is (the hardening
+    faults, fault 2): a read-only standby, a corrupt SQLite file, a full disk mean "not now", never
+    "failed"."""
     from sqlalchemy import exc as sa_exc
 
     dbapi = store.fast.dbapi
@@ -1412,7 +1415,8 @@ def test_hot_path_connection_ended_by_the_server_fails_once_and_loses_nothing(
     try:
         claim = store.claim(request())
         assert claim.gate is Gate.RUN
-        # The connection the settle takes (commits that do not wait for the flush, issue 20).
+        # The connection the settle takes (commits that do not wait for the flush, design.md
+        # § "Durability follows effects").
         assert store.renew_lease("key-1", claim.fence, 60.0)
         opened = _pool_events(store, "connect")
         with psycopg.connect(pg_url, autocommit=True) as admin:
@@ -1589,7 +1593,8 @@ def test_publish_intent_is_claimed_as_a_first_run(store: LedgerStore) -> None:
 
 
 def test_withdrawn_intent_leaves_nothing_to_send(store: LedgerStore) -> None:
-    """Issue 14, fault 7: the publish of an intent failed; withdrawing it deletes the entry
+    """guarantees.md § "The hardening faults", fault 7: the publish of an intent failed; withdrawing
+    it deletes the entry
     (one statement, with a ``withdrawn`` event), only while no claim touched it and only for
     the same task id."""
     assert store.record_intent(request(lease=60))
@@ -1632,7 +1637,7 @@ def test_lost_publish_intent_is_swept_and_run(store: LedgerStore) -> None:
     assert claim.gate is Gate.RUN and claim.steps == ()
 
 
-# == due time of a retry (issue 14, fault 3) ===============================================
+# == due time of a retry (the hardening faults, fault 3) ====================================
 
 
 def test_retrying_settle_stores_its_due_time_and_the_retrys_snapshot(store: LedgerStore) -> None:
@@ -1688,7 +1693,8 @@ def test_overdue_retry_is_stuck_and_resent_once(store: LedgerStore) -> None:
 
 
 def test_release_is_one_shot_on_executions_not_the_fence(store: LedgerStore) -> None:
-    """Issue 14, fault 9: the fence moves without a run (a resume whose message is lost, a
+    """guarantees.md § "The hardening faults", fault 9: the fence moves without a run (a resume
+    whose message is lost, a
     sweep); the release stays one-shot until an attempt runs the body again."""
     claim = store.claim(request())
     assert store.settle("key-1", claim.fence, EntryStatus.BLOCKED, reason="parked")

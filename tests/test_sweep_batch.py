@@ -1,4 +1,5 @@
-"""The batched sweep (issue 20, part 4): the re-sends of a sweep go to a real Redis over one
+"""The batched sweep (design.md § "The sweep resumes in batches"): the re-sends of a sweep go to a
+real Redis over one
 producer, in pipelines; none counts as sent unless Redis took it; a bulk step that fails falls
 back to one entry at a time. Every wait is bounded."""
 

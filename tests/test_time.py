@@ -1,4 +1,5 @@
-"""Issue 18, durable time, with real ``celery worker`` and ``celery beat`` processes over Redis and
+"""Durable time (design.md § "Durable time"), with real ``celery worker`` and ``celery beat``
+processes over Redis and
 PostgreSQL: long countdowns held by the ledger, durable sleep, deadlines, cancellation.
 
 The tasks live in ``tests/time_app.py``. The producer is a ledger app of the test's own
@@ -626,7 +627,8 @@ def test_an_ambiguous_keyed_step_past_its_key_window_goes_to_its_reconciler(
 
 
 def test_a_keyed_body_without_steps_past_its_key_window_is_not_run_again(tmp_path, redis, pg_url):
-    """Issue 29: a ``keyed`` task that records no steps (``provider_key_ttl`` 1 s, no
+    """guarantees.md § "The seams", fault 11: a ``keyed`` task that records no steps
+    (``provider_key_ttl`` 1 s, no
     reconciler) performs its effect, holds on 1.5 s, and its pool process is SIGKILLed before
     the settle. The takeover comes after the window, judged from the entry's first execution:
     the body is not re-run with a key the provider may have forgotten; the entry is blocked
@@ -747,7 +749,8 @@ def test_a_revoke_from_an_app_without_the_ledger_is_recorded_by_the_worker(tmp_p
 
 
 def test_a_malformed_deadline_header_runs_the_task_without_that_deadline(tmp_path, redis, pg_url):
-    """Issue 30, items 13 and 14: a ``ledger_deadline`` header that is no finite time (from a
+    """guarantees.md § "Bad input", items 13 and 14: a ``ledger_deadline`` header that is no finite
+    time (from a
     producer that bypassed ``apply_async``'s check) is ignored by the worker with a warning:
     the task runs once, as if it had no such header; the claim never fails on it."""
     env = time_env(tmp_path, redis, pg_url)

@@ -1,4 +1,5 @@
-"""Issue 18 at the CLI: ``cancel`` and ``resume`` of scheduled entries, and bad input.
+"""Durable time (design.md § "Durable time") at the CLI: ``cancel`` and ``resume`` of scheduled
+entries, and bad input.
 
 In-process through ``celery_ledger.cli.main.main`` (``test_cli_bad_input``'s ``cli`` fixture) on
 the embedded SQLite ledger: what a command writes is read back from the store. Bad input is one

@@ -1,4 +1,5 @@
-"""Issue 18 on the Ledger page in Flower: scheduled, cancelled and expired entries are counted
+"""Durable time (design.md § "Durable time") on the Ledger page in Flower: scheduled, cancelled and
+expired entries are counted
 on the overview (the handlers in Flower's own Tornado app, as ``test_ledger_page``)."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Issue 18 at the store (SQLite and PostgreSQL): waking held entries, cancellation, deadlines,
+"""Durable time (design.md § "Durable time") at the store (SQLite and PostgreSQL): waking held
+entries, cancellation, deadlines,
 tombstones. Each transition is a compare-and-set that one caller wins."""
 
 from __future__ import annotations
@@ -185,7 +186,8 @@ def failed_tombstone(store: LedgerStore, key: str) -> None:
 
 @pytest.mark.parametrize("verdict", [Verdict.NOT_EXECUTED, Verdict.COMPLETED])
 def test_a_tombstone_is_not_releasable(store: LedgerStore, verdict: Verdict) -> None:
-    """Issue 29: a ``failed`` entry pruned to a tombstone forgot its steps (``charge`` had
+    """guarantees.md § "The seams", fault 10: a ``failed`` entry pruned to a tombstone forgot its
+    steps (``charge`` had
     completed). A release would re-run the whole body, charge included, while the duplicate
     rate says 0, and leave the tombstone stamp on a live row for the next prune to delete. It
     is refused in words that say why, and nothing changes."""
@@ -204,7 +206,8 @@ def test_a_tombstone_is_not_releasable(store: LedgerStore, verdict: Verdict) -> 
 
 
 def test_first_execution_is_the_first_claim_not_the_publish(store: LedgerStore) -> None:
-    """Issue 29: a keyed body's key window runs from ``first_execution_at``: the first
+    """guarantees.md § "The seams", fault 11: a keyed body's key window runs from
+    ``first_execution_at``: the first
     ``claimed`` event. A publish intent is created earlier and does not count; a takeover does
     not move it; without the event, ``created_at`` stands in."""
     assert store.record_intent(request("k-pub", task_id="t-pub"))
@@ -265,7 +268,7 @@ def test_a_held_snapshot_is_sealed_and_the_wake_pass_opens_it(tmp_path) -> None:
     assert store.get_entry(k).status is EntryStatus.RUNNING
 
 
-# -- issue 29: the sweep's finishing of pending cancellations ----------------------------------
+# -- the sweep's finishing of pending cancellations (design.md § "One envelope, one admission gate")
 
 
 def _pending_cancel_past_lease(store: LedgerStore, key: str) -> int:
@@ -281,7 +284,8 @@ def _pending_cancel_past_lease(store: LedgerStore, key: str) -> int:
 def test_finish_cancelled_loses_to_a_settle_or_renewal_that_commits_first(
     ledger_url: str, racer: str
 ) -> None:
-    """Issue 29, fault 5. The sweep's ``finish_cancelled`` picked a running entry past its
+    """guarantees.md § "The seams", fault 5. The sweep's ``finish_cancelled`` picked a running entry
+    past its
     lease with a pending cancellation; before its update reaches the row, the attempt settles
     ``completed`` (or renews its lease) and commits. The finishing update must re-check what
     it picked, in its own WHERE, and leave the row alone: the work completed (or is alive).
@@ -349,7 +353,8 @@ def test_finish_cancelled_loses_to_a_settle_or_renewal_that_commits_first(
 def test_finishing_a_cancellation_over_a_started_effect_step_blocks_the_entry(
     store: LedgerStore,
 ) -> None:
-    """Issue 29. The attempt started ``charge`` (a ``started`` row, no outcome) and vanished
+    """design.md § "One envelope, one admission gate". The attempt started ``charge`` (a ``started``
+    row, no outcome) and vanished
     with a cancellation pending. ``charge`` may have run: settling ``cancelled`` would tell
     every later delivery that nothing happened. The sweep parks the entry ``blocked`` with a
     reason that says the cancellation was asked and ``charge`` may have executed, and an

@@ -167,8 +167,8 @@ def test_a_child_that_is_not_ledgered_is_warned_about_once(
 
 
 def test_a_childs_arguments_are_sealed_like_a_snapshot(tmp_path: Path) -> None:
-    """With ``ledger_snapshot_keys``, a child's recorded payload is sealed (issue 19's
-    encryption at rest); it is opened to publish it."""
+    """With ``ledger_snapshot_keys``, a child's recorded payload is sealed (encryption at
+    rest); it is opened to publish it."""
     from cryptography.fernet import Fernet
 
     app = local_app(tmp_path, ledger_snapshot_keys=Fernet.generate_key().decode())

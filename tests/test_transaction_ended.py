@@ -1,4 +1,5 @@
-"""A transaction step whose block ends the step's transaction itself (issue 30, item 6).
+"""A transaction step whose block ends the step's transaction itself (guarantees.md § "Bad
+input", item 6).
 
 The block's ``conn.commit()`` (or ``rollback()``) ends the transaction the ledger began; the
 writes after it go to a new one. Writing the step's row there would count writes as done

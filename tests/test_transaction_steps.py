@@ -1,4 +1,5 @@
-"""Transaction steps and the transactional outbox under real workers (issue 16).
+"""Transaction steps and the transactional outbox under real workers (design.md § "Transaction
+steps and the transactional outbox").
 
 Broker: Redis. The application's table is ``test_effects`` (no unique constraint) in the
 ledger's own database, so a duplicate write is a count of 2. ``tests_app.transfer`` runs two

@@ -1,4 +1,5 @@
-"""``celery-ledger verify`` (issue 8), run as a subprocess on the embedded default and on
+"""``celery-ledger verify`` (design.md § "Proof harness"), run as a subprocess on the embedded
+default and on
 PostgreSQL + Redis: chaos against real workers, then zero losses and zero duplicates for the
 ledgered run; the plain run's numbers are reported whatever they are."""
 
@@ -75,7 +76,8 @@ def verify(*args: str, timeout: float = 170) -> dict[str, Any]:
 
 
 def check_time(report: dict[str, Any]) -> None:
-    """Issue 29: the time-and-cancellation workload under the same chaos: no effect began
+    """design.md § "One envelope, one admission gate": the time-and-cancellation workload under the
+    same chaos: no effect began
     after its task's deadline or cancellation (each effect's gate, its step's ``started_at``,
     against the entry's ``deadline_at`` / ``cancel_requested_at``, all on the ledger's clock),
     none lost, none duplicated, and every task terminal or parked with a reason."""
@@ -111,12 +113,12 @@ def check(report: dict[str, Any]) -> dict[str, Any]:
     assert led["ledger_duplicate_executions"] == 0, led
     assert led["duplicate_rate"] == 0.0
     # An order never claimed is not accounted for: it is an accepted task that did not end
-    # completed, failed or blocked (issue 14).
+    # completed, failed or blocked.
     accounted = led["completed"] + led["failed"] + led["blocked"]
     assert accounted == TASKS, led
     for blocked in led["blocked_orders"]:  # parked with the step that may have executed
         assert blocked["reason"] and blocked["ambiguous_steps"], blocked
-    # Issue 16: every completed order sent its child through the outbox; none was lost, and
+    # Every completed order sent its child through the outbox; none was lost, and
     # a duplicate child would have shown in duplicate_effects.
     assert led["children_lost"] == 0, led
     assert 0 < led["children_completed"] <= led["completed"], led  # every 5th order sends one

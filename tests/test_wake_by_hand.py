@@ -1,4 +1,4 @@
-"""``resume`` of a sleeping entry wakes it now (issue 30, item 9).
+"""``resume`` of a sleeping entry wakes it now (guarantees.md § "Bad input", item 9).
 
 ``celery-ledger resume KEY`` of a ``sleeping`` entry used to send it, and the replayed sleep
 step put it straight back to sleep with the same wake time. Now the resume ends the sleep: the

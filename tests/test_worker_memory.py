@@ -1,5 +1,5 @@
 """What a ledger worker keeps in memory: no ledger modules in ``celery`` commands that do not
-use them, and pool processes forked with the garbage collector frozen (issue 8)."""
+use them, and pool processes forked with the garbage collector frozen (design.md § "Memory")."""
 
 from __future__ import annotations
 

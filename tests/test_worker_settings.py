@@ -1,4 +1,5 @@
-"""A worker refuses to start with ledger settings it cannot use (issue 30, item 11).
+"""A worker refuses to start with ledger settings it cannot use (guarantees.md § "Bad input", item
+11).
 
 With a garbage ``ledger_snapshot_keys`` a worker used to start and fail every task with
 ``SnapshotSealError``; five minutes later the sweep re-ran them on a healthy worker (the

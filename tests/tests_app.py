@@ -202,7 +202,7 @@ def slow_charge(self: LedgerTask, order_id: str, seconds: float) -> str:
     return self.step("charge", charge)
 
 
-# -- canvas (issue 17): chains, groups, chords of ledgered members ---------------------------
+# -- canvas (design.md § "Canvas: chains, groups, chords, callbacks") -----------------------
 
 
 def _effect_seen(tag: str, name: str) -> Reconciled:
@@ -259,7 +259,7 @@ def collect(self: LedgerTask, results: list[int], tag: str) -> list[int]:
     return sorted(results)
 
 
-# -- issue 16: transaction steps and the outbox ---------------------------------------------
+# -- design.md § "Transaction steps and the transactional outbox" ---------------------------
 
 
 def _row(tag: str, name: str) -> dict[str, Any]:
@@ -406,7 +406,8 @@ def keyed_by_code(self: LedgerTask, tag: str, fail: bool = False) -> str:
 
 @app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.reject_once")
 def reject_once(self: LedgerTask, tag: str, requeue: bool = True) -> str:
-    """Issue 30 item 20: ``Reject`` on the first run of the body, return on the second."""
+    """guarantees.md § "Bad input", item 20: ``Reject`` on the first run of the body, return on the
+    second."""
     effect(tag, "body")
     with effects_engine().connect() as conn:
         runs = conn.execute(
@@ -421,15 +422,16 @@ def reject_once(self: LedgerTask, tag: str, requeue: bool = True) -> str:
     shared=False, base=LedgerTask, bind=True, name="tests_app.kw_order", key_from=("order_id",)
 )
 def kw_order(self: LedgerTask, tag: str, **kwargs: Any) -> dict[str, Any]:
-    """Issue 30 item 12: ``key_from`` names an argument only ``**kwargs`` can bring."""
+    """guarantees.md § "Bad input", item 12: ``key_from`` names an argument only ``**kwargs`` can
+    bring."""
     effect(tag, "body")
     return {"tag": tag, **kwargs}
 
 
 @app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.replace_self")
 def replace_self(self: LedgerTask, tag: str, depth: int, via_chain: bool = False) -> str:
-    """Issue 30 item 21: ``self.replace()`` with this same task (or a chain ending in it),
-    ``depth`` times; each replacement inherits the task id, with other arguments."""
+    """guarantees.md § "Bad input", item 21: ``self.replace()`` with this same task (or a chain
+    ending in it), ``depth`` times; each replacement inherits the task id, with other arguments."""
     effect(tag, f"body-{depth}")
     if depth == 0:
         return f"done:{tag}"
@@ -441,7 +443,8 @@ def replace_self(self: LedgerTask, tag: str, depth: int, via_chain: bool = False
 
 @app.task(shared=False, base=LedgerTask, bind=True, name="tests_app.returns_result")
 def returns_result(self: LedgerTask, tag: str, kind: str) -> Any:
-    """Issue 30 item 22: a body that returns a result object, as Celery's canvas tests do."""
+    """guarantees.md § "Bad input", item 22: a body that returns a result object, as Celery's canvas
+    tests do."""
     effect(tag, "body")
     one = AsyncResult(f"{tag}-one", app=self.app)
     if kind == "group":

@@ -1,4 +1,5 @@
-"""Tasks for issue 18's process tests (durable time), registered on ``tests_app``'s app.
+"""Tasks for the process tests of durable time (design.md § "Durable time"), registered on
+``tests_app``'s app.
 
 A worker loads them with ``celery -A tests_app worker -I time_app`` (``TIME_TASKS``); a test's
 producer registers the same names on its own ledger app (``register``), since only a
@@ -38,7 +39,7 @@ def _charged(step: Any) -> Reconciled:
 
 
 def register(target: Any) -> dict[str, Any]:
-    """Register issue 18's test tasks on ``target``; returns them by short name."""
+    """Register the durable-time test tasks on ``target``; returns them by short name."""
 
     # A SIGKILL between the step's start and its completion leaves it ambiguous: the
     # reconciler asks the effects table, so the test can demand exactly once.

@@ -76,7 +76,11 @@ class LedgerRuntime:
         store = self._store
         if store is None:
             settings = self.settings
-            store = self._store = LedgerStore(settings.url, durability=settings.durability)
+            store = self._store = LedgerStore(
+                settings.url,
+                durability=settings.durability,
+                max_connections=settings.max_connections,
+            )
         return store
 
     @property

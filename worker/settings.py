@@ -149,6 +149,9 @@ class LedgerSettings:
     #: ``off`` runs no watchdog. A stall is this many seconds with no message received.
     consumer_watchdog: str = "log"
     consumer_watchdog_seconds: float = 120.0
+    #: The most connections one process keeps to the ledger (ledger/budget.py); unset: a pool
+    #: of 2 plus 4 overflow, and 2 hot-path connections (docs/operations.md § "Deploying").
+    max_connections: int | None = None
 
     @classmethod
     def from_mapping(
@@ -204,6 +207,8 @@ class LedgerSettings:
             raise ValueError("ledger_lease_seconds must be > 0")
         if self.sweep_interval <= 0:
             raise ValueError("ledger_sweep_interval must be > 0")
+        if self.max_connections is not None and self.max_connections < 2:
+            raise ValueError("ledger_max_connections must be >= 2 (one hot-path, one pooled)")
         if self.max_resumes < 0:
             raise ValueError("ledger_max_resumes must be >= 0")
         if self.tombstone_days < 0:
@@ -264,6 +269,7 @@ _INTS = {
     "max_snapshot_bytes",
     "max_exception_bytes",
     "sweep_batch",
+    "max_connections",
 }
 _SETS = {"crash_points", "operator_tokens", "redact"}
 #: Order matters (the first snapshot key seals).

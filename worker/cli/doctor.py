@@ -26,6 +26,7 @@ from celery_ledger.cli.common import (
     sqlite_file_problem,
     sqlite_path,
 )
+from celery_ledger.cli.doctor_budget import check_budget
 from celery_ledger.cli.doctor_pooler import check_pooler
 from celery_ledger.ledger import (
     RESUME_OWNER,
@@ -455,9 +456,10 @@ def _check_secrets(settings: Any, tasks: list[Any]) -> Check:
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (see docs/operations.md).")
 @click.option("--strict", is_flag=True, help="Exit 1 on any WARN too (for CI and deploy gates).")
+@click.option("--fleet", help="Check the connection budget of WORKERSxCONCURRENCY[+BEATS].")
 @click.pass_context
 @guarded
-def doctor_cmd(ctx: click.Context, as_json: bool, strict: bool) -> None:
+def doctor_cmd(ctx: click.Context, as_json: bool, strict: bool, fleet: str | None) -> None:
     """Read-only checks of the ledger and the app's settings; exit 1 on any FAIL (with
     --strict, on any WARN)."""
     from celery_ledger.runtime import settings_for
@@ -477,6 +479,7 @@ def doctor_cmd(ctx: click.Context, as_json: bool, strict: bool) -> None:
         schema,
         _check_backend(url, app, store, schema),
         Check(*check_pooler(url)),
+        Check(*check_budget(url, app, fleet)),
         _check_visibility(app, settings, tasks),
         _check_hold(app, settings),
         _check_rabbitmq(app, settings),
