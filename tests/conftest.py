@@ -115,7 +115,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     single tests in this order: the long ones (``LONG_FIRST``) are moved to the front."""
     items.sort(key=_rank)  # stable: the rest keep their order
     for item in items:
-        if "rabbitmq" in getattr(item, "fixturenames", ()):
+        # A test on the shared RabbitMQ by fixture, or by a parameter (test_broker_faults.py's
+        # `broker`: the tests that stop the server's app and shorten its consumer_timeout).
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "rabbitmq" in getattr(item, "fixturenames", ()) or params.get("broker") == "rabbitmq":
             item.add_marker(pytest.mark.xdist_group("rabbitmq-server"))
         elif item.module is not None and item.module.__name__ in HEAVY:
             item.add_marker(pytest.mark.xdist_group("chaos-workloads"))

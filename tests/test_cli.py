@@ -560,6 +560,7 @@ def test_doctor_passes_on_the_embedded_default(
         "chords",
         "beat",
         "backlog",
+        "consumer",
         "reconcilers",
         "secrets",
     }

@@ -24,7 +24,7 @@ from typing import Any
 from celery import Celery, Task, current_app, signals
 from sqlalchemy.exc import ArgumentError
 
-from celery_ledger import canvas, envelope, fsbroker, intents, runtime, timing
+from celery_ledger import canvas, envelope, fsbroker, intents, runtime, timing, watchdog
 from celery_ledger.backoff import retry_while_unavailable
 from celery_ledger.ledger import LedgerError, LedgerUnavailable
 from celery_ledger.ledger.engine import make_engine
@@ -181,6 +181,7 @@ def _connect_signals() -> None:
     signals.worker_ready.connect(_on_worker_ready, weak=False)
     signals.task_prerun.connect(canvas.on_task_prerun, weak=False)
     signals.beat_init.connect(_on_beat_init, weak=False)
+    watchdog.install()  # design.md § "The consumer watchdog"
 
 
 def on_task_published(

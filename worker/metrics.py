@@ -31,6 +31,7 @@ import click
 from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from celery_ledger import watchdog_metrics
 from celery_ledger.ledger import EntryStatus, LedgerStats, OperatorQueries
 
 log = logging.getLogger(__name__)
@@ -234,6 +235,8 @@ def install_in_flower(
     collector = LedgerCollector(store, ttl=ttl)
     registry.register(collector)
     _flower_collector = collector
+    # The consumer watchdog's gauges come from the workers (design.md § "The consumer watchdog").
+    watchdog_metrics.register(registry, lambda: app or _current_celery_app(), ttl=ttl)
     log.info("celery-ledger metrics registered in Flower's /metrics (ttl %.1fs)", ttl)
     return collector
 

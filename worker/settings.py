@@ -144,6 +144,11 @@ class LedgerSettings:
     #: the first seals, every one opens (rotation: new key first, old ones after). Empty: the
     #: snapshots are stored as plain JSON. Kept out of ``repr``: a key must not reach a log.
     snapshot_keys: tuple[str, ...] = field(default=(), repr=False)
+    #: The consumer watchdog (``celery_ledger.watchdog``): ``log`` reports a worker that holds
+    #: nothing while its queue holds messages, ``restart`` also reconnects its consumer,
+    #: ``off`` runs no watchdog. A stall is this many seconds with no message received.
+    consumer_watchdog: str = "log"
+    consumer_watchdog_seconds: float = 120.0
     #: The most connections one process keeps to the ledger (ledger/budget.py); unset: a pool
     #: of 2 plus 4 overflow, and 2 hot-path connections (docs/operations.md § "Deploying").
     max_connections: int | None = None
@@ -214,6 +219,10 @@ class LedgerSettings:
             raise ValueError("ledger_retry_grace_seconds must be >= 0")
         if self.death_grace_seconds < 0:
             raise ValueError("ledger_death_grace_seconds must be >= 0")
+        if self.consumer_watchdog not in ("off", "log", "restart"):
+            raise ValueError("ledger_consumer_watchdog must be one of off, log, restart")
+        if self.consumer_watchdog_seconds <= 0:
+            raise ValueError("ledger_consumer_watchdog_seconds must be > 0")
         if self.snapshot_keys:
             from celery_ledger.ledger import SnapshotCipher
 
@@ -236,6 +245,7 @@ class LedgerSettings:
 
 
 _FLOATS = {
+    "consumer_watchdog_seconds",
     "death_grace_seconds",
     "tombstone_days",
     "hold_threshold_seconds",
@@ -292,7 +302,7 @@ def _parse(name: str, raw: Any) -> Any:
     except (TypeError, ValueError):
         kind = "a number" if name in _FLOATS else "a whole number" if name in _INTS else "a list"
         raise ValueError(f"ledger_{name}={raw!r} is not {kind}") from None
-    if name == "durability" and isinstance(raw, str):
+    if name in ("durability", "consumer_watchdog") and isinstance(raw, str):
         return raw.strip().lower()
     if name == "authorizer" and isinstance(raw, str):
         return raw.strip() or None

@@ -16,6 +16,7 @@ import click
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 
+from celery_ledger import watchdog
 from celery_ledger.cli.common import (
     CHECK_COLOURS,
     emit_json,
@@ -486,6 +487,7 @@ def doctor_cmd(ctx: click.Context, as_json: bool, strict: bool, fleet: str | Non
         _check_chords(app),
         _check_beat(app, settings, store),
         _check_backlog(settings, store),
+        Check(*watchdog.doctor_check(settings)),
         _check_reconcilers(tasks),
         _check_secrets(settings, tasks),
     ]
