@@ -169,7 +169,7 @@ def prune(
 
     Batch after batch, not one: one batch per sweep (500 per 30 s by default) is a ceiling of
     17 settled tasks a second, and a ledger that settled faster grew without bound
-    (docs/benchmarks.md § "Soak (production deployment, section 3)")."""
+    (docs/benchmarks.md § "Soak")."""
     deadline = time.monotonic() + budget_seconds
     older = retention_days * 86400.0
     if tombstone_days <= 0:
