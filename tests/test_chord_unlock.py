@@ -36,7 +36,7 @@ def database_results_env(tmp_path, redis: str, pg_url: str, **extra: str) -> dic
 
 
 @pytest.mark.parametrize(
-    ("point", "pause"), [("chord-unlock", 0.0), ("chord-unlock:retry", 2.5)], ids=["first", "retry"]
+    ("point", "pause"), [("chord-unlock", 0.0), ("chord-unlock:retry", 4.0)], ids=["first", "retry"]
 )
 def test_chord_unlock_held_by_a_worker_killed_whole(tmp_path, redis, pg_url, point, pause):
     """The whole worker dies as ``chord_unlock`` starts: on its first poll (members done), or
@@ -52,8 +52,10 @@ def test_chord_unlock_held_by_a_worker_killed_whole(tmp_path, redis, pg_url, poi
     app = client_app(env)
     tag = f"unlock-killed-{point}"
     with processes(tmp_path, env) as procs:
-        procs.worker("w1", concurrency=2)
-        procs.worker("w2", concurrency=2)
+        # A free pool process on each worker whatever the members take: the first poll runs
+        # while they do, so the retry case kills a retry.
+        procs.worker("w1", concurrency=4)
+        procs.worker("w2", concurrency=4)
         procs.beat()
         result = chord_of(app, tag, 3, pause).apply_async()
         # Without the ledger's hold: Redis keeps the killed worker's message for an hour.
