@@ -14,7 +14,9 @@ from __future__ import annotations
 import pytest
 from test_canvas import chord_of, crashed
 
-from helpers import effect_counts
+from celery_ledger.ledger import LedgerStore
+from celery_ledger.unlock import CHORD_UNLOCK, unlock_id
+from helpers import effect_counts, key_of
 from procs import processes, test_env
 from test_delivery import client_app
 
@@ -64,3 +66,6 @@ def test_chord_unlock_held_by_a_worker_killed_whole(tmp_path, redis, pg_url, poi
     expected = {(tag, f"member{n}"): 1 for n in range(3)}
     expected[(tag, "callback")] = 1
     assert effect_counts(pg_url, tag) == expected
+    # The join was a ledgered task: one entry per chord, run to its end.
+    entry = LedgerStore(pg_url).get_entry(key_of(CHORD_UNLOCK, unlock_id(result.parent.id)))
+    assert entry is not None and entry.status.value == "completed", entry

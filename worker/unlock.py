@@ -42,6 +42,12 @@ log = logging.getLogger(__name__)
 CHORD_UNLOCK = "celery.chord_unlock"
 
 
+def unlock_id(group_id: str) -> str:
+    """The task id (and so the entry) of the ``chord_unlock`` of the chord whose header is
+    ``group_id``; its retries keep it."""
+    return f"chord-unlock-{group_id}"
+
+
 class ChordUnlock(LedgerTask):
     """``celery.chord_unlock`` held in the ledger: a poll is idempotent (it reads results and
     publishes the callback under its frozen id), so a lost one is simply run again."""
@@ -49,6 +55,15 @@ class ChordUnlock(LedgerTask):
     side_effect = SideEffect.IDEMPOTENT.value
     max_retries = None
     ignore_result = True
+
+    def apply_async(  # type: ignore[override]  # the same call; Celery's own options pass through
+        self, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any
+    ) -> Any:
+        """Send the chord's first poll under ``unlock_id`` of its group: one entry per chord
+        (a chord applied again, frozen, meets its own entry), and one its producer can name."""
+        if task_id is None and args:
+            task_id = unlock_id(str(args[0]))
+        return super().apply_async(args, kwargs, task_id=task_id, **options)
 
     def hold_retry(self, interval: float, exc: BaseException | None, **options: Any) -> Retry:
         """The ``Retry`` that ends this poll: published as Celery's, or, when the broker
