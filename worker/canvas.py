@@ -232,7 +232,9 @@ def keep_chord_unlock(app: Any) -> None:
     acks before it runs: a pool process killed while it runs loses the callback for good.
     Running it twice is harmless where running it never is not: it only reads the header's
     results and publishes the callback under the chord body's frozen id, which a ledgered
-    callback's claim deduplicates.
+    callback's claim deduplicates. A ledger app's own ``chord_unlock`` is a ledgered task
+    (``celery_ledger.unlock``), acked late already; this keeps the setting for whichever task
+    the worker's app has under that name.
     """
     task = app.tasks.get("celery.chord_unlock")
     if task is not None:

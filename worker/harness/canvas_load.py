@@ -113,7 +113,8 @@ def enqueue(app: Any, run: str, chains: int) -> list[str]:
     ).apply_async()
     keys.append(entry_key(JOIN, res.id))
     keys += [entry_key(LINK, r.id) for r in res.parent.results]
-    # The join of database result backends is a ledgered task too (design.md § "Canvas").
+    # The join of database result backends is a ledgered task too (design.md § "Canvas:
+    # chains, groups, chords, callbacks").
     keys.append(entry_key(CHORD_UNLOCK, unlock_id(res.parent.id)))
     return keys
 
