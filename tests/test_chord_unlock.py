@@ -11,17 +11,26 @@ retry) is re-sent by beat's sweep.
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+from pathlib import Path
+
 import pytest
 from sqlalchemy import text
+from test_broker_faults import OwnRedis
 from test_canvas import chord_of, crashed
 
 from celery_ledger.ledger.engine import make_engine
-from celery_ledger.unlock import CHORD_UNLOCK
 from helpers import effect_counts
-from procs import processes, test_env
+from procs import processes, test_env, wait_for
 from test_delivery import client_app
 
 pytestmark = pytest.mark.processes
+
+#: Celery's name for the join (``celery_ledger.unlock.CHORD_UNLOCK``; spelled out so that this
+#: file also runs against a tree without that module, as it did before the fix).
+CHORD_UNLOCK = "celery.chord_unlock"
 
 #: Short enough that the sweep re-sends what the dead worker held well within the bound.
 RECOVERY = {
@@ -78,3 +87,48 @@ def test_chord_unlock_held_by_a_worker_killed_whole(tmp_path, redis, pg_url, poi
     finally:
         engine.dispose()
     assert [r.status for r in rows] == ["completed"], rows
+
+
+def test_chord_unlock_retry_refused_by_the_broker_is_held(tmp_path, pg_url):
+    """The broker (a redis-server of this test's own, never the shared one) goes away while
+    ``chord_unlock`` polls a chord whose members still run: the poll's retry cannot be
+    published. Celery's task failed the chord there (``ChordError``: "chord_unlock could not
+    be retried"); the ledger's settles ``retrying`` without a message, and once the broker is
+    back the sweep re-sends it and the chord calls back once."""
+    own = OwnRedis(tmp_path)
+    own.start()
+    try:
+        marker = tmp_path / "crash-once"
+        env = database_results_env(
+            tmp_path,
+            own.url,
+            pg_url,
+            # The first retry's poll is paused as it starts (its pid in the marker file).
+            CELERY_LEDGER_CRASH_AT="chord-unlock:retry@stop",
+            CELERY_LEDGER_CRASH_ONCE=str(marker),
+        )
+        app = client_app(env)
+        tag = "unlock-broker-cut"
+        with processes(tmp_path, env) as procs:
+            w1 = procs.worker("w1", concurrency=4)
+            procs.beat()
+            result = chord_of(app, tag, 2, 8.0).apply_async()
+            paused = Path(f"{marker}.chord-unlock_retry")
+            wait_for(lambda: paused.exists() and paused.read_text(), timeout=60, what="a poll")
+            own.stop()  # the paused poll finds the members running and cannot publish its retry
+            os.kill(int(paused.read_text()), signal.SIGCONT)
+            wait_for(
+                lambda: re.search(r"could not be (retried|published)", w1.log_text()),
+                timeout=60,
+                what="a poll whose retry the broker refused",
+            )
+            own.start()
+            # A worker on the restarted server (see test_broker_faults.py: one that lived
+            # through the restart may never consume again).
+            procs.worker("w2", concurrency=2)
+            assert result.get(timeout=90) == [0, 1]
+    finally:
+        own.stop()
+    expected = {(tag, f"member{n}"): 1 for n in range(2)}
+    expected[(tag, "callback")] = 1
+    assert effect_counts(pg_url, tag) == expected
