@@ -24,7 +24,7 @@ from typing import Any
 from celery import Celery, Task, current_app, signals
 from sqlalchemy.exc import ArgumentError
 
-from celery_ledger import canvas, envelope, fsbroker, intents, runtime, timing, watchdog
+from celery_ledger import canvas, envelope, fsbroker, intents, runtime, timing, unlock, watchdog
 from celery_ledger.backoff import retry_while_unavailable
 from celery_ledger.ledger import LedgerError, LedgerUnavailable
 from celery_ledger.ledger.engine import make_engine
@@ -132,6 +132,8 @@ def install(app: Celery) -> Celery:
     _connect_signals()
     # revoke() is recorded in the ledger (design.md § "Durable time")
     timing.install_revoke_hooks(app)
+    # chord_unlock is ledgered (design.md § "Canvas: chains, groups, chords, callbacks")
+    unlock.register(app)
 
     @app.task(name=SWEEP_TASK, ignore_result=True, shared=False, base=_SweepTask)
     def celery_ledger_sweep() -> dict[str, Any]:

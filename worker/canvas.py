@@ -232,7 +232,9 @@ def keep_chord_unlock(app: Any) -> None:
     acks before it runs: a pool process killed while it runs loses the callback for good.
     Running it twice is harmless where running it never is not: it only reads the header's
     results and publishes the callback under the chord body's frozen id, which a ledgered
-    callback's claim deduplicates.
+    callback's claim deduplicates. A ledger app's own ``chord_unlock`` is a ledgered task
+    (``celery_ledger.unlock``), acked late already; this keeps the setting for whichever task
+    the worker's app has under that name.
     """
     task = app.tasks.get("celery.chord_unlock")
     if task is not None:
@@ -242,12 +244,16 @@ def keep_chord_unlock(app: Any) -> None:
 
 def on_task_prerun(sender: Any = None, **_: Any) -> None:
     """``task_prerun``: the crash point ``chord-unlock`` fires as Celery's
-    ``celery.chord_unlock`` starts in a pool process of a ledger app."""
+    ``celery.chord_unlock`` starts in a pool process of a ledger app, and
+    ``chord-unlock:retry`` as one of its retries (a poll after the first) starts."""
     if sender is None or getattr(sender, "name", None) != "celery.chord_unlock":
         return
     if not runtime.is_installed(sender.app):
         return
-    crash_point(runtime.settings_for(sender.app), "chord-unlock")
+    settings = runtime.settings_for(sender.app)
+    crash_point(settings, "chord-unlock")
+    if getattr(sender.request, "retries", 0):
+        crash_point(settings, "chord-unlock:retry")
 
 
 #: Celery's count of the ``self.replace()`` calls that led to a message: its header, its

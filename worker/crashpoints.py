@@ -13,7 +13,7 @@ crash point is one frozenset lookup. Names:
 - ``after-settle``          after the settle (and the links it recorded: the next chain
   link, the callbacks) committed, before they are published
 - ``chord-unlock``          as Celery's ``celery.chord_unlock`` (the chord join of database
-  result backends) starts
+  result backends) starts; ``chord-unlock:retry`` as one of its retries (a later poll) starts
 - ``after-publish``         after the links were published and marked, before Celery stores
   the result (and counts a chord member) and the message is acked
 - ``txn-written:<step>``    inside a transaction step: its block returned, its writes are

@@ -20,6 +20,7 @@ from sqlalchemy import delete
 from celery_ledger.ledger import BODY_STEP, entry_key
 from celery_ledger.ledger.schema import entries, events, outbox, steps
 from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciled
+from celery_ledger.unlock import CHORD_UNLOCK, unlock_id
 
 #: A chain link, a chord member too (ledgered, one effect).
 LINK = "celery_ledger.demo.canvas_link"
@@ -112,6 +113,9 @@ def enqueue(app: Any, run: str, chains: int) -> list[str]:
     ).apply_async()
     keys.append(entry_key(JOIN, res.id))
     keys += [entry_key(LINK, r.id) for r in res.parent.results]
+    # The join of database result backends is a ledgered task too (design.md § "Canvas:
+    # chains, groups, chords, callbacks").
+    keys.append(entry_key(CHORD_UNLOCK, unlock_id(res.parent.id)))
     return keys
 
 
