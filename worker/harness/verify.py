@@ -369,6 +369,8 @@ class Chaos:
         #: one run takes it, before anything new is drawn. Dropped, it would make the
         #: actions taken depend on the machine's speed, not on ``--seed``.
         self.pending: tuple[str, float] | None = None
+        #: The end of the chaos window (``time.monotonic()``); the command sets it.
+        self.until = math.inf
         self.outage_on = False
         weights = {
             "kill-child": 4,
@@ -391,6 +393,12 @@ class Chaos:
         for timer in [t for t in self.timers if t[0] <= now]:
             self.timers.remove(timer)
             timer[2]()
+        # A timer (a worker's restart) can take seconds on a loaded machine: no action is
+        # taken, and none stays pending, once the chaos window is over.
+        now = time.monotonic()
+        if now >= self.until:
+            self.pending = None
+            return
         if self.pending is not None:
             action, pick = self.pending
             if self._act_on_runs(action, pick):
@@ -697,7 +705,7 @@ def _run_verify(
             )
         with phases.phase("chaos"):
             chaos = Chaos(works, rng, outage, chaos_log, broker_restart, crash, crashes)
-            deadline = time.monotonic() + duration
+            deadline = chaos.until = time.monotonic() + duration
 
             def cancel_due() -> None:
                 # Not while verify's own SQLite stall holds the write lock (the loop that
