@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from enum import Enum
 from typing import Any, NamedTuple, NoReturn, Protocol
 
@@ -39,6 +39,7 @@ from celery_ledger.codec import decode, decode_failure, encode, encode_failure
 from celery_ledger.crashpoints import crash_point
 from celery_ledger.errors import Stopped
 from celery_ledger.heartbeat import heartbeat
+from celery_ledger.intents import PublishedTask
 from celery_ledger.ledger import (
     Claim,
     ClaimRequest,
@@ -58,7 +59,7 @@ from celery_ledger.redelivery import header, ledger_unavailable, redeliver, wait
 log = logging.getLogger(__name__)
 
 
-class DeliveryTask(AttemptTask, Protocol):
+class DeliveryTask(AttemptTask, PublishedTask, Protocol):
     """What a delivery needs from its task (``LedgerTask``; a protocol, so that the task, which
     starts deliveries, and this module do not import each other)."""
 
@@ -71,17 +72,6 @@ class DeliveryTask(AttemptTask, Protocol):
     def request(self) -> Any: ...
 
     def run(self, *args: Any, **kwargs: Any) -> Any: ...
-
-    def ledger_key(
-        self,
-        args: Sequence[Any],
-        kwargs: Mapping[str, Any],
-        task_id: str,
-        header_key: Any = None,
-        replacement: int = 0,
-    ) -> tuple[str, str]: ...
-
-    def keyed_by_task_id(self, header_key: Any = None) -> bool: ...
 
     def send_event(self, type_: str, **fields: Any) -> Any: ...
 
