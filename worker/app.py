@@ -24,7 +24,17 @@ from typing import Any
 from celery import Celery, Task, current_app, signals
 from sqlalchemy.exc import ArgumentError
 
-from celery_ledger import canvas, envelope, fsbroker, intents, runtime, timing, unlock, watchdog
+from celery_ledger import (
+    canvas,
+    envelope,
+    fsbroker,
+    intents,
+    pool,
+    runtime,
+    timing,
+    unlock,
+    watchdog,
+)
 from celery_ledger.backoff import retry_while_unavailable
 from celery_ledger.ledger import LedgerError, LedgerUnavailable
 from celery_ledger.ledger.engine import make_engine
@@ -262,6 +272,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         timing.install_worker_revoke_hook()
         _freeze_before_fork = settings.freeze_gc_before_fork
         canvas.keep_chord_unlock(sender.app)
+        pool.use_kill_safe_pool(sender)  # design.md § "The embedded default's pool"
         if getattr(sender, "task_events", False):
             # `celery worker -E` sets the worker's attribute, not the app setting that the
             # pool processes read to decide whether to send task-ledger-* events.
