@@ -55,6 +55,9 @@ class Dialect:
     #: (PgBouncer) a server session serves other clients next, and a ``SET synchronous_commit
     #: = off`` would change their durability (docs/operations.md § "Deploying").
     lazy_statement: Callable[[Any], Any] | None = None
+    #: Whether a fork waits for this process's uses of a connection (``forkgate``): SQLite
+    #: keeps its file locks in the process's memory, which a fork copies.
+    gates_forks: bool = False
 
     @property
     def begin_unit(self) -> str | None:
@@ -95,6 +98,7 @@ SQLITE = Dialect(
     event_in_statement=False,
     insert=sqlite_dialect.insert,
     lazy_session="PRAGMA synchronous=NORMAL",
+    gates_forks=True,
 )
 POSTGRESQL = Dialect(
     "postgresql",

@@ -15,6 +15,8 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
+from celery_ledger.ledger.forkgate import GATE
+
 #: How long a SQLite writer waits for the lock before failing. Long, because claims from many
 #: pool processes queue on one file lock; each holds it for well under a millisecond.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -163,13 +165,28 @@ def _configure_sqlite(engine: Engine) -> None:
         # DEFERRED): every ledger transaction reads then writes, and a deferred reader that
         # tries to upgrade to a writer fails with SQLITE_BUSY at once, busy timeout or not.
         dbapi_conn.isolation_level = None
-        cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
-        # FULL: a `started` intent row must survive power loss, not only a process crash.
-        cur.execute("PRAGMA synchronous=FULL")
-        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
-        cur.execute("PRAGMA foreign_keys=ON")
-        cur.close()
+        with GATE.held():  # switching to WAL takes a lock (forkgate)
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            # FULL: a `started` intent row must survive power loss, not only a process crash.
+            cur.execute("PRAGMA synchronous=FULL")
+            cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+    # A fork waits while a connection is checked out (``forkgate``): from checkout to checkin,
+    # or to its detach (the hot path's connections, whose units hold the gate themselves).
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(_dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        GATE.enter(record)
+
+    @event.listens_for(engine, "checkin")
+    def _on_checkin(_dbapi_conn: Any, record: Any) -> None:
+        GATE.leave(record)
+
+    @event.listens_for(engine, "detach")
+    def _on_detach(_dbapi_conn: Any, record: Any) -> None:
+        GATE.leave(record)
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:

@@ -49,6 +49,7 @@ from sqlalchemy import Engine
 
 from celery_ledger.ledger.dialect import Dialect
 from celery_ledger.ledger.errors import translate_db_errors
+from celery_ledger.ledger.forkgate import GATE
 
 
 class Compiled:
@@ -79,6 +80,10 @@ class FastPath:
         self._begin = dialect.begin_unit
         self._lazy_session = dialect.lazy_session
         self._lazy_statement = dialect.lazy_statement
+        #: Held for each unit of work where a fork must wait for it (SQLite, ``forkgate``).
+        self._gate: Callable[[], contextlib.AbstractContextManager[Any]] = (
+            GATE.held if dialect.gates_forks else contextlib.nullcontext
+        )
         #: Each compiled statement's lazy twin, by SQL (``Dialect.lazy_statement``).
         self._lazy_sql: dict[str, str] = {}
         #: Idle DBAPI connections, last in first out (list.pop/append are atomic); on SQLite,
@@ -148,7 +153,7 @@ class FastPath:
         """
         session = lazy and bool(self._lazy_session)
         idle = self._idle_lazy if session else self._idle
-        with translate_db_errors(self.dbapi):
+        with self._gate(), translate_db_errors(self.dbapi):
             conn = self._connect(idle, session)
             cur = conn.cursor() if not self.listeners else _Observed(conn.cursor(), self.listeners)
             if lazy and self._lazy_statement is not None:
