@@ -116,8 +116,12 @@ def check(report: dict[str, Any]) -> dict[str, Any]:
     # completed, failed or blocked.
     accounted = led["completed"] + led["failed"] + led["blocked"]
     assert accounted == TASKS, led
-    for blocked in led["blocked_orders"]:  # parked with the step that may have executed
-        assert blocked["reason"] and blocked["ambiguous_steps"], blocked
+    for blocked in led["blocked_orders"]:
+        # Parked with the step that may have executed, or by the crash-loop rule (an order
+        # the chaos interrupted more than ``ledger_max_resumes`` times: under load a lease
+        # lapses more often, design.md § "Recovery"), each with its reason.
+        crash_loop = blocked["reason"].startswith("crash loop: interrupted")
+        assert blocked["reason"] and (blocked["ambiguous_steps"] or crash_loop), blocked
     # Every completed order sent its child through the outbox; none was lost, and
     # a duplicate child would have shown in duplicate_effects.
     assert led["children_lost"] == 0, led
@@ -133,8 +137,11 @@ def check(report: dict[str, Any]) -> dict[str, Any]:
     return led
 
 
+@pytest.mark.timeout(330)
 def test_verify_on_the_embedded_default():
-    report = verify()
+    # As on PostgreSQL + Redis: start, 40 s of chaos and the settle phase take longer than
+    # 170 s beside the CI run's two other test processes (seen: timed out at 170 s).
+    report = verify(timeout=300)
     led = check(report)
     assert report["broker"] == "filesystem://"
     assert any(s.startswith("visibility-timeout") for s in report["chaos"]["skipped"])
