@@ -61,7 +61,7 @@ def _operator(request: HttpRequest) -> Operator:
     return Operator(user.get_username(), "django", True, user=user)
 
 
-class LedgerEntryAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class LedgerEntryAdmin(admin.ModelAdmin):
     """The ledger's pages under ``/admin/celery_ledger/ledgerentry/``."""
 
     # -- what Django's admin may do with the model: look only -----------------------------
@@ -149,14 +149,20 @@ class LedgerEntryAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         filters = [("All", here, not (status or stuck or ref))]
         filters.append(("Stuck", f"{here}?stuck=1", stuck and not kinds))
         filters += [
-            (f"Stuck: {k.label}", f"{here}?{urlencode({'stuck': 1, 'kind': k.name})}", kinds == (k.name,))
+            (
+                f"Stuck: {k.label}",
+                f"{here}?{urlencode({'stuck': 1, 'kind': k.name})}",
+                kinds == (k.name,),
+            )
             for k in q.STUCK_KINDS
         ]
         filters += [
             (s.value, f"{here}?{urlencode({'status': s.value})}", status == s.value and not stuck)
             for s in EntryStatus
         ]
-        title = "Stuck ledger entries" if stuck else f"Ledger entries{f': {status}' if status else ''}"
+        title = (
+            "Stuck ledger entries" if stuck else f"Ledger entries{f': {status}' if status else ''}"
+        )
         return TemplateResponse(
             request,
             "celery_ledger/admin/entry_list.html",
@@ -197,7 +203,9 @@ class LedgerEntryAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 after = q.Cursor.parse(request.GET["after"])
             except ValueError:
                 errors.append("that page position is not valid; showing the first page")
-        model = views.stuck(page, q.StuckFilter(kinds=kinds), limit=PAGE_SIZE, after=after, before=None)
+        model = views.stuck(
+            page, q.StuckFilter(kinds=kinds), limit=PAGE_SIZE, after=after, before=None
+        )
         rows = [
             {
                 "key": r.key,
@@ -345,7 +353,9 @@ class LedgerEntryAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
                 )
                 code = "released-completed" if done.resume is None else f"released-{done.resume}"
             elif action == "resume":
-                outcome = actions.resume(page, key, operator=operator, reason_raw=post.get("reason"))
+                outcome = actions.resume(
+                    page, key, operator=operator, reason_raw=post.get("reason")
+                )
                 code = "resumed" if outcome == "resumed" else f"resume-{outcome}"
             elif action == "mark-dead":
                 actions.mark_dead(

@@ -53,7 +53,9 @@ def celery_app() -> Any:
     try:
         return import_string(spec.replace(":", "."))
     except ImportError as exc:
-        raise ImproperlyConfigured(f"LEDGER_CELERY_APP={spec!r} cannot be imported: {exc}") from None
+        raise ImproperlyConfigured(
+            f"LEDGER_CELERY_APP={spec!r} cannot be imported: {exc}"
+        ) from None
 
 
 def ledger_page() -> LedgerPage:
