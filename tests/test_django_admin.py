@@ -179,12 +179,14 @@ def browser() -> Iterator[Any]:
 def screenshot(driver: Any, name: str) -> None:
     folder = os.environ.get("CELERY_LEDGER_SCREENSHOTS")
     if folder:
-        # The admin scrolls inside its own containers: the tallest one is the page's height.
-        height = driver.execute_script(
-            "return Math.max(...['html', 'body', '#container', '#main', '#content']"
-            ".map(s => document.querySelector(s)).filter(Boolean).map(e => e.scrollHeight))"
-        )
-        driver.set_window_size(1400, min(max(int(height) + 40, 700), 2400))
+        # The window is taller than the page it shows by the browser's own chrome: grow it
+        # until the viewport holds the whole page (twice at most; a page is at most 2400 px).
+        for _ in range(2):
+            inner, height = driver.execute_script(
+                "return [window.innerHeight, document.documentElement.scrollHeight]"
+            )
+            outer = driver.get_window_size()["height"]
+            driver.set_window_size(1400, min(outer + int(height) - int(inner) + 8, 2400))
         driver.save_screenshot(str(Path(folder) / f"{name}.png"))
         driver.set_window_size(1400, 1100)
 
