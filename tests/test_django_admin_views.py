@@ -285,6 +285,16 @@ def test_the_authorizer_decides_with_the_django_user(make_ledger: Any) -> None:
     assert again.status_code == 409 and "Nothing was changed" in html(again)
 
 
+def test_an_action_without_djangos_csrf_token_is_refused(make_ledger: Any) -> None:
+    ledger = make_ledger(ledger_authorizer=SUPERUSER_ONLY)
+    key = ledger.blocked()
+    ann = user("ann", superuser=True)
+    ann.handler.enforce_csrf_checks = True
+    resp = post(ann, key, "release", verified="not-executed", reason="r")
+    assert resp.status_code == 403 and "CSRF" in html(resp)
+    assert ledger.store.get_entry(key).released_by is None
+
+
 def test_a_refused_input_changes_nothing(make_ledger: Any) -> None:
     ledger = make_ledger(ledger_authorizer=SUPERUSER_ONLY)
     key = ledger.blocked()
