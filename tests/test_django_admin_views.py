@@ -9,6 +9,7 @@ ledger's state is written through the store the way a worker writes it. The brow
 
 from __future__ import annotations
 
+import io
 import re
 import uuid
 from collections.abc import Iterator
@@ -95,6 +96,7 @@ _configure()
 # Imported once Django is configured: its models and the app's modules need the settings.
 from django.contrib.auth.models import Permission, User
 from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
 from django.test import Client
 
 from celery_ledger.contrib.django import context
@@ -399,3 +401,12 @@ def test_an_app_that_does_not_import_is_a_configuration_error(
     monkeypatch.setattr(context, "_page", None)
     with pytest.raises(ImproperlyConfigured, match="LEDGER_CELERY_APP"):
         context.ledger_page()
+
+
+def test_the_apps_migration_creates_no_table_and_matches_the_model() -> None:
+    """The ledger's tables are Alembic's: the one migration is Django's record of the
+    unmanaged model, and ``makemigrations`` finds nothing to add to it."""
+    sql = io.StringIO()
+    call_command("sqlmigrate", "celery_ledger", "0001", stdout=sql)
+    assert "(no-op)" in sql.getvalue() and "CREATE TABLE" not in sql.getvalue()
+    call_command("makemigrations", "celery_ledger", check=True, dry_run=True, verbosity=0)
