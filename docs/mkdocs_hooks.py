@@ -9,14 +9,27 @@ site's top, and the README as the home page.
 On the site all of them sit in one folder, while in the repository they sit in three. Each
 file's links are written to work where it lives in the repository (so they work on a forge
 and in an editor), and ``on_page_markdown`` rewrites them to the site's one folder.
+
+The API reference reads the installed ``celery_ledger``. mkdocstrings (griffe) finds a package
+by its folder's name, and ours has none of that name: ``celery_ledger`` is ``worker/``, and its
+subpackages ``ledger/`` and ``recovery/`` sit beside it, not in it. A strict editable install
+links them into one ``celery_ledger`` folder; the plain ``pip install -e`` that CI runs does not,
+and griffe then cannot resolve ``celery_ledger.recovery``. So ``on_config`` links the folders
+Python imports the package from into one ``celery_ledger`` folder, whatever the install, and
+gives it to mkdocstrings as its search path.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
+from mkdocs.config.defaults import MkDocsConfig
+from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File, Files
 
 DOCS = Path(__file__).resolve().parent
@@ -31,6 +44,49 @@ NOT_PAGES = {"mkdocs.yml", "mkdocs_hooks.py"}
 README_LINK = re.compile(r"\]\(docs/(?:pages/)?")
 DOCUMENT_LINK = re.compile(r"\]\(pages/")
 PAGE_LINK = re.compile(r"\]\(\.\./")
+
+PACKAGE = "celery_ledger"
+#: The subpackages that ``pyproject.toml``'s ``package-dir`` maps outside ``worker/``.
+OUTSIDE = ("ledger", "recovery")
+
+#: The folders ``on_config`` made, removed by ``on_shutdown``.
+_TREES: list[Path] = []
+
+
+def _location(name: str) -> Path:
+    """The folder Python imports the package ``name`` from."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"{name} is not installed: pip install -e '.[dev]' first")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _package_tree() -> Path:
+    """A folder holding ``celery_ledger/``: the installed package's files and subpackages,
+    linked, with ``ledger/`` and ``recovery/`` inside it."""
+    root = Path(tempfile.mkdtemp(prefix="celery-ledger-docs-"))
+    _TREES.append(root)
+    tree = root / PACKAGE
+    tree.mkdir()
+    for entry in _location(PACKAGE).iterdir():
+        (tree / entry.name).symlink_to(entry)
+    for name in OUTSIDE:
+        if not (tree / name).exists():
+            (tree / name).symlink_to(_location(f"{PACKAGE}.{name}"))
+    return root
+
+
+@event_priority(100)  # before mkdocstrings reads its handler's configuration
+def on_config(config: MkDocsConfig) -> MkDocsConfig:
+    """Search ``celery_ledger`` in a folder of that name (see the module's docstring)."""
+    handlers = config.plugins["mkdocstrings"].config.handlers
+    handlers.setdefault("python", {})["paths"] = [str(_package_tree())]
+    return config
+
+
+def on_shutdown() -> None:
+    while _TREES:
+        shutil.rmtree(_TREES.pop(), ignore_errors=True)
 
 
 def on_files(files: Files, config: Any) -> Files:
