@@ -232,3 +232,71 @@ def test_ledger_otel_false_turns_the_spans_off_with_the_extra_installed() -> Non
     assert isinstance(otel.tracing(LedgerSettings.from_mapping({}, env={})), otel.Spans)
     off = LedgerSettings.from_mapping({}, env={"CELERY_LEDGER_OTEL": "0"})
     assert otel.tracing(off) is otel.OFF
+
+
+class Refused(Exception):
+    """A step's provider refused the call before it went out (declared: not executed)."""
+
+
+#: What each run of ``pay`` raises to its caller.
+EXPECTED: dict[str, type[BaseException]] = {
+    "read": ValueError,
+    "refused": Refused,
+    "crossed": RuntimeError,  # the entry is parked; the caller gets what the step raised
+}
+
+
+def test_a_step_span_tells_what_a_raising_step_left_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In one process (eager ``apply``), with the SDK's in-memory exporter: each way out of a
+    step is its span's ``step.status``, and the ``blocked`` the attempt sends is an event of
+    the span that was current."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from celery_ledger import LedgerTask, create_app
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    # This test's provider, not the process's global one (which can be set only once).
+    monkeypatch.setattr(otel, "_spans", otel.Spans(trace, provider))
+    app = create_app(
+        "otel_eager", data_dir=tmp_path / "data", ledger_url=f"sqlite:///{tmp_path}/l.db"
+    )
+
+    def no_such_order() -> None:
+        raise ValueError("no such order")
+
+    def refused() -> None:
+        raise Refused("provider said no")
+
+    def reset_mid_call() -> None:
+        raise RuntimeError("connection reset mid-call")
+
+    @app.task(base=LedgerTask, bind=True, name="otel_eager.pay", not_executed_on=(Refused,))
+    def pay(self: LedgerTask, how: str) -> None:
+        if how == "read":
+            self.step("look", no_such_order, effect=False)
+        if how == "refused":
+            self.step("charge", refused)
+        self.step("charge", reset_mid_call)
+
+    root = provider.get_tracer("test")
+    for how in ("read", "refused", "crossed"):
+        with root.start_as_current_span(f"root/{how}"), pytest.raises(EXPECTED[how]):
+            pay.apply((how,)).get()
+    finished = {s.name: s for s in exporter.get_finished_spans() if s.name.startswith("root/")}
+    steps = [s for s in exporter.get_finished_spans() if s.name.startswith(otel.STEP_SPAN)]
+    assert [(s.name, s.attributes["celery_ledger.step.status"]) for s in steps] == [
+        (otel.STEP_SPAN + "look", otel.STEP_FAILED),
+        (otel.STEP_SPAN + "charge", otel.STEP_NOT_EXECUTED),
+        (otel.STEP_SPAN + "charge", otel.STEP_AMBIGUOUS),
+    ]
+    assert all(s.status.status_code is trace.StatusCode.ERROR for s in steps)
+    # The step that may have crossed parks the entry: ``blocked``, where the delivery was.
+    events = [e.name for e in finished["root/crossed"].events]
+    assert "celery_ledger.blocked" in events, events

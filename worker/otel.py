@@ -172,10 +172,13 @@ class _SpanNote(Note):
 class Spans(Tracing):
     """The hooks with ``opentelemetry-api`` importable: each makes a span under the current one."""
 
-    def __init__(self, trace: Any) -> None:
+    def __init__(self, trace: Any, provider: Any = None) -> None:
+        """``trace``: the API's module; ``provider``: a tracer provider of one's own (a
+        test's), else the API's global one."""
         self._trace = trace
-        # A ProxyTracer until the application sets a provider, then the provider's own.
-        self._tracer = trace.get_tracer(SCOPE)
+        # The global one's is a ProxyTracer until the application sets a provider, then the
+        # provider's own: spans made before that are no-ops, none are lost after.
+        self._tracer = (provider or trace).get_tracer(SCOPE)
 
     @contextlib.contextmanager
     def _span(self, name: str, attributes: dict[str, Any]) -> Iterator[_SpanNote]:
