@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from celery_ledger.ledger import Claim, SideEffect
     from celery_ledger.recovery import SweepReport
     from celery_ledger.replay import Ident
-    from celery_ledger.settings import LedgerSettings
 
 #: The instrumentation scope the spans are made under.
 SCOPE = "celery_ledger"
@@ -66,6 +65,14 @@ def _trace_api() -> Any:
 def available() -> bool:
     """Whether ``opentelemetry-api`` is importable (the ``otel`` extra is installed)."""
     return _trace_api() is not None
+
+
+class Switch(Protocol):
+    """What ``tracing`` reads of the settings (``LedgerSettings``, which imports this module
+    for ``available``)."""
+
+    @property
+    def otel(self) -> bool | None: ...
 
 
 class Attempted(Protocol):
@@ -236,7 +243,7 @@ class Spans(Tracing):
 _spans: Spans | None = None
 
 
-def tracing(settings: LedgerSettings) -> Tracing:
+def tracing(settings: Switch) -> Tracing:
     """The hooks for a runtime with these settings: ``OFF``, or the spans (``Spans``)."""
     if settings.otel is False:
         return OFF
