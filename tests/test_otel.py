@@ -227,10 +227,20 @@ def test_without_opentelemetry_the_runtime_runs_and_every_hook_is_a_no_op(
     assert out.stdout.strip() == "ok"
 
 
-def test_ledger_otel_false_turns_the_spans_off_with_the_extra_installed() -> None:
-    assert otel.available()
-    assert isinstance(otel.tracing(LedgerSettings.from_mapping({}, env={})), otel.Spans)
+def test_spans_need_a_tracer_provider_and_ledger_otel_false_turns_them_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    default = LedgerSettings.from_mapping({}, env={})
     off = LedgerSettings.from_mapping({}, env={"CELERY_LEDGER_OTEL": "0"})
+    assert otel.available()
+    # This process sets no global provider: the API's default would make no-op spans.
+    assert not isinstance(trace.get_tracer_provider(), TracerProvider)
+    assert otel.tracing(default) is otel.OFF
+    monkeypatch.setattr(otel, "_spans", otel.Spans(trace, TracerProvider()))
+    assert isinstance(otel.tracing(default), otel.Spans)
     assert otel.tracing(off) is otel.OFF
 
 

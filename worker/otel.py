@@ -7,10 +7,10 @@ is also an event of the current span, ``celery_ledger.<kind>``, with the same fi
 runtime already knows each of them, so no event costs a database read.
 
 Switched on by installing the extra: with ``opentelemetry-api`` importable the spans go to the
-API's tracer provider, a no-op until the application sets one (the SDK's ``TracerProvider``,
-as it does for ``CeleryInstrumentor``). ``ledger_otel = False`` (``CELERY_LEDGER_OTEL=0``)
-turns them off; ``ledger_otel = True`` makes a worker without the extra refuse to start
-(``LedgerSettings.validate``) instead of tracing nothing quietly.
+API's tracer provider once the application sets one (the SDK's ``TracerProvider``, as it does
+for ``CeleryInstrumentor``); until then none are made. ``ledger_otel = False``
+(``CELERY_LEDGER_OTEL=0``) turns them off; ``ledger_otel = True`` makes a worker without the
+extra refuse to start (``LedgerSettings.validate``) instead of tracing nothing quietly.
 
 What it costs without the extra: ``tracing(settings)`` is ``OFF`` after one cached failed
 import, and every ``OFF`` hook hands back one shared do-nothing context manager. The runtime
@@ -183,9 +183,18 @@ class Spans(Tracing):
         """``trace``: the API's module; ``provider``: a tracer provider of one's own (a
         test's), else the API's global one."""
         self._trace = trace
+        self._provider = provider
         # The global one's is a ProxyTracer until the application sets a provider, then the
         # provider's own: spans made before that are no-ops, none are lost after.
         self._tracer = (provider or trace).get_tracer(SCOPE)
+        self._unset = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+
+    def live(self) -> bool:
+        """Whether a tracer provider is set. Until one is, the API's default makes no-op spans,
+        each still some 30 us of context switching: a runtime makes none (``OFF``) instead."""
+        return self._provider is not None or not isinstance(
+            self._trace.get_tracer_provider(), self._unset
+        )
 
     @contextlib.contextmanager
     def _span(self, name: str, attributes: dict[str, Any]) -> Iterator[_SpanNote]:
@@ -244,7 +253,9 @@ _spans: Spans | None = None
 
 
 def tracing(settings: Switch) -> Tracing:
-    """The hooks for a runtime with these settings: ``OFF``, or the spans (``Spans``)."""
+    """The hooks for a runtime with these settings: the spans (``Spans``) once a tracer
+    provider is set, else ``OFF``. Asked per delivery and per sweep, so a provider set after
+    the worker started (``worker_process_init``) is used from the next one on."""
     if settings.otel is False:
         return OFF
     global _spans
@@ -253,4 +264,4 @@ def tracing(settings: Switch) -> Tracing:
         if trace is None:
             return OFF
         _spans = Spans(trace)
-    return _spans
+    return _spans if _spans.live() else OFF
