@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from celery_ledger import otel
+from celery_ledger.otel import available as otel_installed
 
 #: ``ledger_durability`` values (the store checks the same: ``celery_ledger.ledger.core``).
 DURABILITY = ("effects", "every-write")
@@ -241,7 +241,7 @@ class LedgerSettings:
             raise ValueError(
                 "ledger_write_retry_delay must be > 0 and <= ledger_write_retry_delay_max"
             )
-        if self.otel and not otel.available():
+        if self.otel and not otel_installed():
             raise ValueError(
                 "ledger_otel is on but opentelemetry-api is not installed "
                 "(pip install 'celery-ledger[otel]')"
