@@ -124,3 +124,37 @@ def test_a_kill_drawn_before_any_worker_is_ready_is_taken_once_one_is(tmp_path: 
         chaos.next_at = time.monotonic() + 3600  # nothing new is due: only the drawn kill
         chaos.tick()
         assert [a["action"] for a in log.actions] == ["kill-child"], log.actions
+
+
+class _Run:
+    """A run as ``Stage.settle`` sees it: never finished, moving until ``moving_until``."""
+
+    def __init__(self, moving_until: float) -> None:
+        self.finished = False
+        self.kind = SimpleNamespace(ledgered=False)
+        self.moving_until = moving_until
+
+    def settle_tick(self, ledger_engine: object) -> bool:
+        return False
+
+    def moving(self, within: float) -> bool:
+        return time.monotonic() < self.moving_until
+
+
+def _settle(run: _Run, **bounds: float) -> float:
+    stage = orchestrate.Stage(box=None, orch=None, ledger_engine=None)
+    stage.works.append(run)
+    started = time.monotonic()
+    stage.settle(interval=0.01, update=lambda: None, **bounds)
+    return time.monotonic() - started
+
+
+def test_settle_stretches_its_bound_while_a_run_still_records_effects() -> None:
+    # Moving for 0.6 s: the 0.2 s bound stretches to it (not to the 5 s cap).
+    spent = _settle(_Run(time.monotonic() + 0.6), seconds=0.2, while_moving=1.0, cap=5.0)
+    assert 0.6 <= spent < 3.0
+    # Without ``while_moving`` the bound is the bound.
+    assert _settle(_Run(time.monotonic() + 5.0), seconds=0.2) < 1.0
+    # A run that moves for ever is stopped by the cap.
+    spent = _settle(_Run(time.monotonic() + 60.0), seconds=0.2, while_moving=1.0, cap=0.5)
+    assert 0.5 <= spent < 2.0

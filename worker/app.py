@@ -29,6 +29,7 @@ from celery_ledger import (
     envelope,
     fsbroker,
     intents,
+    otel,
     pool,
     runtime,
     timing,
@@ -165,18 +166,22 @@ def install(app: Celery) -> Celery:
 
 
 def sweep_now(app: Celery, *, actor: str = "sweep") -> SweepReport:
+    """One sweep of ``app``'s ledger (``recovery.run_sweep``), as a span (``otel``)."""
     settings = runtime.settings_for(app)
-    return run_sweep(
-        runtime.store_for(app),
-        app,
-        lease_seconds=settings.lease_seconds,
-        max_resumes=settings.max_resumes,
-        retention_days=settings.retention_days,
-        batch=settings.sweep_batch,
-        tombstone_days=settings.tombstone_days,
-        actor=actor,
-        cipher=runtime.snapshot_cipher(app),
-    )
+    with otel.tracing(settings).sweep(actor) as span:
+        report = run_sweep(
+            runtime.store_for(app),
+            app,
+            lease_seconds=settings.lease_seconds,
+            max_resumes=settings.max_resumes,
+            retention_days=settings.retention_days,
+            batch=settings.sweep_batch,
+            tombstone_days=settings.tombstone_days,
+            actor=actor,
+            cipher=runtime.snapshot_cipher(app),
+        )
+        span.swept(report)
+    return report
 
 
 _connected = False

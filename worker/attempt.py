@@ -27,6 +27,7 @@ from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from typing import Any, NoReturn, Protocol, TypeVar
 
+from celery_ledger import otel
 from celery_ledger.backoff import retry_while_unavailable
 from celery_ledger.crashpoints import crash_point
 from celery_ledger.errors import StepUsageError
@@ -103,6 +104,7 @@ class Attempt(StepRunner):
         #: Who settles (the worker's node name), stamped on the settle's audit event.
         self.actor = actor
         self.side_effect = SideEffect(task.side_effect)
+        self.tracing = otel.tracing(settings)
         self._emit = emit
         self._replay = ReplayBook(replay)
         self._seq = max((r.seq for r in replay), default=0)
@@ -490,25 +492,27 @@ class Attempt(StepRunner):
                 )
             return self._store.settle(self.key, self.fence, status, actor=self.actor, **fields)
 
-        try:
-            ok = self._retrying(write, f"settle {status.value}")
-        except LedgerUnavailable as exc:
-            log.error(
-                "settle %s of key=%s task_id=%s fence=%s failed for %ss (%s); "
-                "entry left running for recovery",
-                status.value,
-                self.key,
-                self.task_id,
-                self.fence,
-                self.settings.settle_retry_seconds,
-                exc,
-            )
-            return True
-        if ok:
-            self.emit("settled", status=status.value)
-        else:
-            self.mark_superseded(f"settle {status.value} refused")
-        return ok
+        with self.tracing.settle(self, status.value) as span:
+            try:
+                ok = self._retrying(write, f"settle {status.value}")
+            except LedgerUnavailable as exc:
+                log.error(
+                    "settle %s of key=%s task_id=%s fence=%s failed for %ss (%s); "
+                    "entry left running for recovery",
+                    status.value,
+                    self.key,
+                    self.task_id,
+                    self.fence,
+                    self.settings.settle_retry_seconds,
+                    exc,
+                )
+                return True
+            span.settled(ok)
+            if ok:
+                self.emit("settled", status=status.value)
+            else:
+                self.mark_superseded(f"settle {status.value} refused")
+            return ok
 
     def block(self, reason: str) -> bool:
         """Park the entry ``blocked`` with ``reason`` for an operator (``settle``)."""

@@ -18,8 +18,9 @@ nothing is published); ``after-publish`` (the links went out; Celery has stored 
 and acked nothing). ``after-publish`` also follows the publish of a ``self.replace()``
 (``replacing``).
 
-The runtime (settings, store, whether events are sent) is looked up once, as the delivery
-begins; what the delivery calls gets it from here.
+The runtime (settings, store, whether events are sent, the ``otel`` hooks) is looked up once,
+as the delivery begins; what the delivery calls gets it from here. The claim is a span; each
+event the delivery sends is also an event of the current span (``otel``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, NamedTuple, NoReturn, Protocol
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_ledger import canvas, envelope, refusal, runtime, timing
+from celery_ledger import canvas, envelope, otel, refusal, runtime, timing
 from celery_ledger.ambiguity import RUN_BODY, Ambiguity
 from celery_ledger.attempt import Attempt, AttemptTask, current_attempt
 from celery_ledger.codec import decode, decode_failure, encode, encode_failure
@@ -146,16 +147,19 @@ class Delivery:
         self.settings = parts.settings
         self.store = parts.store
         self.events = parts.events_enabled()
+        self.tracing = otel.tracing(self.settings)
         self.lease = float(task.lease_seconds or self.settings.lease_seconds)
         self.header_key = header(self.request, wire.KEY)
         self.key = ""
 
     def __call__(self) -> Any:
         """Claim, then hand the claim to its gate's handler; returns what the task returns."""
-        claim = self.claim()
-        gated = GATES[claim.gate]
-        found = None if claim.found is None else claim.found.value
-        self.emit(gated.event, self.key, claim.fence, found=found)
+        with self.tracing.claim(self.task.name) as span:
+            claim = self.claim()
+            span.claimed(claim)
+            gated = GATES[claim.gate]
+            found = None if claim.found is None else claim.found.value
+            self.emit(gated.event, self.key, claim.fence, found=found)
         log.debug(
             "claim key=%s task_id=%s fence=%s gate=%s",
             self.key,
@@ -507,7 +511,9 @@ class Delivery:
         return encode_failure(exc, limit=self.settings.max_exception_bytes)
 
     def emit(self, kind: str, key: str, fence: int, **fields: Any) -> None:
-        """Send a ``task-ledger-<kind>`` Celery event; monitoring never breaks a task."""
+        """Send a ``task-ledger-<kind>`` Celery event, and add it to the current span
+        (``otel``); monitoring never breaks a task."""
+        self.tracing.event(kind, key, fence, fields)
         if not self.events:
             return
         try:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from celery_ledger.otel import available as otel_installed
+
 #: ``ledger_durability`` values (the store checks the same: ``celery_ledger.ledger.core``).
 DURABILITY = ("effects", "every-write")
 
@@ -152,6 +154,11 @@ class LedgerSettings:
     #: The most connections one process keeps to the ledger (ledger/budget.py); unset: a pool
     #: of 2 plus 4 overflow, and 2 hot-path connections (docs/operations.md § "Deploying").
     max_connections: int | None = None
+    #: OpenTelemetry spans for the claim, the steps, the settle and the sweep
+    #: (``celery_ledger.otel``). None: on when the ``otel`` extra is installed (recorded once
+    #: the application sets a tracer provider); False: off; True: as None, and a process
+    #: without the extra refuses to start rather than trace nothing unnoticed.
+    otel: bool | None = None
 
     @classmethod
     def from_mapping(
@@ -234,6 +241,11 @@ class LedgerSettings:
             raise ValueError(
                 "ledger_write_retry_delay must be > 0 and <= ledger_write_retry_delay_max"
             )
+        if self.otel and not otel_installed():
+            raise ValueError(
+                "ledger_otel is on but opentelemetry-api is not installed "
+                "(pip install 'celery-ledger[otel]')"
+            )
         if isinstance(self.authorizer, str) and not _looks_like_import_path(self.authorizer):
             raise ValueError(
                 f"ledger_authorizer={self.authorizer!r} must be 'package.module:function'"
@@ -280,6 +292,7 @@ _BOOLS = {
     "freeze_gc_before_fork",
     "flower_actions",
     "release_requires_death_signal",
+    "otel",
 }
 
 

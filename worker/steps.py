@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
+from celery_ledger import otel
 from celery_ledger.codec import arguments_hash, decode, encode
 from celery_ledger.crashpoints import crash_point
 from celery_ledger.errors import (
@@ -113,6 +114,8 @@ class StepRunner:
     _snapshot_cipher: SnapshotCipher | None
     _cipher_read: bool
     _store: LedgerStore
+    #: The span hooks (``otel``): each step is a span.
+    tracing: otel.Tracing
 
     if TYPE_CHECKING:  # the attempt's writes (``worker/attempt.py``)
 
@@ -171,41 +174,46 @@ class StepRunner:
         """
         self._may_start(name)
         writes_intent = self.side_effect.writes_intent if effect is None else effect
-        input_hash = arguments_hash([list(args), kwargs])
-        identity = None if identify is None else identity_of(name, fn, args, kwargs, identify)
-        ident, row = self._placed(name, input_hash, identity, effect=writes_intent)
-        if row is not None and row.status is StepStatus.COMPLETED:
-            self.replayed += 1
-            log.debug(
-                "step replayed key=%s task_id=%s fence=%s step=%s#%s",
-                self.key,
-                self.task_id,
-                self.fence,
-                name,
-                ident[2],
-            )
-            return decode(row.output)
-        self._seq += 1
-        seq = row.seq if row is not None else self._seq
-        if writes_intent:
-            self._fenced(self._write(ident, seq, StepStatus.STARTED), f"step {name} start")
-            crash_point(self.settings, f"step-started:{name}")
-        output, sends = self._call(ident, seq, fn, args, kwargs, writes_intent, not_executed_on)
-        crash_point(self.settings, f"step-returned:{name}")
-        try:
-            encoded = encode(
-                output, limit=self.settings.max_result_bytes, what=f"output of step {name!r}"
-            )
-        except PayloadError as exc:
+        with self.tracing.step(
+            self, name, effect=writes_intent, not_executed_on=not_executed_on
+        ) as span:
+            input_hash = arguments_hash([list(args), kwargs])
+            identity = None if identify is None else identity_of(name, fn, args, kwargs, identify)
+            ident, row = self._placed(name, input_hash, identity, effect=writes_intent)
+            replayed = row is not None and row.status is StepStatus.COMPLETED
+            span.placed(ident, replayed=replayed)
+            if row is not None and replayed:
+                self.replayed += 1
+                log.debug(
+                    "step replayed key=%s task_id=%s fence=%s step=%s#%s",
+                    self.key,
+                    self.task_id,
+                    self.fence,
+                    name,
+                    ident[2],
+                )
+                return decode(row.output)
+            self._seq += 1
+            seq = row.seq if row is not None else self._seq
             if writes_intent:
-                self.ambiguous = ident
-                self.unstored_output = str(exc)
-            raise
-        self.write_completed(ident, seq, encoded, sends)
-        crash_point(self.settings, f"step-completed:{name}")
-        self.publish_children(ident, sends)
-        # Return what replay would return, so the first run and a resume agree exactly.
-        return decode(encoded)
+                self._fenced(self._write(ident, seq, StepStatus.STARTED), f"step {name} start")
+                crash_point(self.settings, f"step-started:{name}")
+            output, sends = self._call(ident, seq, fn, args, kwargs, writes_intent, not_executed_on)
+            crash_point(self.settings, f"step-returned:{name}")
+            try:
+                encoded = encode(
+                    output, limit=self.settings.max_result_bytes, what=f"output of step {name!r}"
+                )
+            except PayloadError as exc:
+                if writes_intent:
+                    self.ambiguous = ident
+                    self.unstored_output = str(exc)
+                raise
+            self.write_completed(ident, seq, encoded, sends)
+            crash_point(self.settings, f"step-completed:{name}")
+            self.publish_children(ident, sends)
+            # Return what replay would return, so the first run and a resume agree exactly.
+            return decode(encoded)
 
     def _may_start(self, name: str) -> None:
         """Refuse a step that may not start: a bad name, a superseded attempt, a nested step.

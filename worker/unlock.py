@@ -28,9 +28,8 @@ import logging
 from typing import Any
 
 from celery import Celery
-from celery.backends.base import _create_chord_error_with_cause
 from celery.canvas import maybe_signature
-from celery.exceptions import MaxRetriesExceededError, Reject, Retry
+from celery.exceptions import ChordError, MaxRetriesExceededError, Reject, Retry
 from celery.result import allow_join_result, result_from_tuple
 
 from celery_ledger.ledger import SideEffect
@@ -40,6 +39,15 @@ log = logging.getLogger(__name__)
 
 #: Celery's name for the chord join task; ``Backend.fallback_chord_unlock`` sends it by it.
 CHORD_UNLOCK = "celery.chord_unlock"
+
+
+def _chord_error(message: str, original_exc: BaseException | None = None) -> ChordError:
+    """The ``ChordError`` Celery's own ``chord_unlock`` raises, the original as its cause (the
+    private ``_create_chord_error_with_cause`` of Celery 5.6 and later; 5.4 and 5.5 lack it)."""
+    error = ChordError(message)
+    if isinstance(original_exc, Exception):
+        error.__cause__ = original_exc
+    return error
 
 
 def unlock_id(group_id: str) -> str:
@@ -116,7 +124,7 @@ def unlock_chord(
     if not ready:
         if max_retries is not None and self.request.retries >= max_retries:
             reason = f"chord_unlock gave up after {max_retries} retries"
-            error = _create_chord_error_with_cause(message=reason, original_exc=ready_error)
+            error = _chord_error(message=reason, original_exc=ready_error)
             app.backend.chord_error_from_stack(callback=callback, exc=error)
             raise MaxRetriesExceededError(reason)
         raise self.hold_retry(interval, ready_error, **options)
@@ -131,7 +139,7 @@ def unlock_chord(
         except StopIteration:
             reason = repr(exc)
         log.exception("Chord %r raised: %r", group_id, exc)
-        error = _create_chord_error_with_cause(message=reason, original_exc=exc)
+        error = _chord_error(message=reason, original_exc=exc)
         app.backend.chord_error_from_stack(callback=callback, exc=error)
         return
     try:

@@ -311,6 +311,9 @@ class Workload:
         #: When the effects table last changed (``mark_progress`` also counts entries that
         #: are not final yet: a ledgered run never goes idle while the ledger owns work).
         self._rows_at = time.monotonic()
+        #: When the effects table last changed, and nothing else (``restart_stalled`` moves
+        #: ``_rows_at`` on, so that the restarted workers get their time).
+        self._effect_at = time.monotonic()
         #: Workers restarted because the run stalled (``restart_stalled``).
         self.unstuck = 0
 
@@ -380,12 +383,16 @@ class Workload:
         self.snapshot = demo_app.effect_counts(self.db, self.run)
         if self.snapshot.rows != self._rows:
             self._rows = self.snapshot.rows
-            self._rows_at = time.monotonic()
+            self._rows_at = self._effect_at = time.monotonic()
             self.mark_progress()
         return self.snapshot
 
     def completed(self) -> int:
         return len(self.snapshot.with_effect("receipt") & set(self.order_ids))
+
+    def moving(self, within: float) -> bool:
+        """Whether the run is unfinished and recorded an effect in the last ``within`` s."""
+        return not self.finished and time.monotonic() - self._effect_at < within
 
     def restart_stalled(self, after: float) -> list[str]:
         """Restart every worker of this run if no effect was recorded for ``after`` seconds
@@ -527,12 +534,30 @@ class Stage:
         update: Callable[[], None],
         restart_stalled: float | None = None,
         restarted: Callable[[Workload, list[str]], None] | None = None,
+        while_moving: float | None = None,
+        cap: float | None = None,
     ) -> None:
-        """Tick every run until each is finished (or idle), for at most ``seconds``; with
-        ``restart_stalled``, restart the workers of a ledgered run that recorded no effect
-        for that long while the ledger still owns work (``Workload.restart_stalled``)."""
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not all(w.finished for w in self.works):
+        """Tick every run until each is finished (or idle), for at most ``seconds``.
+
+        With ``restart_stalled``, restart the workers of a ledgered run that recorded no
+        effect for that long while the ledger still owns work (``Workload.restart_stalled``).
+        With ``while_moving``, the bound stretches, up to ``cap`` seconds in all, while an
+        unfinished run recorded an effect within the last ``while_moving`` seconds: a run
+        that is slow on a loaded machine is not a run that lost work, and what is counted at
+        the end is what was lost, not how fast the rest went.
+        """
+        started = time.monotonic()
+        limit = seconds if cap is None else max(seconds, cap)
+
+        def over() -> bool:
+            spent = time.monotonic() - started
+            if spent < seconds:
+                return False
+            if while_moving is None or spent >= limit:
+                return True
+            return not any(w.moving(while_moving) for w in self.works)
+
+        while not over() and not all(w.finished for w in self.works):
             for w in self.works:
                 if not w.finished:
                     w.settle_tick(self.ledger_engine)
