@@ -91,15 +91,11 @@ def _configure() -> None:
     call_command("migrate", verbosity=0, interactive=False)
 
 
-_configure()
-
-# Imported once Django is configured: its models and the app's modules need the settings.
-from django.contrib.auth.models import Permission, User
-from django.core.exceptions import ImproperlyConfigured
-from django.core.management import call_command
-from django.test import Client
-
-from celery_ledger.contrib.django import context
+@pytest.fixture(autouse=True)
+def django_configured() -> None:
+    """Django configured in this process when a test here first runs (not at collection: an
+    xdist worker that runs none of them never configures Django)."""
+    _configure()
 
 
 class Ledger:
@@ -179,6 +175,8 @@ def make_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any
     ``conf``; the admin's per-process page is made again for it."""
     for name in ("CELERY_LEDGER_URL", "CELERY_LEDGER_AUTHORIZER"):
         monkeypatch.delenv(name, raising=False)
+    from celery_ledger.contrib.django import context
+
     made: list[Ledger] = []
 
     def make(**conf: Any) -> Ledger:
@@ -197,8 +195,11 @@ def make_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any
         ledger.store.dispose()
 
 
-def user(name: str, *, superuser: bool = False, perms: tuple[str, ...] = ()) -> Client:
+def user(name: str, *, superuser: bool = False, perms: tuple[str, ...] = ()) -> Any:
     """A logged-in client of a staff user (a superuser, or with ``perms``)."""
+    from django.contrib.auth.models import Permission, User
+    from django.test import Client
+
     u, _ = User.objects.get_or_create(username=name, defaults={"is_staff": True})
     u.is_staff, u.is_superuser = True, superuser
     u.set_password(PASSWORD)
@@ -210,7 +211,7 @@ def user(name: str, *, superuser: bool = False, perms: tuple[str, ...] = ()) -> 
     return client
 
 
-def post(client: Client, key: str, action: str, **form: str) -> Any:
+def post(client: Any, key: str, action: str, **form: str) -> Any:
     return client.post(f"{LIST}{key}/{action}/", form)
 
 
@@ -230,6 +231,8 @@ def test_a_staff_user_needs_the_view_permission(make_ledger: Any) -> None:
     assert viewer.get(f"{LIST}{key}/").status_code == 200
     # Django's own add and change forms do not exist here.
     assert viewer.get(f"{LIST}add/").status_code in (302, 404)
+    from django.test import Client
+
     assert Client().get(LIST).status_code == 302  # the login page first
 
 
@@ -365,6 +368,8 @@ def test_status_filter_stuck_view_and_search(make_ledger: Any) -> None:
 def test_settings_come_from_djangos_settings_through_the_celery_namespace(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from celery_ledger.contrib.django import context
+
     for name in ("CELERY_LEDGER_URL", "CELERY_LEDGER_AUTHORIZER", "CELERY_LEDGER_MAX_RESUMES"):
         monkeypatch.delenv(name, raising=False)
     url = f"sqlite:///{tmp_path}/from-django.sqlite3"
@@ -397,6 +402,10 @@ def test_settings_come_from_djangos_settings_through_the_celery_namespace(
 def test_an_app_that_does_not_import_is_a_configuration_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from django.core.exceptions import ImproperlyConfigured
+
+    from celery_ledger.contrib.django import context
+
     monkeypatch.setattr(settings, "LEDGER_CELERY_APP", "no_such_module:app", raising=False)
     monkeypatch.setattr(context, "_page", None)
     with pytest.raises(ImproperlyConfigured, match="LEDGER_CELERY_APP"):
@@ -406,6 +415,8 @@ def test_an_app_that_does_not_import_is_a_configuration_error(
 def test_the_apps_migration_creates_no_table_and_matches_the_model() -> None:
     """The ledger's tables are Alembic's: the one migration is Django's record of the
     unmanaged model, and ``makemigrations`` finds nothing to add to it."""
+    from django.core.management import call_command
+
     sql = io.StringIO()
     call_command("sqlmigrate", "celery_ledger", "0001", stdout=sql)
     assert "(no-op)" in sql.getvalue() and "CREATE TABLE" not in sql.getvalue()
