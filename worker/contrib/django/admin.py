@@ -40,7 +40,6 @@ from celery_ledger.ledger import (
     LedgerError,
     ReferenceTooLong,
 )
-from celery_ledger.outbox import KEPT_OPTIONS
 from celery_ledger.view import duration, next_action, timestamp
 
 log = logging.getLogger(__name__)
@@ -48,9 +47,11 @@ log = logging.getLogger(__name__)
 #: Rows of a list: the newest of a status, one page of the stuck list, or a search's matches.
 PAGE_SIZE = 50
 
-#: The admin's action URLs and what each does, with the form fields it reads.
+#: The actions the entry page posts (``<key>/<action>/``); outbox drop and repair stay with
+#: the CLI and Flower's page.
 ACTIONS = ("release", "resume", "mark-dead", "cancel")
 
+#: How the entry page's note names this front end when a task is unknown to its app.
 _WHERE = "Django process"
 _FIX = "Set LEDGER_CELERY_APP to the Celery app that defines it."
 
@@ -311,7 +312,6 @@ class LedgerEntryAdmin(admin.ModelAdmin):
                 default_verdict="completed" if view.release_warning else "not-executed",
                 form=form,
                 error=error,
-                outbox_options=sorted(KEPT_OPTIONS),
                 changelist=reverse("admin:celery_ledger_ledgerentry_changelist"),
             ),
             status=status,
