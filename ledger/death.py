@@ -14,6 +14,9 @@ process seen killed) can say so, and the ledger records that they did:
 - ``record_seen_alive`` is what a superseded attempt writes when the fence refuses it (its
   first refused renewal or step write): "seen alive at ...", which ``show`` and the Ledger
   page print, and which makes ``mark_dead`` refuse;
+- ``body_starter`` finds, for a body that records no steps, the last attempt that may have
+  run it: the takeovers after it only waited out the grace (``worker/ambiguity.py``), and a
+  waiter's lease renewals say nothing of the body;
 - ``death_gate`` runs inside ``release``'s transaction under
   ``ledger_release_requires_death_signal``: a ``not-executed`` release of an ambiguous step
   (a ``started`` row, or the body of a task that recorded none) is refused until a
@@ -32,7 +35,7 @@ from celery_ledger.ledger.core import Note, StoreCore
 from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.errors import DeathSignalRequired, EntryNotFound, MarkDeadRefused
 from celery_ledger.ledger.operator_text import check_release_text
-from celery_ledger.ledger.schema import entries, steps
+from celery_ledger.ledger.schema import entries, events, steps
 from celery_ledger.ledger.states import EntryStatus, StepStatus
 
 #: Longest owner name kept with a sign of life (the column's width).
@@ -147,8 +150,64 @@ def death_gate(conn: Any, row: Any) -> None:
     )
 
 
+#: The claims that run a step-less body (a first claim, and a re-run of a settled retry):
+#: audited under these names (``claim_gates``). A ``takeover`` of a body that ran before asks
+#: about it first, and runs it only after a verdict row, which names its own fence.
+BODY_RUNNING_CLAIMS = ("claimed", "rerun")
+
+
+@dataclass(frozen=True)
+class BodyStarter:
+    """The last attempt that may have run a step-less body, and its last sign of life."""
+
+    fence: int
+    #: When the attempt after it claimed the entry (a takeover, which needs its lease run
+    #: out, so it renewed no later), or a later refused write of any superseded attempt.
+    last_alive: float
+
+
 class DeathSignals(StoreCore):
-    """``mark_dead`` and ``record_seen_alive``: one transaction each."""
+    """``mark_dead`` and ``record_seen_alive``: one transaction each; ``body_starter``."""
+
+    def body_starter(self, key: str, fence: int) -> BodyStarter | None:
+        """For ``key``'s body when it recorded no steps, the last attempt below ``fence``
+        that may have run it (read-only; two index reads of its audit events).
+
+        Every claim is audited with its fence. Only a first claim or a re-run runs a
+        step-less body at once; a takeover of a body that ran before asks the reconciler and
+        may wait out the death grace, and runs the body only once a verdict row names its
+        fence (``Ambiguity``). So the attempts between the starter and ``fence`` only waited,
+        and the starter's last renewal came before the first of them claimed. A superseded
+        attempt's refused write (``seen_alive_at``) still counts, whoever made it.
+
+        None: no such event is left (pruned), or no attempt claimed after the starter; the
+        caller then keeps its own, earlier judgement.
+        """
+        with self._read() as conn:
+            starter = conn.execute(
+                select(func.max(events.c.fence)).where(
+                    events.c.key == key,
+                    events.c.event.in_(BODY_RUNNING_CLAIMS),
+                    events.c.fence < fence,
+                )
+            ).scalar_one_or_none()
+            if starter is None:
+                return None
+            after = conn.execute(
+                select(func.min(events.c.at)).where(
+                    events.c.key == key,
+                    events.c.event == "takeover",
+                    events.c.fence > starter,
+                    events.c.fence < fence,
+                )
+            ).scalar_one_or_none()
+            seen = conn.execute(
+                select(entries.c.seen_alive_at).where(entries.c.key == key)
+            ).scalar_one_or_none()
+        if after is None:
+            return None
+        alive = max(float(after), float(seen)) if seen is not None else float(after)
+        return BodyStarter(int(starter), alive)
 
     def mark_dead(
         self,

@@ -88,12 +88,31 @@ def register(target: Any) -> dict[str, Any]:
 
         return self.step("charge", charge)
 
+    @target.task(
+        shared=False,
+        base=LedgerTask,
+        bind=True,
+        name="seams_app.stepless_charge",
+        key_from=("order_id",),
+        reconciler=_provider_charged,
+    )
+    def stepless_charge(self: LedgerTask, order_id: str, marker: str) -> str:
+        """Records no steps: the body is the charge. The first run waits (bounded) for
+        ``marker`` before it charges, so a test can kill its worker with nothing charged."""
+        if not Path(f"{marker}.ran").exists():
+            Path(f"{marker}.ran").touch()
+            deadline = time.monotonic() + 120.0
+            while not Path(marker).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return effect(order_id, "charge")
+
     return {
         "echo": echo,
         "retry_gated": retry_gated,
         "bare": bare,
         "sleepy": sleepy,
         "paused_charge": paused_charge,
+        "stepless_charge": stepless_charge,
     }
 
 

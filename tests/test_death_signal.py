@@ -23,6 +23,7 @@ from celery_ledger.ledger import (
     DeathSignalRequired,
     EntryNotFound,
     EntryStatus,
+    Gate,
     LedgerStore,
     MarkDeadRefused,
     OperatorTextError,
@@ -484,3 +485,29 @@ def test_a_lost_attempts_renewal_outlives_the_takeover_that_blocked_the_entry(
         mark(store, a.key)
     clean = blocked(store)
     assert mark(store, clean).overridden == ()
+
+
+def test_body_starter_skips_the_takeovers_that_only_waited(store: LedgerStore) -> None:
+    """``body_starter``: the last claim that ran a step-less body at once (the first one
+    here), and, as its last sign of life, the moment the first takeover after it claimed."""
+    from test_cli import claim_same
+
+    first = claim(store, lease=60.0)
+    assert store.body_starter(first.key, first.fence) is None  # nothing before it
+    store.interrupt_owner(first.key, node=NODE, boot="boot-1", pid=4242, actor=NODE, why="gone")
+    second = claim_same(store, first.key)
+    assert second.gate is Gate.TAKEOVER
+    # Only the attempt that ran the body came before this one: nothing to skip.
+    assert store.body_starter(first.key, second.fence) is None
+    store.interrupt_owner(
+        first.key, node="celery@b", boot="b", pid=1, actor="celery@b", why="killed waiting"
+    )
+    third = claim_same(store, first.key)
+    starter = store.body_starter(first.key, third.fence)
+    assert starter is not None and starter.fence == first.fence
+    takeover_at = next(
+        e.at
+        for e in store.entry_events(first.key)
+        if e.event == "takeover" and e.fence == second.fence
+    )
+    assert starter.last_alive == pytest.approx(takeover_at)

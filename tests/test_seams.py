@@ -22,7 +22,7 @@ from seams_app import SEAMS_TASKS, register
 
 from celery_ledger import create_app
 from celery_ledger.ledger import EntryStatus, LedgerStore
-from helpers import effect_counts, key_of
+from helpers import business_key, effect_counts, key_of
 from procs import TESTS, processes, test_env, wait_for
 
 pytestmark = pytest.mark.processes
@@ -337,6 +337,79 @@ def test_a_reconcilers_not_executed_waits_out_a_paused_attempt(tmp_path, redis, 
     finally:
         store.dispose()
     print(f"paused-attempt rounds finished {[round(x, 1) for x in later]} s after the pause")
+
+
+#: Workers killed while they wait out the grace, at most, in the test below.
+WAITER_KILLS = 8
+
+
+def test_an_attempt_that_waits_out_the_grace_is_no_sign_of_life(tmp_path, redis, pg_url):
+    """A step-less body whose worker was SIGKILLed with nothing charged: each takeover asks
+    the reconciler (``not_executed``) and waits until the attempt that may have run the body
+    has been silent for the death grace. An attempt that only waited never ran the body, so
+    its lease renewals must not restart the grace: before, every worker killed while it
+    waited (a deploy, a crash loop, verify's settle restarts) made the next one wait a whole
+    grace again, and the entry stayed running for as long as the kills went on. Here every
+    waiter is killed as soon as it says it waits, up to ``WAITER_KILLS`` times: the entry must
+    complete, charged once, within them."""
+    env = seams_env(
+        tmp_path,
+        redis,
+        pg_url,
+        CELERY_LEDGER_LEASE_SECONDS="2",
+        CELERY_LEDGER_DEATH_GRACE_SECONDS=str(GRACE),
+        # Not parked as a crash loop (that rule counts interruptions, not the grace).
+        CELERY_LEDGER_MAX_RESUMES=str(10 * WAITER_KILLS),
+    )
+    app, tasks = producer(tmp_path, env)
+    store = LedgerStore(pg_url)
+    url = env["TEST_EFFECTS_URL"]
+    order = "waiter"
+    marker = tmp_path / "charge-marker"
+    key = business_key("seams_app.stepless_charge", order_id=order)
+    tasks["stepless_charge"].apply_async((order, str(marker)))
+    waited = 0
+    try:
+        with processes(tmp_path, env) as procs:
+            procs.beat()
+            first = procs.worker("w0", concurrency=1, extra=SEAMS_TASKS)
+            wait_for(
+                lambda: Path(f"{marker}.ran").exists(),
+                timeout=60,
+                what="the first run to start its body",
+            )
+            first.kill()  # the whole worker: no worker-lost fast path marks it dead
+            done = False
+            for i in range(WAITER_KILLS + 1):
+                w = procs.worker(f"w{i + 1}", concurrency=1, extra=SEAMS_TASKS)
+                outcome = wait_for(
+                    lambda w=w: _settled_or_waiting(store, key, w),
+                    timeout=90,
+                    what=f"worker w{i + 1} to wait out the grace or settle the entry",
+                )
+                assert outcome != EntryStatus.BLOCKED.value, store.get_entry(key).reason
+                if outcome == EntryStatus.COMPLETED.value:
+                    done = True
+                    break
+                waited += 1
+                w.kill()
+            assert done, (
+                f"still {store.get_entry(key).status.value} after {waited} waiting attempts "
+                "were killed: each restarted the grace"
+            )
+        assert effect_counts(url, order).get((order, "charge")) == 1, effect_counts(url, order)
+    finally:
+        store.dispose()
+    print(f"the entry completed after {waited} waiting attempt(s) were killed")
+
+
+def _settled_or_waiting(store: LedgerStore, key: str, worker: Any) -> str | None:
+    """``completed`` or ``blocked`` once the entry is; ``waits`` once ``worker`` logged that it
+    waits out the grace; else None."""
+    status = store.get_entry(key).status
+    if status in (EntryStatus.COMPLETED, EntryStatus.BLOCKED):
+        return status.value
+    return "waits" if "and asks again" in worker.log_text() else None
 
 
 def key_of_order(order: str) -> str:

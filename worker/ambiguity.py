@@ -263,9 +263,17 @@ class Ambiguity:
         started = row.fence if row is not None else attempt.fence - 1
         if claim is None or claim.now is None or started >= attempt.fence:
             return answer  # this attempt started it itself: nothing else may be in flight
+        store = runtime.store_for(attempt.task.app)
+        alive_at = claim.prior_alive_at
+        if row is None:
+            # The attempts since the one that ran the body may only have waited here, killed
+            # while they waited: their renewals are no sign of the body, and counting them
+            # made each waiter's death restart the grace (``LedgerStore.body_starter``).
+            starter = store.body_starter(attempt.key, attempt.fence)
+            if starter is not None and starter.fence < started:
+                started, alive_at = starter.fence, starter.last_alive
         if claim.dead_fence is not None and claim.dead_fence >= started:
             return answer
-        alive_at = claim.prior_alive_at
         if alive_at is None:
             return answer
         settings = attempt.settings
@@ -274,7 +282,6 @@ class Ambiguity:
             grace_seconds=settings.death_grace_seconds,
             lease_seconds=settings.lease_seconds,
         )
-        store = runtime.store_for(attempt.task.app)
         for _ in range(SILENCE_ROUNDS):
             wait = alive_at + grace - store.now()
             if wait <= 0:
