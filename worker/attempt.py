@@ -22,6 +22,7 @@ or a passed deadline refused (``timing.explain_refusal`` asks ``stop_reason``, t
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
@@ -128,6 +129,9 @@ class Attempt(StepRunner):
         self._sends: Sends | None = None
         self._snapshot_cipher: SnapshotCipher | None = None
         self._cipher_read = False
+        #: How many ``wait_for`` calls of each signal name this run has made: the n-th wait
+        #: is the same wait on every run, and takes the same signal (``signals.wait_for``).
+        self.signal_waits: Counter[str] = Counter()
 
     def __repr__(self) -> str:
         return f"<Attempt key={self.key} task_id={self.task_id} fence={self.fence}>"
