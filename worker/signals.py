@@ -28,7 +28,14 @@ from celery.exceptions import Ignore
 
 from celery_ledger import runtime
 from celery_ledger.errors import SignalTimeout, Stopped, StepUsageError
-from celery_ledger.ledger import EntryNotFound, EntryStatus, SignalRefused, open_snapshot
+from celery_ledger.ledger import (
+    EntryNotFound,
+    EntryStatus,
+    LedgerStore,
+    SignalRefused,
+    SnapshotCipher,
+    open_snapshot,
+)
 from celery_ledger.ledger.signals import check_signal_name, wait_reason
 
 if TYPE_CHECKING:
@@ -137,22 +144,44 @@ def signal(app: Any, ref: str, name: str, payload: Any = None, *, by: str | None
         ValueError: a bad signal name.
         LedgerUnavailable: the ledger cannot be reached (nothing was kept).
     """
+    return send(
+        runtime.store_for(app),
+        app,
+        ref,
+        name,
+        payload,
+        by=by or DEFAULT_SENDER,
+        cipher=runtime.snapshot_cipher(app),
+        lease_seconds=runtime.settings_for(app).lease_seconds,
+    )
+
+
+def send(
+    store: LedgerStore,
+    app: Any,
+    ref: str,
+    name: str,
+    payload: Any,
+    *,
+    by: str,
+    cipher: SnapshotCipher | None,
+    lease_seconds: float,
+) -> SignalSent:
+    """``signal`` over a given store (the CLI's, Flower's): record it, then wake a waiting
+    entry through ``recovery.wake.wake_entry``, the sweep's own wake. Raises as ``signal``."""
     from celery_ledger.recovery.wake import wake_entry
 
     text = payload_text(payload)
-    cipher = runtime.snapshot_cipher(app)
     stored = cipher.seal(text) if cipher is not None else text
-    store = runtime.store_for(app)
-    sender = by or DEFAULT_SENDER
     try:
-        sent = store.send_signal(ref, name, stored, by=sender)
+        sent = store.send_signal(ref, name, stored, by=by)
     except EntryNotFound:
         keys = store.keys_of_task_id(ref, limit=2)
         if len(keys) != 1:
             raise EntryNotFound(
                 f"no ledger entry with key or task id {ref}; the signal was not kept"
             ) from None
-        sent = store.send_signal(keys[0], name, stored, by=sender)
+        sent = store.send_signal(keys[0], name, stored, by=by)
     woken = False
     if sent.due_now:
         entry = store.get_entry(sent.key)
@@ -164,8 +193,8 @@ def signal(app: Any, ref: str, name: str, payload: Any = None, *, by: str | None
             entry.status,
             entry.snapshot,
             task_id=entry.task_id,
-            lease_seconds=runtime.settings_for(app).lease_seconds,
-            actor=sender,
+            lease_seconds=lease_seconds,
+            actor=by,
             cipher=cipher,
         )
         woken = outcome.value == "resumed"
