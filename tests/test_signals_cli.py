@@ -97,3 +97,38 @@ def test_signal_to_an_unknown_or_settled_key_or_with_bad_json_is_one_clear_line(
     assert_one_clear_line(
         cli("--url", url, "signal", "k-run", "go"), "k-run is completed", "not kept"
     )
+
+
+def test_a_payload_is_sealed_at_rest_and_shown_redacted(
+    cli: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """With ``ledger_snapshot_keys`` the payload is stored sealed; ``show`` opens it and hides
+    a secret name (``ledger_redact``) at any depth, as it does an argument's."""
+    from cryptography.fernet import Fernet
+
+    monkeypatch.setenv("CELERY_LEDGER_SNAPSHOT_KEYS", Fernet.generate_key().decode())
+    monkeypatch.setenv("CELERY_LEDGER_REDACT", "card_number")
+    url = url_of(tmp_path)
+    running_entry(url)
+    payload = '{"approved": true, "billing": {"card_number": "4111111111111111"}}'
+    done = cli("--url", url, "signal", "k-run", "approved", "--payload", payload)
+    assert done.exit_code == 0, done.output
+    store = LedgerStore(url)
+    try:
+        [row] = store.signals_of("k-run")
+        assert row.payload is not None and row.payload.startswith("fernet:"), row.payload
+        assert "4111" not in row.payload
+    finally:
+        store.dispose()
+    shown = json.loads(cli("--url", url, "show", "k-run", "--json").stdout)
+    assert shown["signals"][0]["payload"] == {
+        "approved": True,
+        "billing": {"card_number": "[redacted]"},
+    }
+    text = cli("--url", url, "show", "k-run").stdout
+    assert "pending: kept for the next wait" in text and "[redacted]" in text
+    assert "4111111111111111" not in text
+    # Without the key here, the payload is unreadable, never shown sealed or plain.
+    monkeypatch.delenv("CELERY_LEDGER_SNAPSHOT_KEYS")
+    shown = json.loads(cli("--url", url, "show", "k-run", "--json").stdout)
+    assert shown["signals"][0]["payload"] is None and "sealed" in shown["signals"][0]["unreadable"]
