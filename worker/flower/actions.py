@@ -1,6 +1,6 @@
 """The page's actions, through the store and recovery. Blocking.
 
-Release, resume, mark-dead, cancel, and an outbox child's drop or repair.
+Release, resume, mark-dead, cancel, a durable signal, and an outbox child's drop or repair.
 
 They take the same path as ``celery-ledger release`` and ``celery-ledger resume``
 (``celery_ledger.cli.ops``): every check runs before the one write, the one-shot and
@@ -282,6 +282,57 @@ def cancel(page: LedgerPage, key: str, *, operator: Operator, reason_raw: str | 
     if done.outcome == "settled":
         raise ActionRefused(f"it is {done.found.value} already: nothing to cancel")
     return str(done.outcome)
+
+
+def signal(
+    page: LedgerPage,
+    key: str,
+    *,
+    operator: Operator,
+    name_raw: str | None,
+    payload_raw: str | None,
+) -> str:
+    """Send a durable signal to the task (design.md § "Durable signals"; ``celery-ledger
+    signal``): ``signal-sent`` (it was waiting and is sent now) or ``signal-kept``.
+
+    Raises:
+        ActionRefused: bad input, denied, or the entry is settled.
+        EntryNotFound: no such key.
+    """
+    from celery_ledger.ledger import SignalRefused
+    from celery_ledger.ledger.signals import check_signal_name
+    from celery_ledger.signals import send
+
+    name = (name_raw or "").strip()
+    try:
+        check_signal_name(name)
+    except ValueError as exc:
+        raise ActionRefused(str(exc), 400) from None
+
+    def no_constants(constant: str) -> Any:
+        raise ValueError(f"{constant} is not JSON")
+
+    text = payload_raw if payload_raw is not None and payload_raw.strip() else "null"
+    try:
+        value = json.loads(text, parse_constant=no_constants)
+    except ValueError as exc:
+        detail = " ".join(str(exc).split())
+        raise ActionRefused(f"the payload is not valid JSON: {detail}", 400) from None
+    _authorized(page, operator, Action.SIGNAL, key)
+    try:
+        sent = send(
+            page.store,
+            page.capp,
+            key,
+            name,
+            value,
+            by=operator.name,
+            cipher=cipher_from(page.settings.snapshot_keys),
+            lease_seconds=page.settings.lease_seconds,
+        )
+    except SignalRefused as exc:
+        raise ActionRefused(str(exc)) from None
+    return "signal-sent" if sent.woken else "signal-kept"
 
 
 def outbox_child(

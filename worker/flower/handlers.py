@@ -63,6 +63,9 @@ DONE = {
     "cancel-cancelled": "Cancelled: it never starts; a later delivery raises TaskCancelled.",
     "cancel-requested": "Cancellation recorded: it is running and stops at its next effect "
     "step (a step already started finishes).",
+    "signal-sent": "Signal sent: the task was waiting for it and is sent now; its wait "
+    "returns the payload.",
+    "signal-kept": "Signal kept: the task's next wait for that name takes it.",
     "child-dropped": "Child dropped: it is never published; stamped with your user and the reason.",
     "child-repaired": "Child repaired: the option is cleared, and the next sweep publishes it.",
 }
@@ -314,7 +317,7 @@ class ActionHandler(EntryHandler):
     def _form(self) -> dict[str, str]:
         return {
             k: self.get_body_argument(k, "")
-            for k in ("verified", "reason", "result_json", "action")
+            for k in ("verified", "reason", "result_json", "action", "signal_name", "payload_json")
         }
 
 
@@ -373,6 +376,23 @@ class CancelHandler(ActionHandler):
         def run(operator: Operator) -> str:
             reason = self.get_body_argument("reason", None)
             return "cancel-" + actions.cancel(self.page, key, operator=operator, reason_raw=reason)
+
+        await self.act(key, run)
+
+
+class SignalHandler(ActionHandler):
+    """design.md § "Durable signals": send a signal to a task (``actions.signal``)."""
+
+    @web.authenticated
+    async def post(self, key: str) -> None:
+        def run(operator: Operator) -> str:
+            return actions.signal(
+                self.page,
+                key,
+                operator=operator,
+                name_raw=self.get_body_argument("signal_name", None),
+                payload_raw=self.get_body_argument("payload_json", None),
+            )
 
         await self.act(key, run)
 
