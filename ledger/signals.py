@@ -189,7 +189,9 @@ class SignalQueries(StoreCore):
                 # Under the row lock: no other wait takes this row; another taker of this
                 # same wait that took another row makes the index refuse this one.
                 conn.execute(
-                    update(signals).where(signals.c.id == pending.id).values(wait=wait, taken_at=now)
+                    update(signals)
+                    .where(signals.c.id == pending.id)
+                    .values(wait=wait, taken_at=now)
                 )
                 return Taken(pending.payload, False)
             passed = conn.execute(select(now >= deadline)).scalar_one()

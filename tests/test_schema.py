@@ -18,7 +18,13 @@ from celery_ledger.ledger.migrate import (
 )
 from celery_ledger.ledger.schema import SCHEMA_REVISION, metadata
 
-LEDGER_TABLES = {"ledger_entries", "ledger_steps", "ledger_events", "ledger_outbox", "ledger_signals"}
+LEDGER_TABLES = {
+    "ledger_entries",
+    "ledger_steps",
+    "ledger_events",
+    "ledger_outbox",
+    "ledger_signals",
+}
 
 #: The partial indexes on the hot predicates, and a fragment each WHERE clause must hold.
 PARTIAL_INDEXES = {

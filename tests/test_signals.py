@@ -33,8 +33,9 @@ def test_a_wait_survives_worker_kills_before_and_after_its_signal_and_takes_it_o
 ):
     """The task waits for ``approved``: its attempt ends (no message held, the slot free). The
     worker is SIGKILLed before the signal. A second worker's only slot is busy when the signal
-    wakes the task, and that worker is SIGKILLed right after the signal, before it ran it. A third worker and beat finish it: the completed step
-    replays, the wait returns the payload, and each effect happens once."""
+    wakes the task, and that worker is SIGKILLed right after the signal, before it ran it. A
+    third worker and beat finish it: the completed step replays, the wait returns the
+    payload, and each effect happens once."""
     env = time_env(tmp_path, redis, pg_url, TEST_VISIBILITY_TIMEOUT="3")
     app, _ = producer(tmp_path, env)
     client = client_app(env)
@@ -59,9 +60,7 @@ def test_a_wait_survives_worker_kills_before_and_after_its_signal_and_takes_it_o
         # The second worker's only slot is busy: the woken message cannot run there.
         w2 = procs.worker("w2", concurrency=1, extra=TIME_TASKS)
         busy = client.send_task("time_app.gated", args=("busy", str(marker), 60.0))
-        wait_for(
-            lambda: effects_of(pg_url, "busy") == {"s0": 1}, timeout=30, what="w2 to be busy"
-        )
+        wait_for(lambda: effects_of(pg_url, "busy") == {"s0": 1}, timeout=30, what="w2 to be busy")
         sent = signal(app, key, "approved", {"n": 1, "who": "ops"}, by="tester")
         assert sent.woken and sent.key == key and sent.status is EntryStatus.SLEEPING
         w2.kill()  # SIGKILL, right after the signal, before the woken task ran

@@ -11,11 +11,29 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+from click.testing import CliRunner
 from test_cli_bad_input import assert_one_clear_line
-from test_time_cli import cli, running_entry, url_of  # noqa: F401 - ``cli`` is a fixture
+from test_time_cli import running_entry, url_of
 
+from celery_ledger.cli.main import main
 from celery_ledger.ledger import ClaimRequest, EntryStatus, LedgerStore, Owner
 from celery_ledger.ledger.signals import wait_reason
+
+
+@pytest.fixture
+def cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+    """``celery-ledger`` in-process, as ``test_time_cli``'s."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    for name in ("CELERY_LEDGER_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("CELERY_LEDGER_OPERATOR_TOKENS", raising=False)
+    monkeypatch.setenv("CELERY_LEDGER_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("NO_COLOR", "1")
+    runner = CliRunner()
+    return lambda *args: runner.invoke(main, list(args), catch_exceptions=True)
 
 
 def waiting_entry(url: str, key: str = "k-wait", name: str = "approved") -> None:
@@ -55,7 +73,11 @@ def test_signal_sends_a_waiting_task_now(cli: Any, tmp_path: Path) -> None:
         events = [e.event for e in store.entry_events("k-wait")]
         assert events[-2:] == ["signalled", "woken"], events
         [row] = store.signals_of("k-wait")
-        assert (row.name, json.loads(row.payload or ""), row.wait) == ("approved", {"ok": True}, None)
+        assert (row.name, json.loads(row.payload or ""), row.wait) == (
+            "approved",
+            {"ok": True},
+            None,
+        )
     finally:
         store.dispose()
 

@@ -33,9 +33,7 @@ class SignalActions(ActionCase):
     def test_bad_input_and_a_settled_entry_are_refused_and_keep_nothing(self) -> None:
         running = self.claim()
         path = f"/ledger/entry/{running.key}/signal"
-        bad = self.post(
-            path, {"signal_name": "go", "payload_json": "{nope"}, xsrf_from="/ledger"
-        )
+        bad = self.post(path, {"signal_name": "go", "payload_json": "{nope"}, xsrf_from="/ledger")
         assert bad.code == 400 and b"not valid JSON" in bad.body
         nameless = self.post(path, {"signal_name": " ", "payload_json": "1"}, xsrf_from="/ledger")
         assert nameless.code == 400 and b"signal name" in nameless.body

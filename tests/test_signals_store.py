@@ -113,9 +113,7 @@ def test_a_wait_times_out_once_and_its_replay_times_out_too(store: LedgerStore) 
 def test_a_signal_pending_at_the_deadline_wins_over_the_timeout(store: LedgerStore) -> None:
     _asleep_in_wait(store, "k-both", "go")
     store.send_signal("k-both", "go", "true", by="tester")
-    assert store.take_signal("k-both", "go", 1, deadline=store.now() - 1.0) == Taken(
-        "true", False
-    )
+    assert store.take_signal("k-both", "go", 1, deadline=store.now() - 1.0) == Taken("true", False)
 
 
 def test_a_signal_to_an_unknown_or_settled_key_keeps_nothing(store: LedgerStore) -> None:
@@ -158,3 +156,13 @@ def test_a_bad_signal_name_is_refused(store: LedgerStore) -> None:
         with pytest.raises(ValueError, match="signal name"):
             store.send_signal("k-bad", name, "1", by="tester")
     assert store.signals_of("k-bad") == []
+
+
+def test_retention_prunes_a_settled_entrys_signals(store: LedgerStore) -> None:
+    claim = store.claim(request("k-old", task_id="t-old"))
+    store.send_signal("k-old", "go", "1", by="tester")
+    assert store.take_signal("k-old", "go", 1, deadline=FAR) == Taken("1", False)
+    store.send_signal("k-old", "go", "2", by="tester")  # never taken
+    assert store.settle("k-old", claim.fence, EntryStatus.COMPLETED, result="null")
+    assert store.prune_settled(-60.0) == 1
+    assert store.signals_of("k-old") == []

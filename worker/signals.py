@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from celery.exceptions import Ignore
 
 from celery_ledger import runtime
-from celery_ledger.errors import SignalTimeout, Stopped, StepUsageError
+from celery_ledger.errors import SignalTimeout, StepUsageError, Stopped
 from celery_ledger.ledger import (
     EntryNotFound,
     EntryStatus,
@@ -85,7 +85,11 @@ def wait_for(attempt: Attempt, name: str, timeout: float) -> Any:
         assert taken.payload is not None
         text = open_snapshot(taken.payload, runtime.snapshot_cipher(attempt.task.app))
         log.info(
-            "signal %r taken by wait %d of key=%s task_id=%s", name, wait, attempt.key, attempt.task_id
+            "signal %r taken by wait %d of key=%s task_id=%s",
+            name,
+            wait,
+            attempt.key,
+            attempt.task_id,
         )
         return json.loads(text)
     if not attempt.settle(EntryStatus.SLEEPING, due_at=deadline, reason=wait_reason(name)):
@@ -131,7 +135,9 @@ def payload_text(payload: Any) -> str:
         raise SignalRefused(f"a signal's payload must be JSON: {exc}") from None
 
 
-def signal(app: Any, ref: str, name: str, payload: Any = None, *, by: str | None = None) -> SignalSent:
+def signal(
+    app: Any, ref: str, name: str, payload: Any = None, *, by: str | None = None
+) -> SignalSent:
     """Send signal ``name`` with ``payload`` (any JSON value) to the entry ``ref`` (its key,
     or its task id), durably: the wait for ``name`` in its body returns ``payload``, once.
 

@@ -103,9 +103,7 @@ def _refuse_constant(name: str) -> Any:
 @click.command("signal")
 @click.argument("ref")
 @click.argument("name")
-@click.option(
-    "--payload", default="null", show_default=True, help="The signal's payload, as JSON."
-)
+@click.option("--payload", default="null", show_default=True, help="The signal's payload, as JSON.")
 @click.option("--by", help="Who sends it (kept in the events; default celery-ledger:<user>).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (see docs/operations.md).")
 @click.pass_context
@@ -156,7 +154,9 @@ def signal_cmd(
         )
         return
     if sent.woken:
-        echo(ctx, f"signal {name!r} sent to {sent.key} ({sent.task_name}): it was waiting; sent now")
+        echo(
+            ctx, f"signal {name!r} sent to {sent.key} ({sent.task_name}): it was waiting; sent now"
+        )
     elif sent.status.value == "sleeping":
         echo(
             ctx,
