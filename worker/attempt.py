@@ -47,6 +47,7 @@ from celery_ledger.ledger import (
     Verdict,
     step_provider_key,
 )
+from celery_ledger.ledger.signals import Taken
 from celery_ledger.outbox import Sends
 from celery_ledger.redact import scrub_for_call
 from celery_ledger.replay import Ident, ReplayBook
@@ -528,6 +529,19 @@ class Attempt(StepRunner):
             self.scrub(reason),
         )
         return self.settle(EntryStatus.BLOCKED, reason=reason)
+
+    def take_signal(self, name: str, wait: int, deadline: float) -> Taken | None:
+        """What this entry's ``wait``-th wait for signal ``name`` gets
+        (``LedgerStore.take_signal``), retried while the ledger is unreachable, as a settle is.
+
+        Raises:
+            LedgerUnavailable: still unreachable past ``ledger_settle_retry_seconds``; the
+                entry is left running for recovery, and the resume's wait asks again.
+        """
+        return self._retrying(
+            lambda: self._store.take_signal(self.key, name, wait, deadline=deadline),
+            f"take of signal {name!r}",
+        )
 
     def stop_reason(self) -> str | None:
         """Why the ledger refuses this fence a start (``cancelled``, ``expired``), if it does

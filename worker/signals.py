@@ -74,8 +74,7 @@ def wait_for(attempt: Attempt, name: str, timeout: float) -> Any:
     waits: Counter[str] = attempt.signal_waits
     waits[name] += 1
     wait = waits[name]
-    store = runtime.store_for(attempt.task.app)
-    taken = store.take_signal(attempt.key, name, wait, deadline=deadline)
+    taken = attempt.take_signal(name, wait, deadline)
     if taken is not None:
         if taken.timed_out:
             raise SignalTimeout(
@@ -96,7 +95,7 @@ def wait_for(attempt: Attempt, name: str, timeout: float) -> Any:
         raise Stopped(Ignore())
     try:
         # A signal sent while this attempt still ran saw no wait to make due.
-        store.due_if_signalled(attempt.key, attempt.fence, name)
+        runtime.store_for(attempt.task.app).due_if_signalled(attempt.key, attempt.fence, name)
     except Exception as exc:  # noqa: BLE001 - the deadline wakes it at worst
         log.warning("could not check key=%s for a pending signal %r: %r", attempt.key, name, exc)
     log.info(
