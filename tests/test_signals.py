@@ -115,3 +115,68 @@ def test_a_signal_before_the_wait_is_taken_at_once_and_a_second_wait_needs_its_o
     reasons = [e.detail for e in store.entry_events(key) if e.event == "settled"]
     assert reasons.count("signal:go") == 1, reasons  # only the second wait slept
     store.dispose()
+
+
+def test_a_pool_process_killed_between_the_wait_step_and_its_settle_keeps_its_deadline(
+    tmp_path, redis, pg_url
+):
+    """The pool process is SIGKILLed right after the wait's step is recorded (before the entry
+    is settled ``sleeping``); the signal comes while nothing runs it. The sweep resumes it
+    when its lease lapses: the wait's step replays (one row, one start) and the wait takes
+    the signal at once; each effect happens once."""
+    once = tmp_path / "crash-once"
+    env = time_env(
+        tmp_path,
+        redis,
+        pg_url,
+        CELERY_LEDGER_CRASH_AT="step-completed:ledger.wait_for",
+        CELERY_LEDGER_CRASH_ONCE=str(once),
+    )
+    app, _ = producer(tmp_path, env)
+    client = client_app(env)
+    store = LedgerStore(pg_url)
+    fired = tmp_path / "crash-once.step-completed_ledger.wait_for"
+    with processes(tmp_path, env) as procs:
+        procs.worker("w1", concurrency=1, extra=TIME_TASKS)
+        procs.beat()
+        result = client.send_task("time_app.waiter", args=("sc", 300.0))
+        key = key_of("time_app.waiter", result.id)
+        wait_for(fired.exists, timeout=60, what="the crash point to fire")
+        sent = signal(app, key, "approved", "yes")
+        assert not sent.woken  # it was not asleep: the resume's wait takes it
+        value = result.get(timeout=120)
+    assert value == ["before:sc", "yes", "after:sc"]
+    assert effects_of(pg_url, "sc") == {"before": 1, "after": 1}
+    rows = [s for s in store.load_steps(key) if s.name == "ledger.wait_for"]
+    assert len(rows) == 1 and rows[0].attempts == 1, rows
+    assert [(r.wait, r.payload) for r in store.signals_of(key)] == [(1, '"yes"')]
+    store.dispose()
+
+
+def test_a_sealed_payload_is_opened_by_the_wait(tmp_path, redis, pg_url, monkeypatch):
+    """With ``ledger_snapshot_keys`` set on the sender and the workers, the payload is stored
+    sealed and the wait returns it opened."""
+    from cryptography.fernet import Fernet
+
+    secret = Fernet.generate_key().decode()
+    monkeypatch.setenv("CELERY_LEDGER_SNAPSHOT_KEYS", secret)
+    env = time_env(tmp_path, redis, pg_url, CELERY_LEDGER_SNAPSHOT_KEYS=secret)
+    app, _ = producer(tmp_path, env)
+    client = client_app(env)
+    store = LedgerStore(pg_url)
+    with processes(tmp_path, env) as procs:
+        procs.worker("w1", concurrency=1, extra=TIME_TASKS)
+        result = client.send_task("time_app.waiter", args=("ss", 300.0))
+        key = key_of("time_app.waiter", result.id)
+        wait_for(
+            lambda: entry_status(store, key) is EntryStatus.SLEEPING,
+            timeout=60,
+            what="the task to wait for its signal",
+        )
+        assert signal(app, key, "approved", {"pin": "8642-1357"}).woken
+        value = result.get(timeout=60)
+    assert value == ["before:ss", {"pin": "8642-1357"}, "after:ss"]
+    [row] = store.signals_of(key)
+    assert row.payload is not None and row.payload.startswith("fernet:")
+    assert "8642" not in row.payload
+    store.dispose()
