@@ -193,6 +193,41 @@ def test_importing_the_ledger_loads_no_celery(tmp_path: Path) -> None:
     }
 
 
+def test_only_the_django_app_imports_django_and_nothing_imports_it() -> None:
+    """``celery_ledger.contrib.django`` is the one package that imports Django at module level
+    (``django_steps`` imports it inside the function a Django step calls), and no module
+    outside ``contrib`` imports ``contrib``: a project without Django never loads it."""
+    for folder in ("worker", "ledger", "recovery"):
+        for module, names in _imports(folder).items():
+            if module.startswith("worker/contrib/"):
+                continue
+            assert not {n for n in names if n.startswith("celery_ledger.contrib")}, module
+            tree = ast.parse((REPO / module).read_text())
+            top = {
+                alias.name
+                for node in tree.body
+                if isinstance(node, ast.Import)
+                for alias in node.names
+            } | {n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module}
+            assert not {n for n in top if n.split(".")[0] == "django"}, module
+
+
+def test_celery_ledger_imports_with_django_unimportable(tmp_path: Path) -> None:
+    """Every front end but the Django app loads where ``import django`` fails."""
+    code = (
+        "import sys\n"
+        "sys.modules['django'] = None  # import django raises ImportError\n"
+        "import celery_ledger, celery_ledger.app, celery_ledger.task, celery_ledger.cli.main\n"
+        "import celery_ledger.flower.views, celery_ledger.flower.actions\n"
+        "import celery_ledger.flower.hook, celery_ledger.view, celery_ledger.recovery\n"
+        "from celery_ledger import LedgerTask, create_app\n"
+        "print('ok')\n"
+    )
+    out = _run(["-c", code], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
 # -- import cycles, in every package ------------------------------------------------------------
 
 #: Repository folder -> the package it is installed as (pyproject's ``package-dir``). The
@@ -209,6 +244,7 @@ PACKAGES = {
     "worker/cli": "celery_ledger.cli",
     "worker/flower": "celery_ledger.flower",
     "worker/harness": "celery_ledger.harness",
+    "worker/contrib/django": "celery_ledger.contrib.django",
     "ledger": "celery_ledger.ledger",
     "recovery": "celery_ledger.recovery",
 }

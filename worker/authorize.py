@@ -1,4 +1,5 @@
-"""Who may act on a ledger entry: one authorizer hook shared by the CLI and the Flower page.
+"""Who may act on a ledger entry: one authorizer hook shared by the CLI, the Flower page and
+the Django admin (``celery_ledger.contrib.django``).
 
 An operator action (release, resume, mark-dead; later cancel) is allowed only when the
 authorizer answers allow. The hook is one callable, named by the ``ledger_authorizer`` setting
@@ -44,7 +45,7 @@ import importlib
 import inspect
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -97,11 +98,15 @@ class Operator:
 
     #: The name the action is stamped with (``released_by``, the audit event's actor).
     name: str
-    #: Where the request came from: ``cli`` or ``flower``.
+    #: Where the request came from: ``cli``, ``flower`` or ``django`` (the Django admin).
     via: str
-    #: True when something other than the operator vouched for ``name`` (Flower's login);
-    #: False for the CLI's ``--by``, which is whatever was typed.
+    #: True when something other than the operator vouched for ``name`` (Flower's or
+    #: Django's login); False for the CLI's ``--by``, which is whatever was typed.
     authenticated: bool
+    #: The front end's own user object, for an authorizer that asks it more than a name: the
+    #: Django admin passes ``request.user`` (``operator.user.has_perm(...)``). None from the
+    #: CLI and Flower, which know a name only.
+    user: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ live-lease refusals are the store's own (decided inside ``store.release``'s tran
 a ``not-executed`` release is followed by ``recovery.resume_entry`` exactly as in the CLI,
 and a resume is ``resume_entry``'s compare-and-set, which admits one resumer however many
 operators click. The authorizer (``celery_ledger.authorize``) is asked last, with the entry
-as it is now; the operator is the user Flower authenticated, stamped as ``by``.
+as it is now; the operator is the user Flower (or the Django admin,
+``celery_ledger.contrib.django``) authenticated, stamped as ``by``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,33 @@ from celery_ledger.outbox import repaired_payload
 from celery_ledger.recovery import resume_entry
 
 log = logging.getLogger(__name__)
+
+#: What an entry page says after a successful action, by the code each action returns (the
+#: redirect carries only the code): Flower's page and the Django admin say the same.
+DONE = {
+    "released-completed": "Released as completed: every later delivery returns the result "
+    "you gave.",
+    "released-resumed": "Released as not executed and re-enqueued with its task id: a worker "
+    "runs it once more.",
+    "released-no-snapshot": "Released as not executed. It has no argument snapshot: re-send "
+    "the task id by hand; it stays interrupted until then.",
+    "released-blocked": "Released as not executed, then blocked as a crash loop.",
+    "released-lost-race": "Released as not executed; not re-enqueued now (another resumer, or "
+    "the broker refused): the sweep picks it up.",
+    "resumed": "Re-enqueued with its task id and argument snapshot.",
+    "resume-blocked": "Not re-enqueued: interrupted more than ledger_max_resumes times, so it "
+    "was blocked as a crash loop.",
+    "marked-dead": "Marked dead: every attempt so far is asserted dead, stamped with your "
+    "user and the reason.",
+    "cancel-cancelled": "Cancelled: it never starts; a later delivery raises TaskCancelled.",
+    "cancel-requested": "Cancellation recorded: it is running and stops at its next effect "
+    "step (a step already started finishes).",
+    "signal-sent": "Signal sent: the task was waiting for it and is sent now; its wait "
+    "returns the payload.",
+    "signal-kept": "Signal kept: the task's next wait for that name takes it.",
+    "child-dropped": "Child dropped: it is never published; stamped with your user and the reason.",
+    "child-repaired": "Child repaired: the option is cleared, and the next sweep publishes it.",
+}
 
 #: Longest reason kept; the entry's column is text, but a reason is a sentence.
 MAX_REASON_CHARS = 2000
@@ -169,13 +197,14 @@ def release(
                 cipher=cipher_from(page.settings.snapshot_keys),
             ).value
     log.info(
-        "released key=%s task_id=%s fence=%s from %s as %s by %s via Flower (resume: %s)",
+        "released key=%s task_id=%s fence=%s from %s as %s by %s via %s (resume: %s)",
         key,
         rel.task_id,
         rel.fence,
         rel.from_status.value,
         verdict.value,
         operator.name,
+        operator.via,
         outcome,
     )
     return Released(rel, outcome)
@@ -209,11 +238,12 @@ def resume(page: LedgerPage, key: str, *, operator: Operator, reason_raw: str | 
     # The store's resume event has no detail column to carry it: the reason is in this log
     # line (with key, task id, fence) until resume takes one (docs/design.md).
     log.info(
-        "resume of key=%s task_id=%s fence=%s by %s via Flower: %s (%s)",
+        "resume of key=%s task_id=%s fence=%s by %s via %s: %s (%s)",
         key,
         entry.task_id,
         entry.fence,
         operator.name,
+        operator.via,
         outcome,
         reason,
     )
@@ -258,10 +288,11 @@ def mark_dead(
         by=operator.name,
     )
     log.info(
-        "marked dead key=%s fence<=%s by %s via Flower%s",
+        "marked dead key=%s fence<=%s by %s via %s%s",
         key,
         signal.fence,
         operator.name,
+        operator.via,
         f" (overriding: {'; '.join(signal.overridden)})" if signal.overridden else "",
     )
 

@@ -44,31 +44,8 @@ T = TypeVar("T")
 PAGE_SIZE = 50
 MAX_PAGE_SIZE = 200
 
-#: What the entry page says after a successful action (the redirect carries only the code).
-DONE = {
-    "released-completed": "Released as completed: every later delivery returns the result "
-    "you gave.",
-    "released-resumed": "Released as not executed and re-enqueued with its task id: a worker "
-    "runs it once more.",
-    "released-no-snapshot": "Released as not executed. It has no argument snapshot: re-send "
-    "the task id by hand; it stays interrupted until then.",
-    "released-blocked": "Released as not executed, then blocked as a crash loop.",
-    "released-lost-race": "Released as not executed; not re-enqueued now (another resumer, or "
-    "the broker refused): the sweep picks it up.",
-    "resumed": "Re-enqueued with its task id and argument snapshot.",
-    "resume-blocked": "Not re-enqueued: interrupted more than ledger_max_resumes times, so it "
-    "was blocked as a crash loop.",
-    "marked-dead": "Marked dead: every attempt so far is asserted dead, stamped with your "
-    "user and the reason.",
-    "cancel-cancelled": "Cancelled: it never starts; a later delivery raises TaskCancelled.",
-    "cancel-requested": "Cancellation recorded: it is running and stops at its next effect "
-    "step (a step already started finishes).",
-    "signal-sent": "Signal sent: the task was waiting for it and is sent now; its wait "
-    "returns the payload.",
-    "signal-kept": "Signal kept: the task's next wait for that name takes it.",
-    "child-dropped": "Child dropped: it is never published; stamped with your user and the reason.",
-    "child-repaired": "Child repaired: the option is cleared, and the next sweep publishes it.",
-}
+#: What the entry page says after a successful action (``actions.DONE``).
+DONE = actions.DONE
 
 _STATUS_BADGES = {
     "running": "text-bg-info",

@@ -175,7 +175,7 @@ def stuck(
             since=r.since,
             age=duration(now - r.since),
             fence=r.entry.fence,
-            reason=_scrubbed(page, r.entry).text(stuck_reason(r.kind, r.entry, now, page)) or "",
+            reason=scrubbed(page, r.entry).text(stuck_reason(r.kind, r.entry, now, page)) or "",
             action=next_action(r.entry, now, page.cli_prefix),
         )
         for r in found.rows
@@ -191,7 +191,7 @@ def stuck(
     }
 
 
-def _scrubbed(page: LedgerPage, e: Entry) -> Redaction:
+def scrubbed(page: LedgerPage, e: Entry) -> Redaction:
     """What to scrub from an entry's text shown in a list: its reason may quote a secret (an
     external ref built from a card number)."""
     snapshot, _ = decode_stored(e.snapshot, page.cipher)
@@ -264,8 +264,18 @@ class EntryView:
     signals: list[Any] = field(default_factory=list)
 
 
-def entry(page: LedgerPage, key: str) -> EntryView:
-    """Raises EntryNotFound."""
+def entry(
+    page: LedgerPage,
+    key: str,
+    *,
+    where: str = "Flower",
+    fix: str = "Start Flower with -A of the app that defines it.",
+) -> EntryView:
+    """The entry page's values; ``where`` and ``fix`` name the front end in its notes.
+
+    Raises:
+        EntryNotFound: no entry has that key.
+    """
     # Decoded defensively: an entry whose snapshot no process can read is shown (and released).
     # The page shows the arguments only, but the placement's secrets (a chain link's, a
     # callback's) are scrubbed from the result, errors and events shown with them.
@@ -309,8 +319,7 @@ def entry(page: LedgerPage, key: str) -> EntryView:
     if redaction.blind:
         view.notes.append(
             f"Argument values are hidden: task {e.task_name} is not registered in this "
-            "Flower's Celery app, so its secret_args are unknown here. Start Flower with "
-            "-A of the app that defines it."
+            f"{where}'s Celery app, so its secret_args are unknown here. {fix}"
         )
     if "snapshot" in d.unreadable:
         view.notes.append(
