@@ -25,6 +25,7 @@ The tree::
     ├── MarkDeadRefused          the old owner showed signs of life within the grace window
     ├── SnapshotSealError        a sealed snapshot cannot be opened, or a key is not usable
     ├── ReferenceTooLong         a key, prefix or task id to look up is longer than any stored
+    ├── SignalRefused            a signal to a settled entry, or whose payload is not JSON
     └── EntryNotFound
 
     Fenced (BaseException)       this attempt was superseded and must stop
@@ -164,6 +165,11 @@ class ReferenceTooLong(LedgerError, ValueError):
     """Raised when a key, key prefix or task id to look an entry up by is longer than any
     stored one: bad input, answered before the database is asked (SQLite refuses a LIKE
     pattern over 50,000 bytes, which read as an outage)."""
+
+
+class SignalRefused(LedgerError, ValueError):
+    """Raised when a signal cannot be kept: its entry is settled (no wait is left to take
+    it), or its payload is not JSON. Nothing is written."""
 
 
 class EntryNotFound(LedgerError, KeyError):

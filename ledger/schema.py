@@ -23,7 +23,7 @@ from sqlalchemy import (
 metadata = MetaData()
 
 #: Bumped with every Alembic revision; the migration head must equal it.
-SCHEMA_REVISION = "0009_outbox_errors"
+SCHEMA_REVISION = "0010_signals"
 
 KEY = String(64)
 
@@ -257,4 +257,39 @@ Index(
     outbox.c.created_at,
     postgresql_where=outbox.c.published_at.is_(None),
     sqlite_where=outbox.c.published_at.is_(None),
+)
+
+# Durable signals (0010_signals; design.md § "Durable signals"): a payload sent to an entry by
+# ``celery_ledger.signal``, kept until a ``wait_for`` of its name takes it. ``wait`` is the
+# occurrence of that wait among the body's waits for the name (1, 2, ...): set when a wait
+# takes the signal, and unique per (key, name), so no two waits take one signal and no wait
+# takes two. A wait that times out writes a row of its own (``timed_out``, no payload), so that
+# its replay times out again whatever arrives later.
+signals = Table(
+    "ledger_signals",
+    metadata,
+    # Integer on SQLite so the column is the rowid alias and autoincrements.
+    Column(
+        "id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    ),
+    Column("key", KEY, nullable=False),
+    Column("name", String(255), nullable=False),
+    # JSON text, sealed (``fernet:...``) when ``ledger_snapshot_keys`` is set; None on a
+    # timed-out wait's row.
+    Column("payload", Text),
+    Column("sent_by", String(255)),
+    Column("sent_at", Float, nullable=False),
+    Column("wait", Integer),
+    Column("taken_at", Float),
+    Column("timed_out", Integer, nullable=False, server_default=text("0")),
+)
+Index("uq_ledger_signals_wait", signals.c.key, signals.c.name, signals.c.wait, unique=True)
+# What a wait takes: the signals of a key and name no wait took yet, oldest first.
+Index(
+    "ix_ledger_signals_pending",
+    signals.c.key,
+    signals.c.name,
+    signals.c.id,
+    postgresql_where=signals.c.wait.is_(None),
+    sqlite_where=signals.c.wait.is_(None),
 )

@@ -21,6 +21,7 @@ from celery_ledger.ledger.links import LinkQueries
 from celery_ledger.ledger.operator import OperatorQueries
 from celery_ledger.ledger.outbox import OutboxQueries
 from celery_ledger.ledger.schedule import ScheduleQueries
+from celery_ledger.ledger.signals import SignalQueries
 from celery_ledger.ledger.sweeps import SweepQueries
 from celery_ledger.ledger.transactions import TransactionSteps
 
@@ -35,6 +36,7 @@ class LedgerStore(
     TransactionSteps,
     OutboxQueries,
     LinkQueries,
+    SignalQueries,
 ):
     """The ledger store: hot path, sweeps and operator queries over one engine per process.
 
@@ -57,8 +59,10 @@ class LedgerStore(
         │   (transactions.py)        steps, and a step's children (complete_step)
         ├── OutboxQueries            the children steps recorded: unpublished,
         │   (outbox.py)              mark_published, children_of, parent_of
-        └── LinkQueries (links.py)   a settle that records the next chain link and the
-                                     callbacks as outbox children; group members
+        ├── LinkQueries (links.py)   a settle that records the next chain link and the
+        │                            callbacks as outbox children; group members
+        └── SignalQueries            send_signal, take_signal: durable signals
+            (signals.py)             (design.md § "Durable signals")
 
     Each query group is a mixin over ``StoreCore`` alone: none calls another group, and none
     tests which database it runs on (``StoreCore.dialect`` and ``statements`` hold the

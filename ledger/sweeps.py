@@ -34,7 +34,7 @@ from celery_ledger.ledger.core import Note, StoreCore
 from celery_ledger.ledger.crashloop import CrashLoop, crash_loop_reason
 from celery_ledger.ledger.dbclock import db_now, db_now_stable
 from celery_ledger.ledger.schedule import tombstone_values
-from celery_ledger.ledger.schema import entries, events, steps
+from celery_ledger.ledger.schema import entries, events, signals, steps
 from celery_ledger.ledger.states import EntryStatus, StepStatus
 from celery_ledger.ledger.values import RESUME_OWNER, Interrupted, Overdue, Resuming
 
@@ -466,7 +466,8 @@ class SweepQueries(StoreCore):
     def prune_settled(
         self, older_than_seconds: float, *, limit: int = 1000, tombstone: str | None = None
     ) -> int:
-        """Delete up to ``limit`` settled entries older than the window, with steps and events.
+        """Delete up to ``limit`` settled entries older than the window, with steps, events and
+        signals.
 
         ``tombstone`` (design.md § "Durable time"; the encoded failure a late delivery of a pruned
         failed,
@@ -500,6 +501,8 @@ class SweepQueries(StoreCore):
                 return 0
             conn.execute(delete(steps).where(steps.c.key.in_(keys)))
             conn.execute(delete(events).where(events.c.key.in_(keys)))
+            # A settled entry has no wait left to take a signal (design.md § "Durable signals").
+            conn.execute(delete(signals).where(signals.c.key.in_(keys)))
             picked_rows = entries.c.key.in_(keys) & entries.c.settled_at.is_not(None)
             if tombstone is None:
                 conn.execute(delete(entries).where(picked_rows))

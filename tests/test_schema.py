@@ -18,7 +18,13 @@ from celery_ledger.ledger.migrate import (
 )
 from celery_ledger.ledger.schema import SCHEMA_REVISION, metadata
 
-LEDGER_TABLES = {"ledger_entries", "ledger_steps", "ledger_events", "ledger_outbox"}
+LEDGER_TABLES = {
+    "ledger_entries",
+    "ledger_steps",
+    "ledger_events",
+    "ledger_outbox",
+    "ledger_signals",
+}
 
 #: The partial indexes on the hot predicates, and a fragment each WHERE clause must hold.
 PARTIAL_INDEXES = {
@@ -85,7 +91,7 @@ def partial_index_clauses(engine: Engine) -> dict[str, str]:
 
 
 def test_head_revision_matches_schema_module() -> None:
-    assert head_revision() == SCHEMA_REVISION == "0009_outbox_errors"
+    assert head_revision() == SCHEMA_REVISION == "0010_signals"
 
 
 def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine) -> None:
@@ -101,6 +107,7 @@ def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine)
             "0007_events_index",
             "0008_renewed_at",
             "0009_outbox_errors",
+            "0010_signals",
         ]
         assert current_revision(conn) is None
     store = LedgerStore(ledger_url)

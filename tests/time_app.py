@@ -15,7 +15,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from celery_ledger import LedgerTask, Reconciled
+from celery_ledger import LedgerTask, Reconciled, SignalTimeout
 from helpers import effect_counts
 from tests_app import app, effect
 
@@ -55,6 +55,33 @@ def register(target: Any) -> dict[str, Any]:
         self.sleep(seconds)
         after = self.step("after", effect, tag, "after")
         return [before, after]
+
+    @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.waiter")
+    def waiter(self: LedgerTask, tag: str, timeout: float) -> list[Any]:
+        """Step ``before``, wait for signal ``approved``, step ``after`` (design.md §
+        "Durable signals")."""
+        before = self.step("before", effect, tag, "before")
+        payload = self.wait_for("approved", timeout=timeout)
+        return [before, payload, self.step("after", effect, tag, "after")]
+
+    @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.waits_twice")
+    def waits_twice(self: LedgerTask, tag: str, marker: str, second_timeout: float) -> list[Any]:
+        """Wait (bounded) for ``marker`` inside step ``s0`` (a signal sent meanwhile comes
+        before the wait), then wait for ``go`` twice: the second needs a signal of its own."""
+
+        def gate() -> str:
+            deadline = time.monotonic() + 60.0
+            while not Path(marker).exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            return effect(tag, "s0")
+
+        first = self.step("s0", gate)
+        got = self.wait_for("go", timeout=60.0)
+        try:
+            again = self.wait_for("go", timeout=second_timeout)
+        except SignalTimeout:
+            again = "timeout"
+        return [first, got, again, self.step("s1", effect, tag, "s1")]
 
     @target.task(shared=False, base=LedgerTask, bind=True, name="time_app.gated")
     def gated(self: LedgerTask, tag: str, marker: str, limit: float = 60.0) -> list[str]:

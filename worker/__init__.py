@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from celery_ledger.errors import (
         NestedStepError,
         SendRefused,
+        SignalTimeout,
         StepUsageError,
         TransactionEndedError,
     )
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     )
     from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciled
     from celery_ledger.settings import LedgerSettings
+    from celery_ledger.signals import signal
     from celery_ledger.task import LedgerTask
 
 #: Public name -> the module that defines it.
@@ -47,6 +49,7 @@ _EXPORTS = {
     "NestedStepError": "celery_ledger.errors",
     "TransactionEndedError": "celery_ledger.errors",
     "SendRefused": "celery_ledger.errors",
+    "SignalTimeout": "celery_ledger.errors",
     # ... and the ledger's that a caller or a body meets
     "LedgerError": "celery_ledger.ledger.errors",
     "LedgerUnavailable": "celery_ledger.ledger.errors",
@@ -56,6 +59,8 @@ _EXPORTS = {
     "TaskCancelled": "celery_ledger.ledger.errors",
     "TaskExpired": "celery_ledger.ledger.errors",
     "KeyPruned": "celery_ledger.ledger.errors",
+    # Signals
+    "signal": "celery_ledger.signals",
     # Reconcilers
     "AmbiguousStep": "celery_ledger.recovery.reconcile",
     "Reconciled": "celery_ledger.recovery.reconcile",
@@ -72,6 +77,7 @@ __all__ = [
     "NestedStepError",
     "TransactionEndedError",
     "SendRefused",
+    "SignalTimeout",
     "LedgerError",
     "LedgerUnavailable",
     "LedgerBlocked",
@@ -80,6 +86,7 @@ __all__ = [
     "TaskCancelled",
     "TaskExpired",
     "KeyPruned",
+    "signal",
     "AmbiguousStep",
     "Reconciled",
     "create_app",

@@ -22,6 +22,7 @@ or a passed deadline refused (``timing.explain_refusal`` asks ``stop_reason``, t
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
@@ -46,6 +47,7 @@ from celery_ledger.ledger import (
     Verdict,
     step_provider_key,
 )
+from celery_ledger.ledger.signals import Taken
 from celery_ledger.outbox import Sends
 from celery_ledger.redact import scrub_for_call
 from celery_ledger.replay import Ident, ReplayBook
@@ -128,6 +130,9 @@ class Attempt(StepRunner):
         self._sends: Sends | None = None
         self._snapshot_cipher: SnapshotCipher | None = None
         self._cipher_read = False
+        #: How many ``wait_for`` calls of each signal name this run has made: the n-th wait
+        #: is the same wait on every run, and takes the same signal (``signals.wait_for``).
+        self.signal_waits: Counter[str] = Counter()
 
     def __repr__(self) -> str:
         return f"<Attempt key={self.key} task_id={self.task_id} fence={self.fence}>"
@@ -524,6 +529,19 @@ class Attempt(StepRunner):
             self.scrub(reason),
         )
         return self.settle(EntryStatus.BLOCKED, reason=reason)
+
+    def take_signal(self, name: str, wait: int, deadline: float) -> Taken | None:
+        """What this entry's ``wait``-th wait for signal ``name`` gets
+        (``LedgerStore.take_signal``), retried while the ledger is unreachable, as a settle is.
+
+        Raises:
+            LedgerUnavailable: still unreachable past ``ledger_settle_retry_seconds``; the
+                entry is left running for recovery, and the resume's wait asks again.
+        """
+        return self._retrying(
+            lambda: self._store.take_signal(self.key, name, wait, deadline=deadline),
+            f"take of signal {name!r}",
+        )
 
     def stop_reason(self) -> str | None:
         """Why the ledger refuses this fence a start (``cancelled``, ``expired``), if it does

@@ -73,6 +73,9 @@ class Action(str, Enum):
     #: Drop or repair a pending outbox child of the entry (``celery-ledger outbox``): a
     #: dropped child is never sent, so it is gated like a release.
     OUTBOX = "outbox"
+    #: Send a durable signal to the entry (``celery-ledger signal``, design.md § "Durable
+    #: signals"): the waiting task goes on with its payload.
+    SIGNAL = "signal"
 
     @property
     def is_release(self) -> bool:

@@ -8,6 +8,7 @@ The tree::
     └── SendRefused                ``self.send()`` cannot keep or publish the child it was given
     AuthorizerError (ValueError)   ``ledger_authorizer`` names nothing importable or callable
     Drift (Exception)              an effect step's call does not match its replay row safely
+    SignalTimeout (TimeoutError)   ``self.wait_for`` reached its deadline with no signal
 
     Stopped (BaseException)        the entry is settled already: end the body, settle nothing
 
@@ -54,6 +55,11 @@ class SendRefused(StepUsageError):
     """Raised when ``self.send()`` refuses a child: not a signature, an option the outbox
     cannot keep or no publish could send, arguments that cannot be stored. The same on every
     run, so the task fails with it, naming the cause; the step is not left ambiguous."""
+
+
+class SignalTimeout(TimeoutError):
+    """Raised by ``self.wait_for(name, timeout=)`` when its deadline passed and no signal of
+    that name came for this wait; its replay raises it again, whatever arrives later."""
 
 
 class AuthorizerError(ValueError):

@@ -27,7 +27,7 @@ from celery.exceptions import Retry
 from celery.utils import uuid
 from celery.utils.time import maybe_make_aware
 
-from celery_ledger import canvas, envelope, intents, timing
+from celery_ledger import canvas, envelope, intents, signals, timing
 from celery_ledger.attempt import Attempt, current_attempt
 from celery_ledger.codec import arguments_hash, check_depth, check_text
 from celery_ledger.delivery import Delivery, replacing
@@ -266,6 +266,20 @@ class LedgerTask(Task):
                 attempt.fence,
             )
         return retry
+
+    def wait_for(self, name: str, timeout: float) -> Any:
+        """Wait durably for signal ``name`` (``celery_ledger.signal``) and return its payload.
+
+        A step that records its deadline (``timeout`` seconds from now); with no signal yet
+        the entry is ``sleeping`` (reason ``signal:<name>``), this attempt ends (its message
+        acked, no worker slot held), and the signal, or the deadline, sends the task again;
+        completed steps replay and this wait returns the payload. Each wait takes one
+        signal; one sent before the wait is kept for it.
+
+        Raises:
+            SignalTimeout: ``timeout`` passed with no signal for this wait.
+        """
+        return signals.wait_for(self._attempt(), name, timeout)
 
     def wait_until(self, when: float | datetime) -> None:
         """``sleep`` until ``when`` (a datetime, or seconds since the epoch)."""

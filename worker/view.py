@@ -35,7 +35,7 @@ from celery_ledger.ledger import (
     is_sealed,
     open_snapshot,
 )
-from celery_ledger.redact import Redaction, entry_redaction
+from celery_ledger.redact import HIDDEN, Redaction, entry_redaction
 
 # -- words --------------------------------------------------------------------------------------
 
@@ -314,6 +314,8 @@ class EntryDetail:
     release_refused: str | None
     #: Said beside a release: a not-executed release would run a step that returned.
     release_warning: str | None
+    #: Its durable signals (design.md § "Durable signals"), payloads redacted.
+    signals: tuple[SignalShown, ...] = ()
 
     @property
     def snapshot(self) -> dict[str, Any] | None:
@@ -324,6 +326,49 @@ class EntryDetail:
     @property
     def can_resume(self) -> bool:
         return self.entry.status is EntryStatus.INTERRUPTED and self.snapshot is not None
+
+
+@dataclass(frozen=True)
+class SignalShown:
+    """One signal of an entry as an operator sees it: its payload decoded and redacted like
+    the arguments (secret names hidden at any depth, secret values scrubbed), or, when it
+    cannot be read here, why (``unreadable``)."""
+
+    name: str
+    payload: Any
+    unreadable: str | None
+    sent_by: str | None
+    sent_at: float
+    #: The wait that took it (1 = the first ``wait_for`` of its name), None while pending.
+    wait: int | None
+    taken_at: float | None
+    #: A row a wait wrote when it timed out (no payload).
+    timed_out: bool
+
+
+def signal_shown(record: Any, cipher: Callable[[], Any], redaction: Redaction) -> SignalShown:
+    """``record`` (a ``SignalRecord``) for ``show`` and the Ledger page."""
+    payload: Any = None
+    problem = None
+    if record.payload is not None:
+        key_ring = cipher() if is_sealed(record.payload) else None
+        payload, problem = decode_stored(record.payload, key_ring)
+        if problem is not None:
+            payload = None
+        elif redaction.blind:
+            payload = HIDDEN  # its task's secret names are unknown here: fail closed
+        else:
+            payload = redaction.value(payload)
+    return SignalShown(
+        record.name,
+        payload,
+        problem,
+        record.sent_by,
+        record.sent_at,
+        record.wait,
+        record.taken_at,
+        record.timed_out,
+    )
 
 
 def entry_detail(
@@ -377,4 +422,5 @@ def entry_detail(
         live_lease=live,
         release_refused=entry.release_refused(now),
         release_warning=entry.release_warning,
+        signals=tuple(signal_shown(r, cipher, redaction) for r in store.signals_of(key)),
     )

@@ -1,4 +1,5 @@
-"""``cancel``: cancel a ledgered task durably (design.md § "Durable time").
+"""``cancel``: cancel a ledgered task durably (design.md § "Durable time"); ``signal``: send a
+durable signal to a task's ``wait_for`` (design.md § "Durable signals").
 
 A task that nothing runs right now (scheduled, sleeping, a retry waiting, interrupted, blocked)
 is ``cancelled`` at once. A running one stops at its next effect step (the step's own write
@@ -9,6 +10,7 @@ as it is.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import click
@@ -20,9 +22,12 @@ from celery_ledger.cli.common import (
     load_app,
     load_settings,
     open_store,
+    operator_actor,
     resolve_key,
+    sending_app,
 )
 from celery_ledger.ledger import check_release_text
+from celery_ledger.view import one_line
 
 
 @click.command("cancel")
@@ -91,7 +96,82 @@ def cancel_cmd(
         )
 
 
-COMMANDS = [cancel_cmd]
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+@click.command("signal")
+@click.argument("ref")
+@click.argument("name")
+@click.option("--payload", default="null", show_default=True, help="The signal's payload, as JSON.")
+@click.option("--by", help="Who sends it (kept in the events; default celery-ledger:<user>).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (see docs/operations.md).")
+@click.pass_context
+@guarded
+def signal_cmd(
+    ctx: click.Context, ref: str, name: str, payload: str, by: str | None, as_json: bool
+) -> None:
+    """Send signal NAME with a JSON payload to a task (REF: key, key prefix or task id): its
+    ``wait_for(NAME)`` returns the payload, once. A task waiting now is sent at once; one
+    not waiting yet keeps the signal for its wait."""
+    from celery_ledger.authorize import Action, Operator, authorize
+    from celery_ledger.ledger import SignalRefused, cipher_from
+    from celery_ledger.signals import send
+
+    try:
+        value = json.loads(payload, parse_constant=_refuse_constant)
+    except ValueError as exc:
+        raise SignalRefused(f"--payload is not JSON: {one_line(exc)}") from None
+    settings = load_settings(ctx)
+    sender = by or operator_actor()
+    store = open_store(ctx)
+    key = resolve_key(store, ref)
+    decision = authorize(
+        settings, Operator(sender, "cli", authenticated=False), Action.SIGNAL, store.get_entry(key)
+    )
+    if not decision.allowed:
+        raise click.ClickException(f"{decision.reason or 'not allowed'}; no signal was kept")
+    sent = send(
+        store,
+        sending_app(ctx),
+        key,
+        name,
+        value,
+        by=sender,
+        cipher=cipher_from(settings.snapshot_keys),
+        lease_seconds=settings.lease_seconds,
+    )
+    if as_json:
+        emit_json(
+            {
+                "key": sent.key,
+                "task": sent.task_name,
+                "task_id": sent.task_id,
+                "status": sent.status.value,
+                "signal": name,
+                "woken": sent.woken,
+            }
+        )
+        return
+    if sent.woken:
+        echo(
+            ctx, f"signal {name!r} sent to {sent.key} ({sent.task_name}): it was waiting; sent now"
+        )
+    elif sent.status.value == "sleeping":
+        echo(
+            ctx,
+            f"signal {name!r} kept for {sent.key} ({sent.task_name}, sleeping): the sweep "
+            "sends it when its wait for it is due",
+        )
+    else:
+        echo(
+            ctx,
+            f"signal {name!r} kept for {sent.key} ({sent.task_name}, {sent.status.value}): "
+            "its wait for it takes it",
+        )
+
+
+COMMANDS = [cancel_cmd, signal_cmd]
 
 
 def resume_waiting(ctx: click.Context, store: Any, entry: Any, as_json: bool) -> None:

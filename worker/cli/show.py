@@ -70,6 +70,7 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
     _print_fields(ctx, detail, view)
     _print_steps(ctx, view["steps"])
     _print_children(ctx, view["children"])
+    _print_signals(ctx, view["signals"])
     if view["members"]:
         echo(ctx)
         echo(ctx, click.style("members", bold=True) + "  (the entries this task published)")
@@ -106,6 +107,20 @@ def _entry_json(d: EntryDetail) -> dict[str, Any]:
             "ambiguous": s.record.ambiguous,
         }
         for s in d.steps
+    ]
+    # Durable signals (design.md § "Durable signals"), payloads redacted (``signal_shown``).
+    view["signals"] = [
+        {
+            "name": g.name,
+            "payload": g.payload,
+            "unreadable": g.unreadable,
+            "sent_by": g.sent_by,
+            "sent_at": g.sent_at,
+            "wait": g.wait,
+            "taken_at": g.taken_at,
+            "timed_out": g.timed_out,
+        }
+        for g in d.signals
     ]
     # The outbox: the children this entry's steps sent, and the step that sent this one.
     view["children"] = [
@@ -257,6 +272,26 @@ def _print_steps(ctx: click.Context, steps: list[dict[str, Any]]) -> None:
         ],
         lambda i, v: "red" if i == 2 and "ambiguous" in v else None,
     )
+
+
+def _print_signals(ctx: click.Context, signals: list[dict[str, Any]]) -> None:
+    if not signals:
+        return
+    echo(ctx)
+    echo(ctx, click.style("signals", bold=True) + "  (wait_for: each wait takes one)")
+    for g in signals:
+        if g["timed_out"]:
+            state = f"wait {g['wait']} timed out"
+        elif g["wait"] is None:
+            state = "pending: kept for the next wait"
+        else:
+            state = f"taken by wait {g['wait']}"
+        payload = g["unreadable"] or _dumped(g["payload"])
+        echo(
+            ctx,
+            f"  {printable(g['name'])}  {state}  from {printable(g['sent_by'] or '-')}  "
+            f"payload: {printable(payload)}",
+        )
 
 
 def _print_children(ctx: click.Context, children: list[dict[str, Any]]) -> None:

@@ -1,6 +1,6 @@
 """The page's actions, through the store and recovery. Blocking.
 
-Release, resume, mark-dead, cancel, and an outbox child's drop or repair.
+Release, resume, mark-dead, cancel, a durable signal, and an outbox child's drop or repair.
 
 They take the same path as ``celery-ledger release`` and ``celery-ledger resume``
 (``celery_ledger.cli.ops``): every check runs before the one write, the one-shot and
@@ -59,6 +59,9 @@ DONE = {
     "cancel-cancelled": "Cancelled: it never starts; a later delivery raises TaskCancelled.",
     "cancel-requested": "Cancellation recorded: it is running and stops at its next effect "
     "step (a step already started finishes).",
+    "signal-sent": "Signal sent: the task was waiting for it and is sent now; its wait "
+    "returns the payload.",
+    "signal-kept": "Signal kept: the task's next wait for that name takes it.",
     "child-dropped": "Child dropped: it is never published; stamped with your user and the reason.",
     "child-repaired": "Child repaired: the option is cleared, and the next sweep publishes it.",
 }
@@ -310,6 +313,57 @@ def cancel(page: LedgerPage, key: str, *, operator: Operator, reason_raw: str | 
     if done.outcome == "settled":
         raise ActionRefused(f"it is {done.found.value} already: nothing to cancel")
     return str(done.outcome)
+
+
+def signal(
+    page: LedgerPage,
+    key: str,
+    *,
+    operator: Operator,
+    name_raw: str | None,
+    payload_raw: str | None,
+) -> str:
+    """Send a durable signal to the task (design.md § "Durable signals"; ``celery-ledger
+    signal``): ``signal-sent`` (it was waiting and is sent now) or ``signal-kept``.
+
+    Raises:
+        ActionRefused: bad input, denied, or the entry is settled.
+        EntryNotFound: no such key.
+    """
+    from celery_ledger.ledger import SignalRefused
+    from celery_ledger.ledger.signals import check_signal_name
+    from celery_ledger.signals import send
+
+    name = (name_raw or "").strip()
+    try:
+        check_signal_name(name)
+    except ValueError as exc:
+        raise ActionRefused(str(exc), 400) from None
+
+    def no_constants(constant: str) -> Any:
+        raise ValueError(f"{constant} is not JSON")
+
+    text = payload_raw if payload_raw is not None and payload_raw.strip() else "null"
+    try:
+        value = json.loads(text, parse_constant=no_constants)
+    except ValueError as exc:
+        detail = " ".join(str(exc).split())
+        raise ActionRefused(f"the payload is not valid JSON: {detail}", 400) from None
+    _authorized(page, operator, Action.SIGNAL, key)
+    try:
+        sent = send(
+            page.store,
+            page.capp,
+            key,
+            name,
+            value,
+            by=operator.name,
+            cipher=cipher_from(page.settings.snapshot_keys),
+            lease_seconds=page.settings.lease_seconds,
+        )
+    except SignalRefused as exc:
+        raise ActionRefused(str(exc)) from None
+    return "signal-sent" if sent.woken else "signal-kept"
 
 
 def outbox_child(

@@ -294,7 +294,7 @@ class ActionHandler(EntryHandler):
     def _form(self) -> dict[str, str]:
         return {
             k: self.get_body_argument(k, "")
-            for k in ("verified", "reason", "result_json", "action")
+            for k in ("verified", "reason", "result_json", "action", "signal_name", "payload_json")
         }
 
 
@@ -353,6 +353,23 @@ class CancelHandler(ActionHandler):
         def run(operator: Operator) -> str:
             reason = self.get_body_argument("reason", None)
             return "cancel-" + actions.cancel(self.page, key, operator=operator, reason_raw=reason)
+
+        await self.act(key, run)
+
+
+class SignalHandler(ActionHandler):
+    """design.md § "Durable signals": send a signal to a task (``actions.signal``)."""
+
+    @web.authenticated
+    async def post(self, key: str) -> None:
+        def run(operator: Operator) -> str:
+            return actions.signal(
+                self.page,
+                key,
+                operator=operator,
+                name_raw=self.get_body_argument("signal_name", None),
+                payload_raw=self.get_body_argument("payload_json", None),
+            )
 
         await self.act(key, run)
 

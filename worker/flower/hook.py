@@ -55,6 +55,7 @@ def routes() -> list[Any]:
         url(rf"/ledger/entry/{key}/resume", pages.ResumeHandler, name="ledger-resume"),
         url(rf"/ledger/entry/{key}/mark-dead", pages.MarkDeadHandler, name="ledger-mark-dead"),
         url(rf"/ledger/entry/{key}/cancel", pages.CancelHandler, name="ledger-cancel"),
+        url(rf"/ledger/entry/{key}/signal", pages.SignalHandler, name="ledger-signal"),
         url(rf"/ledger/entry/{key}/outbox", pages.OutboxHandler, name="ledger-outbox"),
     ]
 

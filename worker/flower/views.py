@@ -260,6 +260,8 @@ class EntryView:
     release_warning: str | None = None
     #: The children this entry's steps sent through the outbox (``OutboxMessage``), in order.
     children: list[Any] = field(default_factory=list)
+    #: Its durable signals (``view.SignalShown``), payloads redacted as in ``show``.
+    signals: list[Any] = field(default_factory=list)
 
 
 def entry(
@@ -304,6 +306,7 @@ def entry(
         dead_reason=redaction.text(e.dead_reason),
         steps=[_step_view(s, redaction) for s in d.steps],
         events=[_event(ev, redaction) for ev in d.events],
+        signals=list(d.signals),
         action=d.action,
         lease_left=d.lease_left,
         can_release=d.release_refused is None,
