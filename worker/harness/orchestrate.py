@@ -487,6 +487,11 @@ SWEEP_INTERVAL = 1.0
 #: worker killed with it prefetched) is re-sent this long after it was published. A queue
 #: backlog longer than this costs a duplicate message, which the claim deduplicates.
 PUBLISH_INTENT_SECONDS = 20.0
+#: The death grace (``ledger_death_grace_seconds``): how long a takeover whose reconciler says
+#: ``not_executed`` waits for the attempt that may have run the step to stay silent. Its
+#: default, 120 s, is two default leases; with the runs' short lease it is four of theirs,
+#: still longer than a ``pause`` (the lease and 1.5 s) and the renewal that follows it.
+DEATH_GRACE_SECONDS = 4 * LEASE_SECONDS
 #: The ledgered run is idle only after a lease could expire and a sweep pass.
 LEDGER_IDLE_SECONDS = LEASE_SECONDS + 3 * SWEEP_INTERVAL + 2.0
 #: The demo app every process of a run is.
@@ -513,6 +518,7 @@ class Stage:
             "CELERY_LEDGER_LEASE_SECONDS": str(LEASE_SECONDS),
             "CELERY_LEDGER_SWEEP_INTERVAL": str(SWEEP_INTERVAL),
             "CELERY_LEDGER_PUBLISH_INTENT_SECONDS": str(PUBLISH_INTENT_SECONDS),
+            "CELERY_LEDGER_DEATH_GRACE_SECONDS": str(DEATH_GRACE_SECONDS),
         }
         work = Workload(
             kind,
