@@ -129,9 +129,9 @@ def test_a_kill_drawn_before_any_worker_is_ready_is_taken_once_one_is(tmp_path: 
 class _Run:
     """A run as ``Stage.settle`` sees it: never finished, moving until ``moving_until``."""
 
-    def __init__(self, moving_until: float) -> None:
+    def __init__(self, moving_until: float, *, ledgered: bool = True) -> None:
         self.finished = False
-        self.kind = SimpleNamespace(ledgered=False)
+        self.kind = SimpleNamespace(ledgered=ledgered)
         self.moving_until = moving_until
 
     def settle_tick(self, ledger_engine: object) -> bool:
@@ -155,6 +155,13 @@ def test_settle_stretches_its_bound_while_a_run_still_records_effects() -> None:
     assert 0.6 <= spent < 3.0
     # Without ``while_moving`` the bound is the bound.
     assert _settle(_Run(time.monotonic() + 5.0), seconds=0.2) < 1.0
+    # A plain run does not stretch it: its redeliveries can record duplicates for ever.
+    assert (
+        _settle(
+            _Run(time.monotonic() + 5.0, ledgered=False), seconds=0.2, while_moving=1.0, cap=5.0
+        )
+        < 1.0
+    )
     # A run that moves for ever is stopped by the cap.
     spent = _settle(_Run(time.monotonic() + 60.0), seconds=0.2, while_moving=1.0, cap=0.5)
     assert 0.5 <= spent < 2.0

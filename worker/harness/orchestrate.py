@@ -548,9 +548,10 @@ class Stage:
         With ``restart_stalled``, restart the workers of a ledgered run that recorded no
         effect for that long while the ledger still owns work (``Workload.restart_stalled``).
         With ``while_moving``, the bound stretches, up to ``cap`` seconds in all, while an
-        unfinished run recorded an effect within the last ``while_moving`` seconds: a run
-        that is slow on a loaded machine is not a run that lost work, and what is counted at
-        the end is what was lost, not how fast the rest went.
+        unfinished ledgered run recorded an effect within the last ``while_moving`` seconds: a
+        run that is slow on a loaded machine is not a run that lost work, and what is counted
+        at the end is what was lost, not how fast the rest went. Not for a plain run, whose
+        redeliveries can keep it recording duplicates for as long as it is given.
         """
         started = time.monotonic()
         limit = seconds if cap is None else max(seconds, cap)
@@ -561,7 +562,7 @@ class Stage:
                 return False
             if while_moving is None or spent >= limit:
                 return True
-            return not any(w.moving(while_moving) for w in self.works)
+            return not any(w.kind.ledgered and w.moving(while_moving) for w in self.works)
 
         while not over() and not all(w.finished for w in self.works):
             for w in self.works:
