@@ -2,6 +2,7 @@
 
     pip install nox && nox -f .ci/noxfile.py              # every version
     nox -f .ci/noxfile.py -s "celery(minor='5.4')"        # one
+    nox -f .ci/noxfile.py -r -s "celery(minor='5.4')" -- tests/test_canvas.py -k chord   # some
 
 Each session installs the project with its test extra, then the Celery minor and the kombu
 line that Celery minor was released with (``celery>=5.4`` admits kombu 5.3 too, but the
@@ -48,6 +49,7 @@ def celery(session: nox.Session, minor: str) -> None:
     session.run(
         "python", "-c", "import celery, kombu; print(celery.__version__, kombu.__version__)"
     )
-    session.run(
-        "python", "-m", "pytest", "-n", "2", "--dist", "loadgroup", *TESTS, *session.posargs
-    )
+    # Test ids or pytest options given after ``--`` replace the default list, so one failing
+    # test can be rerun alone: nox -f .ci/noxfile.py -r -s "celery(minor='5.4')" -- tests/x.py::t
+    args = session.posargs or ["-n", "2", "--dist", "loadgroup", *TESTS]
+    session.run("python", "-m", "pytest", *args)
