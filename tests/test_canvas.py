@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import celery
 import pytest
 from celery import chain, chord, group
 
@@ -214,7 +215,13 @@ def test_chord_member_duplicated_by_visibility_timeout(tmp_path, redis, pg_url):
     expected = {(tag, f"member{n}"): 1 for n in range(4)}
     expected[(tag, "callback")] = 1
     assert effect_counts(pg_url, tag) == expected
-    assert received(logs, result.id) == 1
+    if celery.VERSION >= (5, 7):
+        assert received(logs, result.id) == 1
+    else:
+        # Celery 5.4 to 5.6's Redis backend has no dispatch claim: every member delivery that
+        # finds the count complete before the join's keys are deleted publishes the callback
+        # (docs/pages/limits.md). The ledgered callback RETURNs; its effect is one, above.
+        assert received(logs, result.id) >= 1
 
 
 def ledger_cli(*args: str) -> tuple[int, str]:
