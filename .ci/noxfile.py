@@ -16,8 +16,8 @@ naming the versions: ``tests/procs.py::redelivering`` does kombu 5.4 to 5.6's Re
 redelivery once a second, ``tests/test_delivery.py::create_result_tables`` creates Celery
 5.4's result tables, and a chord's callback may be delivered twice on Celery 5.4 to 5.6's
 Redis backend (``test_chord_member_duplicated_by_visibility_timeout``). What a version lacks
-is in docs/pages/limits.md ("Celery and kombu versions"); ``DESELECTED`` names any test a
-version cannot pass, with the reason, printed by its session.
+is in docs/pages/limits.md ("Celery and kombu versions"). No test is deselected on any
+version: each session runs the whole list.
 """
 
 from __future__ import annotations
@@ -44,9 +44,6 @@ TESTS = [
     "tests/test_verify.py::test_verify_on_the_embedded_default",
 ]
 
-#: Celery minor -> {test id: why that Celery cannot pass it} (docs/pages/limits.md).
-DESELECTED: dict[str, dict[str, str]] = {}
-
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
 
@@ -63,7 +60,4 @@ def celery(session: nox.Session, minor: str) -> None:
     # Test ids or pytest options given after ``--`` replace the default list, so one failing
     # test can be rerun alone: nox -f .ci/noxfile.py -r -s "celery(minor='5.4')" -- tests/x.py::t
     args = session.posargs or ["-n", "2", "--dist", "loadgroup", *TESTS]
-    for test, reason in DESELECTED.get(minor, {}).items():
-        session.log(f"deselected on Celery {minor}: {test} ({reason})")
-        args = [*args, "--deselect", test]
     session.run("python", "-m", "pytest", *args)
