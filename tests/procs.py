@@ -9,11 +9,14 @@ a worker or beat is waited for until ready unless asked not to.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import kombu
 
 from celery_ledger.harness.processes import (
     Process,
@@ -37,6 +40,7 @@ __all__ = [
     "Processes",
     "WaitTimeout",
     "processes",
+    "redelivering",
     "test_env",
     "wait_for",
 ]
@@ -126,3 +130,36 @@ def test_env(
 
 
 test_env.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
+
+
+@contextmanager
+def redelivering(env: dict[str, str]) -> Iterator[None]:
+    """Redis's redelivery, once a second: its unacked messages past the test's visibility
+    timeout (``TEST_VISIBILITY_TIMEOUT``) go back to their queues, for another worker to take.
+
+    On kombu 5.7 the workers do it themselves, as often as tests_app asks
+    (``unacked_restore_interval`` and ``_throttle``). kombu 5.4 to 5.6 have neither setting:
+    a worker scans every 100 s (every 10th call of a 10 s timer), so a task of a few seconds
+    is acked before any scan finds it, and it is never delivered twice. There this process
+    runs the same scan (``QoS.restore_visible``) on a connection of its own: the unacked
+    messages are the Redis database's, not one worker's.
+    """
+    if kombu.VERSION >= (5, 7):
+        yield
+        return
+    stop = threading.Event()
+    options = {"visibility_timeout": float(env["TEST_VISIBILITY_TIMEOUT"])}
+
+    def scan() -> None:
+        with kombu.Connection(env["CELERY_BROKER_URL"], transport_options=options) as conn:
+            qos = conn.default_channel.qos
+            while not stop.wait(1.0):
+                qos.restore_visible(num=100, interval=1)
+
+    thread = threading.Thread(target=scan, name="redelivering", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=10)

@@ -20,12 +20,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import celery
 import pytest
 from celery import chain, chord, group
 
 from celery_ledger.ledger import LedgerStore
 from helpers import effect_counts, key_of
-from procs import TESTS, processes, test_env, wait_for
+from procs import TESTS, processes, redelivering, test_env, wait_for
 from test_delivery import client_app
 
 pytestmark = pytest.mark.processes
@@ -198,7 +199,7 @@ def test_chord_member_duplicated_by_visibility_timeout(tmp_path, redis, pg_url):
     env = test_env(tmp_path, broker=redis, ledger_url=pg_url, TEST_VISIBILITY_TIMEOUT="2")
     app = client_app(env)
     tag = "chord-vt"
-    with processes(tmp_path, env) as procs:
+    with processes(tmp_path, env) as procs, redelivering(env):
         w1 = procs.worker("w1", concurrency=2)
         w2 = procs.worker("w2", concurrency=2)
         result = chord_of(app, tag, 4, 4.0).apply_async()
@@ -214,7 +215,13 @@ def test_chord_member_duplicated_by_visibility_timeout(tmp_path, redis, pg_url):
     expected = {(tag, f"member{n}"): 1 for n in range(4)}
     expected[(tag, "callback")] = 1
     assert effect_counts(pg_url, tag) == expected
-    assert received(logs, result.id) == 1
+    if celery.VERSION >= (5, 7):
+        assert received(logs, result.id) == 1
+    else:
+        # Celery 5.4 to 5.6's Redis backend has no dispatch claim: every member delivery that
+        # finds the count complete before the join's keys are deleted publishes the callback
+        # (docs/pages/limits.md). The ledgered callback RETURNs; its effect is one, above.
+        assert received(logs, result.id) >= 1
 
 
 def ledger_cli(*args: str) -> tuple[int, str]:
@@ -313,7 +320,7 @@ def test_link_error_under_redelivery_is_published_once(tmp_path, redis, pg_url):
     env = test_env(tmp_path, broker=redis, ledger_url=pg_url, TEST_VISIBILITY_TIMEOUT="2")
     app = client_app(env)
     tag = "link-error"
-    with processes(tmp_path, env) as procs:
+    with processes(tmp_path, env) as procs, redelivering(env):
         w1 = procs.worker("w1", concurrency=1)
         w2 = procs.worker("w2", concurrency=1)
         result = app.signature("tests_app.fail_slowly", args=(tag, 4.0)).apply_async(

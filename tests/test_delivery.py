@@ -14,7 +14,7 @@ from celery import Celery
 
 from celery_ledger.ledger import EntryStatus, LedgerStore
 from helpers import business_key, effect_counts, event_names, key_of
-from procs import processes, test_env, wait_for
+from procs import processes, redelivering, test_env, wait_for
 
 pytestmark = pytest.mark.processes
 
@@ -35,7 +35,23 @@ def client_app(env: dict[str, str]) -> Celery:
             "data_folder_out": str(folder),
             "control_folder": str(data / "broker-control"),
         }
+    if env["CELERY_RESULT_BACKEND"].startswith("db+"):
+        create_result_tables(app)
     return app
+
+
+def create_result_tables(app: Celery) -> None:
+    """Create the results database's tables now, through a SessionManager of their own.
+
+    This process polls a new results database in each test, often before any worker has
+    stored a result in it. Celery 5.4 creates those tables on a database result backend's
+    first session, once per process (its default ``SessionManager``, shared by every backend,
+    has one ``prepared`` flag), so the second test's reads failed with ``no such table:
+    celery_taskmeta``. Celery 5.5 and later keep a flag per backend.
+    """
+    from celery.backends.database.session import SessionManager
+
+    app.backend.ResultSession(session_manager=SessionManager()).close()
 
 
 def test_same_task_id_redelivered_by_redis_runs_body_once(tmp_path, redis, pg_url):
@@ -47,7 +63,7 @@ def test_same_task_id_redelivered_by_redis_runs_body_once(tmp_path, redis, pg_ur
     env = test_env(tmp_path, broker=redis, ledger_url=pg_url, TEST_VISIBILITY_TIMEOUT="2")
     app = client_app(env)
     app.conf.broker_transport_options = {"visibility_timeout": 2}
-    with processes(tmp_path, env) as procs:
+    with processes(tmp_path, env) as procs, redelivering(env):
         procs.worker("w1", concurrency=1)
         procs.worker("w2", concurrency=1)
         result = app.send_task("tests_app.slow_effect", args=("dup-1", 8.0))

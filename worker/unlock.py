@@ -50,6 +50,17 @@ def _chord_error(message: str, original_exc: BaseException | None = None) -> Cho
     return error
 
 
+def _publish_callback(app: Celery, callback: Any, ret: Any) -> None:
+    """Publish the chord's callback as Celery's own ``chord_unlock`` does: through
+    ``AMQP._retry_publish`` (private, Celery 5.7), which waits between the retries of each of
+    the callback's messages; Celery 5.4 to 5.6 lack it and call ``callback.delay`` directly."""
+    retry_publish = getattr(app.amqp, "_retry_publish", None)
+    if retry_publish is None:
+        callback.delay(ret)
+    else:
+        retry_publish(callback.delay, ret)
+
+
 def unlock_id(group_id: str) -> str:
     """The task id (and so the entry) of the ``chord_unlock`` of the chord whose header is
     ``group_id``; its retries keep it."""
@@ -143,7 +154,7 @@ def unlock_chord(
         app.backend.chord_error_from_stack(callback=callback, exc=error)
         return
     try:
-        app.amqp._retry_publish(callback.delay, ret)
+        _publish_callback(app, callback, ret)
     except Exception as exc:  # the broker refused it: poll again, held
         # The callback keeps the chord body's frozen id: publishing it again on the next poll
         # is deduplicated by a ledgered callback's claim, where Celery failed the chord.
