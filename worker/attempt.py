@@ -531,13 +531,9 @@ class Attempt(StepRunner):
         return self.settle(EntryStatus.BLOCKED, reason=reason)
 
     def take_signal(self, name: str, wait: int, deadline: float) -> Taken | None:
-        """What this entry's ``wait``-th wait for signal ``name`` gets
-        (``LedgerStore.take_signal``), retried while the ledger is unreachable, as a settle is.
-
-        Raises:
-            LedgerUnavailable: still unreachable past ``ledger_settle_retry_seconds``; the
-                entry is left running for recovery, and the resume's wait asks again.
-        """
+        """This entry's ``wait``-th wait for signal ``name`` (``LedgerStore.take_signal``),
+        retried as a settle is: ``LedgerUnavailable`` past ``ledger_settle_retry_seconds``
+        leaves the entry running for recovery, and the resume's wait asks again."""
         return self._retrying(
             lambda: self._store.take_signal(self.key, name, wait, deadline=deadline),
             f"take of signal {name!r}",

@@ -82,6 +82,20 @@ def show_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
         echo(ctx, f"  {printable(view['next_command'])}")
 
 
+def _signal_json(g: Any) -> dict[str, Any]:
+    """One signal of ``show --json``'s ``signals`` (``view.signal_shown``: payload redacted)."""
+    return {
+        "name": g.name,
+        "payload": g.payload,
+        "unreadable": g.unreadable,
+        "sent_by": g.sent_by,
+        "sent_at": g.sent_at,
+        "wait": g.wait,
+        "taken_at": g.taken_at,
+        "timed_out": g.timed_out,
+    }
+
+
 def _entry_json(d: EntryDetail) -> dict[str, Any]:
     """``show --json``'s document (without ``now``), its secrets hidden (``_redact_view``)."""
     entry = d.entry
@@ -109,19 +123,7 @@ def _entry_json(d: EntryDetail) -> dict[str, Any]:
         for s in d.steps
     ]
     # Durable signals (design.md § "Durable signals"), payloads redacted (``signal_shown``).
-    view["signals"] = [
-        {
-            "name": g.name,
-            "payload": g.payload,
-            "unreadable": g.unreadable,
-            "sent_by": g.sent_by,
-            "sent_at": g.sent_at,
-            "wait": g.wait,
-            "taken_at": g.taken_at,
-            "timed_out": g.timed_out,
-        }
-        for g in d.signals
-    ]
+    view["signals"] = [_signal_json(g) for g in d.signals]
     # The outbox: the children this entry's steps sent, and the step that sent this one.
     view["children"] = [
         {
