@@ -165,3 +165,45 @@ def test_settle_stretches_its_bound_while_a_run_still_records_effects() -> None:
     # A run that moves for ever is stopped by the cap.
     spent = _settle(_Run(time.monotonic() + 60.0), seconds=0.2, while_moving=1.0, cap=0.5)
     assert 0.5 <= spent < 2.0
+
+
+def test_an_unsettled_outbox_child_keeps_a_ledgered_run_from_going_idle(tmp_path: Path) -> None:
+    """Every order is completed, but the child one of them sent is still running (its message
+    lost, waiting for a sweep): work the ledger owns, so the run is neither over nor idle."""
+    from celery_ledger.harness import demo_app
+    from celery_ledger.ledger import ClaimRequest, EntryStatus, LedgerStore, Owner
+
+    box = orchestrate.Sandbox.create(prefix="settle", broker=None, ledger=None, data_dir=tmp_path)
+    orchestrate.prepare(box)
+    work = orchestrate.Workload(
+        LEDGERED, box, orch=None, orders=1, concurrency=1, env={}, ledger_idle=5.0
+    )
+    (order,) = work.order_ids
+    assert demo_app.sends_child(order)
+    store = LedgerStore(box.ledger_url)
+
+    def claimed(key: str, task: str) -> int:
+        req = ClaimRequest(
+            key=key,
+            task_name=task,
+            task_id=key[:36],
+            args_hash="h",
+            snapshot=None,
+            side_effect="non_idempotent",
+            owner=Owner("celery@w1", "boot", 1),
+            lease_seconds=60,
+        )
+        return store.claim(req).fence
+
+    try:
+        fence = claimed(demo_app.ledger_key(order), demo_app.LEDGERED)
+        assert store.settle(demo_app.ledger_key(order), fence, EntryStatus.COMPLETED, result="1")
+        child = demo_app.child_key(order)
+        child_fence = claimed(child, demo_app.LEDGERED_NOTIFY)
+        idle_for_long(work)
+        assert work.settle_tick(store.engine) is False, "the run went idle with its child unsettled"
+        assert store.settle(child, child_fence, EntryStatus.COMPLETED, result="1")
+        assert work.settle_tick(store.engine) is True
+    finally:
+        store.dispose()
+        work.db.dispose()

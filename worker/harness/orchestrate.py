@@ -441,6 +441,10 @@ class Workload:
                 ]
                 children = demo_app.child_statuses(ledger_engine, sent)
                 done = all(children.get(o) in final for o in sent)
+                if not done:
+                    # Not idle either: a child whose message was lost waits for its
+                    # intent's re-send or a sweep, longer than the idle time.
+                    self.mark_progress()
             if self.canvas_chains is not None:
                 # A chord's callback is published after its last member settles: the orders
                 # can all be done while it is still queued.
