@@ -208,6 +208,10 @@ import signal, subprocess, sys
 from pathlib import Path
 from celery_ledger.harness.processes import ProcessGroup
 
+# Ctrl-C raises KeyboardInterrupt, as in a terminal: a process started with SIGINT ignored
+# (the test runner's worker can hand that down) would not see the interrupt at all.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 real = subprocess.Popen
 
 class Interrupted(real):
