@@ -26,8 +26,12 @@ from celery_ledger.harness.verify import KINDS
 LEDGERED, PLAIN = KINDS
 HALF = 8
 BOUND = 5.0
-#: How long after the restart each run gets to take the orders sent after it.
+#: How long after the restart the ledgered run gets to take the orders sent after it.
 WINDOW = 90.0
+#: How long plain Celery is watched for the same, once the ledgered run has taken them: its
+#: figure is printed, not asserted (a plain worker on Redis often never consumes again), so
+#: the test does not wait out the whole window for it.
+PLAIN_WINDOW = 20.0
 
 
 def send(work: Workload, first: int, gap: float) -> None:
@@ -89,6 +93,10 @@ def test_a_broker_restart_plain_celery_beside_the_watchdog(kind, pg_url, tmp_pat
             took: dict[str, float | None] = {w.kind.id: None for w in works}
             deadline = restarted_at + WINDOW
             while time.monotonic() < deadline and None in took.values():
+                if took[LEDGERED.id] is not None and time.monotonic() - restarted_at > max(
+                    PLAIN_WINDOW, took[LEDGERED.id]
+                ):
+                    break  # plain Celery's figure: not within this window
                 for w in works:
                     if took[w.kind.id] is None and len(after_cut(w)) == HALF:
                         took[w.kind.id] = round(time.monotonic() - restarted_at, 1)
@@ -99,6 +107,7 @@ def test_a_broker_restart_plain_celery_beside_the_watchdog(kind, pg_url, tmp_pat
                     "after_cut_completed": len(after_cut(w)),
                     "after_cut_sent": HALF,
                     "all_after_cut_done_in_s": took[w.kind.id],
+                    "watched_for_s": round(time.monotonic() - restarted_at, 1),
                     "couldnt_ack_logged": log.count("Couldn't ack"),
                     "connection_lost_logged": log.count("Connection to broker lost"),
                     "watchdog_stalls_logged": log.count("consumer stalled"),
