@@ -89,6 +89,25 @@ def test_on_the_embedded_broker_an_idle_run_ends_with_its_canvas_incomplete(
         work.db.dispose()
 
 
+def test_on_the_embedded_broker_a_chord_whose_members_are_done_waits_for_its_callback(
+    tmp_path: Path, engine: object
+) -> None:
+    # Every member done and no callback is a lost join on any broker (CanvasReport.ok): on
+    # filesystem:// the callback a killed worker had fetched comes back with its publish
+    # intent's re-send, later than the idle time, so the run must not go idle before it.
+    work = workload(tmp_path, None)
+    try:
+        for n in range(canvas_load.CHORD_SIZE):
+            work.db.record(work.run, canvas_load.chord_id(work.run), f"link{n}")
+        idle_for_long(work)
+        assert work.settle_tick(engine) is False, "the run went idle with its chord's join lost"
+        work.db.record(work.run, canvas_load.chord_id(work.run), "join")
+        idle_for_long(work)
+        assert work.settle_tick(engine) is True  # the chain may stay incomplete here
+    finally:
+        work.db.dispose()
+
+
 #: A stand-in worker: a parent that forks one child (its pool process), and says " ready."
 #: only once the file named by its argument exists.
 GATED = r"""

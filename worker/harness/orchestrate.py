@@ -458,6 +458,12 @@ class Workload:
                     # ends a run that never completes. Not on ``filesystem://``, which may
                     # drop a member before any claim (``canvas_load.CanvasReport.strict``).
                     self.mark_progress()
+                if canvas.chord_members_done == canvas.chord_members and not canvas.chord_callbacks:
+                    # Every member done and no callback fails the run on any broker (the
+                    # join's publish intent is the ledger's): on ``filesystem://`` a callback a
+                    # killed worker had fetched comes back with that intent's re-send, after
+                    # ``ledger_publish_intent_seconds``, longer than the idle time.
+                    self.mark_progress()
             if any(o.status not in final for o in outcomes.values()):
                 self.mark_progress()
             if self.time_load is not None and self.time_load.pending(ledger_engine):
