@@ -141,6 +141,12 @@ def test_a_resumed_task_shows_its_replayed_steps(tmp_path: Path, redis: str, pg_
     with processes(tmp_path, env) as procs:
         worker = procs.worker("w1", concurrency=1, extra=OTEL_TASKS)
         assert app.send_task(ORDER, args=("r1", 5)).get(timeout=90)["order_id"] == "r1"
+        # The result is stored before Celery's task span ends (``task_postrun``).
+        wait_for(
+            lambda: named(read_spans(spans_file), f"run/{ORDER}"),
+            timeout=30,
+            what="the task's span",
+        )
         log = worker.log_text()
     assert Path(f"{tmp_path / 'crash-once'}.{crash_at.replace(':', '_')}").exists()
     assert "SIGKILL" in log, "no pool process died of SIGKILL"
