@@ -186,6 +186,7 @@ class ClaimGates(StoreCore):
                 error=error,
                 reason=reason,
                 lease_until=None,
+                slot_at=None,
                 due_at=None,
                 deadline_at=deadline,
                 settled_at=db_now(),
@@ -218,6 +219,7 @@ class ClaimGates(StoreCore):
                 reason=reason,
                 interruptions=interruptions,
                 lease_until=None,
+                slot_at=None,
                 updated_at=db_now(),
             )
             .returning(

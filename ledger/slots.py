@@ -1,0 +1,306 @@
+"""Concurrency keys (docs/concurrency.md): at most N entries of one key run at once, fleet-wide.
+
+A task with ``concurrency_key=`` and ``concurrency_limit=N`` claims through ``claim_with_slot``
+instead of the one-statement fast path. Every decision about a key's slots first locks that
+key's row of ``ledger_concurrency_keys`` (an upsert: the row lock on PostgreSQL; on SQLite
+BEGIN IMMEDIATE serializes every writer anyway), so counting the holders and taking a slot are
+one decision, and two claims of one key never both see a free slot.
+
+- **Who holds a slot**: an entry of the key with ``slot_at`` set that is ``running`` (an
+  attempt, or the resume marker of a wake), or ``sleeping`` in the slot wait after a
+  handover made it due (``holding``). Every write that moves an entry out of ``running``
+  clears ``slot_at`` (the settle, the interrupt, a refusal or block at the claim); a status
+  any other path leaves is not counted either way, so a stale ``slot_at`` can only make
+  fewer run, never more.
+- **The claim** (``claim_with_slot``): the ordinary gates first (``ClaimGates``, the
+  admission gate among them), under the key's lock; a delivery that would run takes a slot
+  when fewer than N are held and no one waits ahead of it. Otherwise its entry is parked
+  ``sleeping`` with the reason ``slot:<key>`` and ``waiting_since`` (gate HOLD: acked, no
+  worker slot held, nothing polls).
+- **The handover** (``hand_over``): under the key's lock, the free slots go to the oldest
+  waiters (``waiting_since``, then key: first come, first served), each made due now, so
+  that the sweep's own wake (``recovery.wake.wake_entry``) sends it; its claim finds the
+  slot its own and RUNs. The worker calls it after its settle; the sweep calls it for every
+  key with waiters after it interrupted expired leases (``hand_over_all``), the backstop for
+  a worker that died between its settle and its handover.
+- **A dead holder** keeps its slot exactly as long as its lease: the interrupt (sweep, boot
+  sweep, the worker-lost fast path, ``mark-dead``) bumps the fence and clears ``slot_at``
+  in one statement, so its zombie is fenced out before its slot is handed on. No TTL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, and_, case, func, or_, select, update
+
+from celery_ledger.ledger import statements as sql
+from celery_ledger.ledger.admission import Refusal, refusal
+from celery_ledger.ledger.claim_gates import ClaimGates
+from celery_ledger.ledger.core import Note
+from celery_ledger.ledger.dbclock import db_now
+from celery_ledger.ledger.dialect import Dialect
+from celery_ledger.ledger.schema import concurrency_keys, entries
+from celery_ledger.ledger.states import EntryStatus, Gate
+from celery_ledger.ledger.values import Claim, ClaimRequest, SlotAsk
+
+#: The longest concurrency key (the column's width).
+MAX_CONCURRENCY_KEY_CHARS = 255
+
+#: How far back a handover sets a waiter's due time (as ``signals``: "due now" must have
+#: passed on every clock the ledger runs on, SQLite's milliseconds among them).
+_DUE_NOW_BACK_SECONDS = 1.0
+
+_RUNNING = EntryStatus.RUNNING.value
+_SLEEPING = EntryStatus.SLEEPING.value
+_RUNS = (Gate.RUN, Gate.TAKEOVER)
+
+
+def slot_reason(concurrency_key: str) -> str:
+    """The reason an entry waiting for a slot of ``concurrency_key`` carries."""
+    return f"slot:{concurrency_key}"
+
+
+@dataclass(frozen=True)
+class Granted:
+    """A waiter a handover gave a slot: made due now, for ``recovery.wake.wake_entry``."""
+
+    key: str
+    task_id: str
+    fence: int
+    snapshot: str | None
+
+
+@dataclass(frozen=True)
+class SlotKey:
+    """One concurrency key as ``stats``, Flower and ``doctor`` show it."""
+
+    key: str
+    limit: int
+    holding: int
+    waiting: int
+    #: When its longest waiter started waiting (database clock); None: nobody waits.
+    oldest_since: float | None
+
+
+def holding(concurrency_key: str) -> Any:
+    """SQL: the entries holding a slot of ``concurrency_key`` (see the module docstring)."""
+    return and_(
+        entries.c.concurrency_key == concurrency_key,
+        entries.c.slot_at.is_not(None),
+        or_(
+            entries.c.status == _RUNNING,
+            and_(entries.c.status == _SLEEPING, entries.c.reason == slot_reason(concurrency_key)),
+        ),
+    )
+
+
+def waiting(concurrency_key: str | None = None) -> Any:
+    """SQL: the entries waiting for a slot (of ``concurrency_key``, or of any key)."""
+    cond = and_(
+        entries.c.waiting_since.is_not(None),
+        entries.c.slot_at.is_(None),
+        entries.c.status == _SLEEPING,
+    )
+    if concurrency_key is None:
+        return cond
+    return and_(entries.c.concurrency_key == concurrency_key, cond)
+
+
+def lock_key(conn: Connection, dialect: Dialect, concurrency_key: str, limit: int | None) -> int:
+    """Lock ``concurrency_key``'s row (created if missing) until the caller's transaction
+    ends, storing ``limit`` when given; returns the limit to apply (0: the key was never
+    claimed, so nothing can wait for it)."""
+    now = db_now()
+    if limit is None:
+        found = conn.execute(
+            update(concurrency_keys)
+            .where(concurrency_keys.c.concurrency_key == concurrency_key)
+            .values(updated_at=now)
+            .returning(concurrency_keys.c.slot_limit)
+        ).scalar_one_or_none()
+        return int(found or 0)
+    ins = dialect.insert(concurrency_keys).values(
+        concurrency_key=concurrency_key, slot_limit=limit, updated_at=now
+    )
+    conn.execute(
+        ins.on_conflict_do_update(
+            index_elements=[concurrency_keys.c.concurrency_key],
+            set_={"slot_limit": limit, "updated_at": now},
+        )
+    )
+    return limit
+
+
+class SlotGates(ClaimGates):
+    """The claim of a task with a concurrency key, the handover of freed slots, and what
+    operators read of the keys."""
+
+    def claim_with_slot(self, req: ClaimRequest, ask: SlotAsk) -> tuple[Claim, bool]:
+        """``HotPath.claim`` for a task with a concurrency key, in one transaction under the
+        key's lock: the ordinary gates, then the slot (RUN/TAKEOVER when it takes or holds
+        one; HOLD when its entry is parked in the slot wait). Returns the claim, and whether
+        it is a new entry whose deadline had passed (the caller settles it ``expired``, in
+        a unit of work of its own). Never raises for a lost race.
+        """
+        for _ in range(3):
+            with self._txn() as conn:
+                limit = lock_key(conn, self.dialect, ask.key, ask.limit)
+                decided = self._claim_locked(conn, req)
+                if decided is None:
+                    continue  # pruned between the insert and the read: insert again
+                claim, expired_new = decided
+                if claim.gate in _RUNS and not expired_new:
+                    claim = self._slot_gate(conn, req, ask.key, limit, claim)
+                return claim, expired_new
+        raise RuntimeError(f"claim of {req.key} did not converge")  # pragma: no cover
+
+    def _claim_locked(self, conn: Connection, req: ClaimRequest) -> tuple[Claim, bool] | None:
+        """The claim's insert, else its gates, on ``conn``; with whether a new entry's deadline
+        had passed already (``HotPath._expire_new`` settles it)."""
+        params = req.insert_params(req.owner.node, req.owner.boot, req.owner.pid, executions=1)
+        note = Note("claimed", req.owner.node)
+        rows = self._write_with_event(conn, sql.claim_insert(self.dialect), params, note)
+        if rows:
+            expired = refusal(None, rows[0][4], rows[0][5]) is Refusal.EXPIRED
+            return Claim(Gate.RUN, req.key, int(rows[0][2])), expired
+        claim = self._claim_existing_txn(conn, req)
+        return None if claim is None else (claim, False)
+
+    def _slot_gate(
+        self, conn: Connection, req: ClaimRequest, ckey: str, limit: int, claim: Claim
+    ) -> Claim:
+        """Under the key's lock, for a claim that would run: keep the slot the entry holds,
+        take a free one, or park the entry in the slot wait (HOLD)."""
+        row = conn.execute(
+            select(entries.c.slot_at, entries.c.concurrency_key).where(entries.c.key == req.key)
+        ).one()
+        # Trusted only on an entry that was running: the resume marker of a handover's wake,
+        # or a holder whose lease lapsed (this claim takes over its own slot). Any other
+        # status left running through a write that cleared it.
+        mine = row.slot_at is not None and row.concurrency_key == ckey
+        if mine and claim.found is EntryStatus.RUNNING:
+            return claim
+        others = entries.c.key != req.key
+        held = conn.execute(select(func.count()).where(holding(ckey), others)).scalar_one()
+        ahead = conn.execute(select(entries.c.key).where(waiting(ckey), others).limit(1)).first()
+        now = db_now()
+        if held < limit and ahead is None:
+            conn.execute(
+                update(entries)
+                .where(entries.c.key == req.key)
+                .values(concurrency_key=ckey, slot_at=now, waiting_since=None)
+            )
+            return claim
+        upd = (
+            update(entries)
+            .where(entries.c.key == req.key, entries.c.fence == claim.fence)
+            .values(
+                status=_SLEEPING,
+                reason=slot_reason(ckey),
+                concurrency_key=ckey,
+                slot_at=None,
+                waiting_since=now,
+                due_at=None,
+                lease_until=None,
+                # The claim counted a run of the body that this delivery does not make.
+                executions=entries.c.executions - 1,
+                renewed_at=case((entries.c.interruptions > 0, entries.c.renewed_at), else_=None),
+                updated_at=now,
+            )
+            .returning(*sql.RETURNED)
+        )
+        why = f"{held} of {limit} slots of {ckey} held" + ("; others wait" if ahead else "")
+        note = Note("slot-wait", req.owner.node, why)
+        self._write_with_event(conn, sql.with_event(self.dialect, upd), {}, note)
+        return Claim(Gate.HOLD, req.key, claim.fence, found=claim.found, reason=slot_reason(ckey))
+
+    def hand_over(
+        self, concurrency_key: str, *, limit: int | None = None, actor: str | None = None
+    ) -> list[Granted]:
+        """Give the free slots of ``concurrency_key`` to its oldest waiters, in one
+        transaction under the key's lock (``limit``: the task's, else the one stored). Each
+        waiter is made due now; the caller wakes it (``recovery.wake.wake_entry``), else the
+        sweep does. Returns the waiters served (none when no slot is free: a lost race with
+        another handover is that)."""
+        with self._txn() as conn:
+            n = lock_key(conn, self.dialect, concurrency_key, limit)
+            return self._grant(conn, concurrency_key, n, actor)
+
+    def _grant(self, conn: Connection, ckey: str, limit: int, actor: str | None) -> list[Granted]:
+        held = conn.execute(select(func.count()).where(holding(ckey))).scalar_one()
+        free = limit - held
+        if free <= 0:
+            return []
+        picks = conn.execute(
+            select(entries.c.key)
+            .where(waiting(ckey), entries.c.cancel_requested_at.is_(None))
+            .order_by(entries.c.waiting_since, entries.c.key)
+            .limit(free)
+        ).all()
+        if not picks:
+            return []
+        now = db_now()
+        upd = (
+            update(entries)
+            .where(entries.c.key.in_([p.key for p in picks]), waiting(ckey))
+            .values(slot_at=now, waiting_since=None, due_at=now - _DUE_NOW_BACK_SECONDS)
+            .returning(*sql.RETURNED, entries.c.snapshot)
+        )
+        note = Note("slot-granted", actor, f"a slot of {ckey} is free")
+        rows = self._write_with_event(conn, sql.with_event(self.dialect, upd), {}, note)
+        return [Granted(r.key, r.task_id, r.fence, r.snapshot) for r in rows]
+
+    def hand_over_all(self, *, limit: int = 500, actor: str = "sweep") -> list[Granted]:
+        """The sweep's backstop: ``hand_over`` for each key that has waiters (up to ``limit``
+        keys, one transaction each). Returns every waiter served."""
+        with self._read() as conn:
+            keys = list(
+                conn.execute(
+                    select(entries.c.concurrency_key).where(waiting()).distinct().limit(limit)
+                ).scalars()
+            )
+        granted: list[Granted] = []
+        for ckey in keys:
+            granted += self.hand_over(ckey, actor=actor)
+        return granted
+
+    def slot_keys(self, *, limit: int = 100) -> list[SlotKey]:
+        """The concurrency keys that have waiters, longest wait first, up to ``limit``, with
+        their limit and holders (read-only)."""
+        with self._read() as conn:
+            rows = conn.execute(
+                select(
+                    entries.c.concurrency_key,
+                    func.count().label("waiting"),
+                    func.min(entries.c.waiting_since).label("oldest"),
+                )
+                .where(waiting())
+                .group_by(entries.c.concurrency_key)
+                .order_by(func.min(entries.c.waiting_since))
+                .limit(limit)
+            ).all()
+            found = []
+            for r in rows:
+                ckey = r.concurrency_key
+                held = conn.execute(select(func.count()).where(holding(ckey))).scalar_one()
+                cap = conn.execute(
+                    select(concurrency_keys.c.slot_limit).where(
+                        concurrency_keys.c.concurrency_key == ckey
+                    )
+                ).scalar_one_or_none()
+                found.append(SlotKey(ckey, int(cap or 0), int(held), int(r.waiting), r.oldest))
+        return found
+
+
+__all__ = [
+    "MAX_CONCURRENCY_KEY_CHARS",
+    "Granted",
+    "SlotGates",
+    "SlotKey",
+    "holding",
+    "lock_key",
+    "slot_reason",
+    "waiting",
+]
