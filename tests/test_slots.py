@@ -48,13 +48,18 @@ def runs(log: Path, killed: dict[str, float]) -> dict[str, list[tuple[float, flo
 
 
 def overlaps(by_customer: dict[str, list[tuple[float, float, str]]]) -> list[str]:
-    """The runs of one customer that started before the previous one ended."""
+    """The runs of one customer that started before an earlier one of it ended."""
     found = []
     for customer, spans in by_customer.items():
         spans.sort()
-        for (s0, e0, t0), (s1, _, t1) in zip(spans, spans[1:]):
-            if s1 < e0:
-                found.append(f"{customer}: {t1} started {e0 - s1:.3f}s before {t0} ended")
+        latest_end, latest = spans[0][1], spans[0][2]
+        for start, end, token in spans[1:]:
+            if start < latest_end:
+                found.append(
+                    f"{customer}: {token} started {latest_end - start:.3f}s before {latest} ended"
+                )
+            if end > latest_end:
+                latest_end, latest = end, token
     return found
 
 
@@ -77,9 +82,7 @@ def test_one_per_customer_across_workers_and_sigkills(tmp_path, redis, pg_url):
     client = client_app(env)
     store = LedgerStore(pg_url)
     killed: dict[str, float] = {}
-    keys = [
-        business_key(TASK, customer=f"c{c}", n=n) for n in range(per) for c in range(customers)
-    ]
+    keys = [business_key(TASK, customer=f"c{c}", n=n) for n in range(per) for c in range(customers)]
     with processes(tmp_path, env) as procs:
         workers = {
             "w1": procs.worker("w1", concurrency=4, extra=SLOT_TASKS),
