@@ -38,6 +38,10 @@ from celery_ledger.ledger.values import (
     StepRecord,
 )
 
+#: Side-effect classes whose claim is the intent of a body without steps (design.md §
+#: "Durability follows effects"): their claim waits for the flush, the others' need not.
+CLAIM_IS_INTENT = frozenset({"non_idempotent", "irreversible"})
+
 
 class ClaimGates(StoreCore):
     """The claim of an existing key (``HotPath.claim``'s locked transaction), and the replay

@@ -13,6 +13,7 @@ from sqlalchemy import delete, select, update
 
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.admission import Refusal, expired_failure, refusal
+from celery_ledger.ledger.claim_gates import CLAIM_IS_INTENT
 from celery_ledger.ledger.core import Note
 from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.identity import is_declared
@@ -20,10 +21,6 @@ from celery_ledger.ledger.schema import entries, steps
 from celery_ledger.ledger.slots import SlotGates
 from celery_ledger.ledger.states import EntryStatus, Gate, StepStatus
 from celery_ledger.ledger.values import RESUME_OWNER, Claim, ClaimRequest, StepRecord
-
-#: Side-effect classes whose claim is the intent of a body without steps (design.md § "Durability
-#: follows effects").
-_CLAIM_IS_INTENT = frozenset({"non_idempotent", "irreversible"})
 
 
 class HotPath(SlotGates):
@@ -95,7 +92,7 @@ class HotPath(SlotGates):
             req.owner.pid,
             executions=1,
             event="claimed",
-            lazy=self._lazy(req.side_effect in _CLAIM_IS_INTENT),
+            lazy=self._lazy(req.side_effect in CLAIM_IS_INTENT),
         )
         if not rows:
             return None

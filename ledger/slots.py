@@ -33,11 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, and_, case, func, or_, select, update
+from sqlalchemy import Connection, and_, case, exists, func, or_, select, update
 
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.admission import Refusal, refusal
-from celery_ledger.ledger.claim_gates import ClaimGates
+from celery_ledger.ledger.claim_gates import CLAIM_IS_INTENT, ClaimGates
 from celery_ledger.ledger.core import Note
 from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.dialect import Dialect
@@ -108,29 +108,40 @@ def waiting(concurrency_key: str | None = None) -> Any:
     return and_(entries.c.concurrency_key == concurrency_key, cond)
 
 
-def lock_key(conn: Connection, dialect: Dialect, concurrency_key: str, limit: int | None) -> int:
+def lock_key(
+    conn: Connection, dialect: Dialect, concurrency_key: str, limit: int | None, *, lazy: bool
+) -> int:
     """Lock ``concurrency_key``'s row (created if missing) until the caller's transaction
     ends, storing ``limit`` when given; returns the limit to apply (0: the key was never
-    claimed, so nothing can wait for it)."""
+    claimed, so nothing can wait for it). ``lazy``: the transaction commits without waiting
+    for the flush (asked in this same statement where the database can: no round trip more).
+
+    The lock comes first, and every count of the key's slots is a statement after it: under
+    READ COMMITTED that statement's snapshot sees what the previous holder of the lock
+    committed (a count inside this statement would not, had it waited for the lock).
+    """
     now = db_now()
     if limit is None:
-        found = conn.execute(
+        stmt: Any = (
             update(concurrency_keys)
             .where(concurrency_keys.c.concurrency_key == concurrency_key)
             .values(updated_at=now)
             .returning(concurrency_keys.c.slot_limit)
-        ).scalar_one_or_none()
-        return int(found or 0)
-    ins = dialect.insert(concurrency_keys).values(
-        concurrency_key=concurrency_key, slot_limit=limit, updated_at=now
-    )
-    conn.execute(
-        ins.on_conflict_do_update(
-            index_elements=[concurrency_keys.c.concurrency_key],
-            set_={"slot_limit": limit, "updated_at": now},
         )
-    )
-    return limit
+    else:
+        stmt = (
+            dialect.insert(concurrency_keys)
+            .values(concurrency_key=concurrency_key, slot_limit=limit, updated_at=now)
+            .on_conflict_do_update(
+                index_elements=[concurrency_keys.c.concurrency_key],
+                set_={"slot_limit": limit, "updated_at": now},
+            )
+            .returning(concurrency_keys.c.slot_limit)
+        )
+    if lazy and dialect.lazy_statement is not None:
+        stmt = dialect.lazy_statement(stmt)
+    found = conn.execute(stmt).first()
+    return int(found[0]) if found is not None else 0
 
 
 class SlotGates(ClaimGates):
@@ -146,7 +157,9 @@ class SlotGates(ClaimGates):
         """
         for _ in range(3):
             with self._txn() as conn:
-                limit = lock_key(conn, self.dialect, ask.key, ask.limit)
+                # Durable exactly when the one-statement claim it replaces is (``_lazy``).
+                lazy = self._lazy(req.side_effect in CLAIM_IS_INTENT)
+                limit = lock_key(conn, self.dialect, ask.key, ask.limit, lazy=lazy)
                 decided = self._claim_locked(conn, req)
                 if decided is None:
                     continue  # pruned between the insert and the read: insert again
@@ -173,20 +186,25 @@ class SlotGates(ClaimGates):
     ) -> Claim:
         """Under the key's lock, for a claim that would run: keep the slot the entry holds,
         take a free one, or park the entry in the slot wait (HOLD)."""
-        row = conn.execute(
-            select(entries.c.slot_at, entries.c.concurrency_key).where(entries.c.key == req.key)
-        ).one()
-        # Trusted only on an entry that was running: the resume marker of a handover's wake,
-        # or a holder whose lease lapsed (this claim takes over its own slot). Any other
-        # status left running through a write that cleared it.
-        mine = row.slot_at is not None and row.concurrency_key == ckey
-        if mine and claim.found is EntryStatus.RUNNING:
-            return claim
+        # A slot is trusted only on an entry that was running: the resume marker of a
+        # handover's wake, or a holder whose lease lapsed (this claim takes over its own
+        # slot). Any other status left running through a write that cleared it.
+        if claim.found is EntryStatus.RUNNING:
+            row = conn.execute(
+                select(entries.c.slot_at, entries.c.concurrency_key).where(entries.c.key == req.key)
+            ).one()
+            if row.slot_at is not None and row.concurrency_key == ckey:
+                return claim
         others = entries.c.key != req.key
-        held = conn.execute(select(func.count()).where(holding(ckey), others)).scalar_one()
-        ahead = conn.execute(select(entries.c.key).where(waiting(ckey), others).limit(1)).first()
+        counted = conn.execute(
+            select(
+                select(func.count()).where(holding(ckey), others).scalar_subquery(),
+                exists().where(waiting(ckey), others),
+            )
+        ).one()
+        held, ahead = int(counted[0]), bool(counted[1])
         now = db_now()
-        if held < limit and ahead is None:
+        if held < limit and not ahead:
             conn.execute(
                 update(entries)
                 .where(entries.c.key == req.key)
@@ -224,8 +242,17 @@ class SlotGates(ClaimGates):
         waiter is made due now; the caller wakes it (``recovery.wake.wake_entry``), else the
         sweep does. Returns the waiters served (none when no slot is free: a lost race with
         another handover is that)."""
+        # Nobody waits, nothing to serve: one read on the waiters' index, no lock. A waiter
+        # that parks after this read found the slot freed before it (the settle committed
+        # first), so it parked only if every slot was held or others waited ahead; a slot
+        # freed later is handed over by the run that frees it, or by the sweep.
+        with self._read() as conn:
+            anyone = select(exists().where(waiting(concurrency_key)))
+            if not conn.execute(anyone).scalar_one():
+                return []
         with self._txn() as conn:
-            n = lock_key(conn, self.dialect, concurrency_key, limit)
+            # A handover lets no effect begin (as a settle): it need not wait for the flush.
+            n = lock_key(conn, self.dialect, concurrency_key, limit, lazy=self._lazy(False))
             return self._grant(conn, concurrency_key, n, actor)
 
     def _grant(self, conn: Connection, ckey: str, limit: int, actor: str | None) -> list[Granted]:
