@@ -97,8 +97,12 @@ def test_a_dead_holders_slot_returns_only_when_its_lease_is_interrupted(
     # The sweep's backstop hands its slot on.
     assert [g.key for g in store.hand_over_all()] == ["k-next"]
     assert holders(store) == ["k-next"]
-    # The dead holder's resume queues behind: its slot went on.
+    # The sweep resumes the dead holder (running under the resume marker): its claim queues
+    # behind, its slot went on.
+    fence = store.get_entry("k-dead").fence
+    assert store.begin_resume("k-dead", fence, lease_seconds=60) is not None
     assert store.claim(ask("k-dead")).gate is Gate.HOLD
+    assert holders(store) == ["k-next"]
 
 
 def test_a_holder_whose_lease_lapsed_takes_its_own_slot_over(store: LedgerStore) -> None:
