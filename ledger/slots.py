@@ -31,17 +31,31 @@ one decision, and two claims of one key never both see a free slot.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache, partial
 from typing import Any
 
-from sqlalchemy import Connection, and_, case, exists, func, or_, select, update
+from sqlalchemy import (
+    Connection,
+    Integer,
+    String,
+    and_,
+    case,
+    exists,
+    func,
+    literal,
+    or_,
+    select,
+    update,
+)
 
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.admission import Refusal, refusal
 from celery_ledger.ledger.claim_gates import CLAIM_IS_INTENT, ClaimGates
-from celery_ledger.ledger.core import Note
+from celery_ledger.ledger.core import Note, _OnCursor
 from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.dialect import Dialect
 from celery_ledger.ledger.schema import concurrency_keys, entries
+from celery_ledger.ledger.statements import B
 from celery_ledger.ledger.states import EntryStatus, Gate
 from celery_ledger.ledger.values import Claim, ClaimRequest, SlotAsk
 
@@ -60,6 +74,13 @@ _RUNS = (Gate.RUN, Gate.TAKEOVER)
 def slot_reason(concurrency_key: str) -> str:
     """The reason an entry waiting for a slot of ``concurrency_key`` carries."""
     return f"slot:{concurrency_key}"
+
+
+def _reason_sql(concurrency_key: Any) -> Any:
+    """``slot_reason`` of a string, or of a bound parameter (SQL)."""
+    if isinstance(concurrency_key, str):
+        return slot_reason(concurrency_key)
+    return literal("slot:", String) + concurrency_key
 
 
 @dataclass(frozen=True)
@@ -84,19 +105,19 @@ class SlotKey:
     oldest_since: float | None
 
 
-def holding(concurrency_key: str) -> Any:
+def holding(concurrency_key: Any) -> Any:
     """SQL: the entries holding a slot of ``concurrency_key`` (see the module docstring)."""
     return and_(
         entries.c.concurrency_key == concurrency_key,
         entries.c.slot_at.is_not(None),
         or_(
             entries.c.status == _RUNNING,
-            and_(entries.c.status == _SLEEPING, entries.c.reason == slot_reason(concurrency_key)),
+            and_(entries.c.status == _SLEEPING, entries.c.reason == _reason_sql(concurrency_key)),
         ),
     )
 
 
-def waiting(concurrency_key: str | None = None) -> Any:
+def waiting(concurrency_key: Any = None) -> Any:
     """SQL: the entries waiting for a slot (of ``concurrency_key``, or of any key)."""
     cond = and_(
         entries.c.waiting_since.is_not(None),
@@ -144,6 +165,72 @@ def lock_key(
     return int(found[0]) if found is not None else 0
 
 
+# -- the hot path's statements (bind parameters ``ck``: the key, ``k``: the entry, ``lim``) ------
+
+
+@cache
+def lock_statement(dialect: Dialect) -> Any:
+    """``lock_key`` with a limit, as one statement of the hot path."""
+    ins = dialect.insert(concurrency_keys).values(
+        concurrency_key=B("ck", String), slot_limit=B("lim", Integer), updated_at=db_now()
+    )
+    return ins.on_conflict_do_update(
+        index_elements=[concurrency_keys.c.concurrency_key],
+        set_={"slot_limit": ins.excluded.slot_limit, "updated_at": ins.excluded.updated_at},
+    ).returning(concurrency_keys.c.slot_limit)
+
+
+@cache
+def count_statement(dialect: Dialect) -> Any:
+    """The slots of ``ck`` held by other entries than ``k``, and whether others wait."""
+    ck, others = B("ck", String), entries.c.key != B("k", String)
+    return select(
+        select(func.count()).where(holding(ck), others).scalar_subquery(),
+        exists().where(waiting(ck), others),
+    )
+
+
+@cache
+def take_statement(dialect: Dialect) -> Any:
+    """Entry ``k`` takes a slot of ``ck``."""
+    return (
+        update(entries)
+        .where(entries.c.key == B("k", String))
+        .values(concurrency_key=B("ck", String), slot_at=db_now(), waiting_since=None)
+    )
+
+
+@cache
+def park_statement(dialect: Dialect) -> Any:
+    """Entry ``k``, claimed at fence ``f``, waits for a slot of ``ck``; with its event."""
+    now = db_now()
+    upd = (
+        update(entries)
+        .where(entries.c.key == B("k", String), entries.c.fence == B("f", Integer))
+        .values(
+            status=_SLEEPING,
+            reason=_reason_sql(B("ck", String)),
+            concurrency_key=B("ck", String),
+            slot_at=None,
+            waiting_since=now,
+            due_at=None,
+            lease_until=None,
+            # The claim counted a run of the body that this delivery does not make.
+            executions=entries.c.executions - 1,
+            renewed_at=case((entries.c.interruptions > 0, entries.c.renewed_at), else_=None),
+            updated_at=now,
+        )
+        .returning(*sql.RETURNED)
+    )
+    return sql.with_event(dialect, upd)
+
+
+@cache
+def anyone_waits_statement(dialect: Dialect) -> Any:
+    """Whether anyone waits for a slot of ``ck``."""
+    return select(exists().where(waiting(B("ck", String))))
+
+
 class SlotGates(ClaimGates):
     """The claim of a task with a concurrency key, the handover of freed slots, and what
     operators read of the keys."""
@@ -155,10 +242,13 @@ class SlotGates(ClaimGates):
         it is a new entry whose deadline had passed (the caller settles it ``expired``, in
         a unit of work of its own). Never raises for a lost race.
         """
+        # Durable exactly when the one-statement claim it replaces is (``_lazy``).
+        lazy = self._lazy(req.side_effect in CLAIM_IS_INTENT)
+        new = self._claim_new_with_slot(req, ask, lazy)
+        if new is not None:
+            return new
         for _ in range(3):
             with self._txn() as conn:
-                # Durable exactly when the one-statement claim it replaces is (``_lazy``).
-                lazy = self._lazy(req.side_effect in CLAIM_IS_INTENT)
                 limit = lock_key(conn, self.dialect, ask.key, ask.limit, lazy=lazy)
                 decided = self._claim_locked(conn, req)
                 if decided is None:
@@ -168,6 +258,53 @@ class SlotGates(ClaimGates):
                     claim = self._slot_gate(conn, req, ask.key, limit, claim)
                 return claim, expired_new
         raise RuntimeError(f"claim of {req.key} did not converge")  # pragma: no cover
+
+    def _slot_hot(self, build: Any) -> Any:
+        return self.fast.compiled(("slot", build.__name__), partial(build, self.dialect))
+
+    def _claim_new_with_slot(
+        self, req: ClaimRequest, ask: SlotAsk, lazy: bool
+    ) -> tuple[Claim, bool] | None:
+        """The claim of a new key with a concurrency key, as one unit of work on the hot
+        path's cursor (its statements compiled once): lock the key, insert the entry, count,
+        take a slot or park. None: the key has an entry (nothing but the key's lock row was
+        written); the slow transaction decides it."""
+        keyed = {"ck": ask.key, "k": req.key}
+        with self.fast.cursor(lazy=lazy) as cur:
+            if self.dialect.autocommit:
+                cur.execute("BEGIN")  # one transaction, as ``LinkQueries.settle_with_links``
+            run = _OnCursor(self._hot, cur)
+            lock = self._slot_hot(lock_statement)
+            limit = int(run.rows(lock, {"ck": ask.key, "lim": ask.limit})[0][0])
+            params = req.insert_params(req.owner.node, req.owner.boot, req.owner.pid, executions=1)
+            rows = self._write_with_event(
+                run, self._hot("claim"), params, Note("claimed", req.owner.node)
+            )
+            result = None
+            if rows:
+                fence = int(rows[0][2])
+                claim = Claim(Gate.RUN, req.key, fence)
+                if refusal(None, rows[0][4], rows[0][5]) is Refusal.EXPIRED:
+                    result = claim, True
+                else:
+                    held, ahead = run.rows(self._slot_hot(count_statement), keyed)[0][:2]
+                    if int(held) < limit and not ahead:
+                        take = self._slot_hot(take_statement)
+                        cur.execute(take.sql, take.params(keyed))
+                        result = claim, False
+                    else:
+                        note = self._wait_note(ask.key, int(held), limit, bool(ahead), req)
+                        self._write_with_event(
+                            run, self._slot_hot(park_statement), {**keyed, "f": fence}, note
+                        )
+                        result = _parked(req, ask.key, fence, None), False
+            if self.dialect.autocommit:
+                cur.execute("COMMIT")
+        return result
+
+    def _wait_note(self, ckey: str, held: int, limit: int, ahead: bool, req: ClaimRequest) -> Note:
+        why = f"{held} of {limit} slots of {ckey} held" + ("; others wait" if ahead else "")
+        return Note("slot-wait", req.owner.node, why)
 
     def _claim_locked(self, conn: Connection, req: ClaimRequest) -> tuple[Claim, bool] | None:
         """The claim's insert, else its gates, on ``conn``; with whether a new entry's deadline
@@ -195,44 +332,15 @@ class SlotGates(ClaimGates):
             ).one()
             if row.slot_at is not None and row.concurrency_key == ckey:
                 return claim
-        others = entries.c.key != req.key
-        counted = conn.execute(
-            select(
-                select(func.count()).where(holding(ckey), others).scalar_subquery(),
-                exists().where(waiting(ckey), others),
-            )
-        ).one()
-        held, ahead = int(counted[0]), bool(counted[1])
-        now = db_now()
-        if held < limit and not ahead:
-            conn.execute(
-                update(entries)
-                .where(entries.c.key == req.key)
-                .values(concurrency_key=ckey, slot_at=now, waiting_since=None)
-            )
+        keyed = {"ck": ckey, "k": req.key}
+        held, ahead = conn.execute(count_statement(self.dialect), keyed).one()[:2]
+        if int(held) < limit and not ahead:
+            conn.execute(take_statement(self.dialect), keyed)
             return claim
-        upd = (
-            update(entries)
-            .where(entries.c.key == req.key, entries.c.fence == claim.fence)
-            .values(
-                status=_SLEEPING,
-                reason=slot_reason(ckey),
-                concurrency_key=ckey,
-                slot_at=None,
-                waiting_since=now,
-                due_at=None,
-                lease_until=None,
-                # The claim counted a run of the body that this delivery does not make.
-                executions=entries.c.executions - 1,
-                renewed_at=case((entries.c.interruptions > 0, entries.c.renewed_at), else_=None),
-                updated_at=now,
-            )
-            .returning(*sql.RETURNED)
-        )
-        why = f"{held} of {limit} slots of {ckey} held" + ("; others wait" if ahead else "")
-        note = Note("slot-wait", req.owner.node, why)
-        self._write_with_event(conn, sql.with_event(self.dialect, upd), {}, note)
-        return Claim(Gate.HOLD, req.key, claim.fence, found=claim.found, reason=slot_reason(ckey))
+        note = self._wait_note(ckey, int(held), limit, bool(ahead), req)
+        params = {**keyed, "f": claim.fence}
+        self._write_with_event(conn, park_statement(self.dialect), params, note)
+        return _parked(req, ckey, claim.fence, claim.found)
 
     def hand_over(
         self, concurrency_key: str, *, limit: int | None = None, actor: str | None = None
@@ -246,9 +354,10 @@ class SlotGates(ClaimGates):
         # that parks after this read found the slot freed before it (the settle committed
         # first), so it parked only if every slot was held or others waited ahead; a slot
         # freed later is handed over by the run that frees it, or by the sweep.
-        with self._read() as conn:
-            anyone = select(exists().where(waiting(concurrency_key)))
-            if not conn.execute(anyone).scalar_one():
+        anyone = self._slot_hot(anyone_waits_statement)
+        with self.fast.cursor(lazy=True) as cur:
+            cur.execute(anyone.sql, anyone.params({"ck": concurrency_key}))
+            if not cur.fetchone()[0]:
                 return []
         with self._txn() as conn:
             # A handover lets no effect begin (as a settle): it need not wait for the flush.
@@ -319,6 +428,10 @@ class SlotGates(ClaimGates):
                 ).scalar_one_or_none()
                 found.append(SlotKey(ckey, int(cap or 0), int(held), int(r.waiting), r.oldest))
         return found
+
+
+def _parked(req: ClaimRequest, ckey: str, fence: int, found: EntryStatus | None) -> Claim:
+    return Claim(Gate.HOLD, req.key, fence, found=found, reason=slot_reason(ckey))
 
 
 __all__ = [
