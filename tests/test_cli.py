@@ -560,12 +560,14 @@ def test_doctor_passes_on_the_embedded_default(
         "chords",
         "beat",
         "backlog",
+        "slot waits",
         "consumer",
         "reconcilers",
         "secrets",
     }
     assert data["ok"] is True and checks["schema"]["status"] == "PASS"
     assert checks["backlog"]["status"] == "PASS", checks["backlog"]
+    assert checks["slot waits"]["status"] == "PASS", checks["slot waits"]
     assert checks["beat"]["status"] == "PASS" and "celery-ledger-sweep" in checks["beat"]["reason"]
     out = cli("doctor").stdout
     assert out.splitlines()[0].split() == ["CHECK", "RESULT", "WHY"]
