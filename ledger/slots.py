@@ -1,7 +1,9 @@
 """Concurrency keys (docs/concurrency.md): at most N entries of one key run at once, fleet-wide.
 
 A task with ``concurrency_key=`` and ``concurrency_limit=N`` claims through ``claim_with_slot``
-instead of the one-statement fast path. Every decision about a key's slots first locks that
+instead of the one-statement claim: a new key in one unit of work on the hot path's cursor
+(``_claim_new_with_slot``, its statements compiled once), an existing key in the claim's slower
+transaction, with the same statements. Every decision about a key's slots first locks that
 key's row of ``ledger_concurrency_keys`` (an upsert: the row lock on PostgreSQL; on SQLite
 BEGIN IMMEDIATE serializes every writer anyway), so counting the holders and taking a slot are
 one decision, and two claims of one key never both see a free slot.
