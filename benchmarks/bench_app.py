@@ -145,6 +145,12 @@ def make_app(
     options: dict[str, Any] = {}
     if mode == "ledger":
         options["side_effect"] = os.environ.get(ENV_SIDE_EFFECT, "non_idempotent")
+        keys = int(os.environ.get(ENV_CONCURRENCY_KEYS, "0") or 0)
+        if keys:
+            # docs/concurrency.md: task ``i`` takes a slot of key ``i mod keys`` under a limit
+            # (``ENV_CONCURRENCY_LIMIT``) the benchmark never reaches (benchmarks/concurrency.py).
+            options["concurrency_key"] = lambda i: f"bench:{i % keys}"
+            options["concurrency_limit"] = int(os.environ.get(ENV_CONCURRENCY_LIMIT, "1000"))
 
     @app.task(
         base=base,
@@ -167,6 +173,8 @@ ENV_FLOOR_AUDIT = "BENCH_FLOOR_AUDIT"
 ENV_FLOOR_SQL = "BENCH_FLOOR_SQL"
 ENV_FLOOR_PIPELINE = "BENCH_FLOOR_PIPELINE"
 ENV_FLOOR_COMBINED = "BENCH_FLOOR_COMBINED"
+ENV_CONCURRENCY_KEYS = "BENCH_CONCURRENCY_KEYS"
+ENV_CONCURRENCY_LIMIT = "BENCH_CONCURRENCY_LIMIT"
 _BODY_SECONDS = float(os.environ.get(ENV_BODY_MS, "0") or 0) / 1000
 
 

@@ -89,6 +89,7 @@ from celery_ledger.ledger.values import (
     Overdue,
     Owner,
     Resuming,
+    SlotAsk,
     StepRecord,
     step_returned,
 )
@@ -122,6 +123,7 @@ __all__ = [
     "Envelope",
     "Claim",
     "ClaimRequest",
+    "SlotAsk",
     "Entry",
     "EventRecord",
     "Interrupted",

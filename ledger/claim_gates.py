@@ -38,6 +38,10 @@ from celery_ledger.ledger.values import (
     StepRecord,
 )
 
+#: Side-effect classes whose claim is the intent of a body without steps (design.md §
+#: "Durability follows effects"): their claim waits for the flush, the others' need not.
+CLAIM_IS_INTENT = frozenset({"non_idempotent", "irreversible"})
+
 
 class ClaimGates(StoreCore):
     """The claim of an existing key (``HotPath.claim``'s locked transaction), and the replay
@@ -186,6 +190,7 @@ class ClaimGates(StoreCore):
                 error=error,
                 reason=reason,
                 lease_until=None,
+                slot_at=None,
                 due_at=None,
                 deadline_at=deadline,
                 settled_at=db_now(),
@@ -218,6 +223,7 @@ class ClaimGates(StoreCore):
                 reason=reason,
                 interruptions=interruptions,
                 lease_until=None,
+                slot_at=None,
                 updated_at=db_now(),
             )
             .returning(

@@ -13,24 +13,22 @@ from sqlalchemy import delete, select, update
 
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.admission import Refusal, expired_failure, refusal
-from celery_ledger.ledger.claim_gates import ClaimGates
+from celery_ledger.ledger.claim_gates import CLAIM_IS_INTENT
 from celery_ledger.ledger.core import Note
 from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.identity import is_declared
 from celery_ledger.ledger.schema import entries, steps
+from celery_ledger.ledger.slots import SlotGates
 from celery_ledger.ledger.states import EntryStatus, Gate, StepStatus
 from celery_ledger.ledger.values import RESUME_OWNER, Claim, ClaimRequest, StepRecord
 
-#: Side-effect classes whose claim is the intent of a body without steps (design.md § "Durability
-#: follows effects").
-_CLAIM_IS_INTENT = frozenset({"non_idempotent", "irreversible"})
 
-
-class HotPath(ClaimGates):
+class HotPath(SlotGates):
     """Claim, renew, write steps, settle: the store methods every ledgered task calls.
 
     The claim of a key that has an entry, decided under its row lock, is ``ClaimGates``
-    (``claim_gates``).
+    (``claim_gates``); the claim of a task with a concurrency key is ``SlotGates``
+    (``slots``).
     """
 
     # -- claim ----------------------------------------------------------------------------
@@ -62,7 +60,13 @@ class HotPath(ClaimGates):
         its row lock, in one transaction, and every transition it makes is fenced by that lock
         (the fence grows by one). Every gate is appended to the events. Returns the ``Claim``;
         never raises for a lost race.
+
+        A task with a concurrency key (``req.slot``) claims in one transaction under its
+        key's lock instead (``SlotGates.claim_with_slot``): HOLD when it waits for a slot.
         """
+        if req.slot is not None:
+            slotted, expired_new = self.claim_with_slot(req, req.slot)
+            return self._expire_new(req, slotted.fence) if expired_new else slotted
         for _ in range(3):
             inserted = self._insert_new(req)
             if inserted is not None:
@@ -88,7 +92,7 @@ class HotPath(ClaimGates):
             req.owner.pid,
             executions=1,
             event="claimed",
-            lazy=self._lazy(req.side_effect in _CLAIM_IS_INTENT),
+            lazy=self._lazy(req.side_effect in CLAIM_IS_INTENT),
         )
         if not rows:
             return None
@@ -130,23 +134,7 @@ class HotPath(ClaimGates):
         key exists. A claim owns it with one execution; a publish intent with none."""
         return self._fast_write(
             "claim",
-            {
-                "key": req.key,
-                "task_name": req.task_name,
-                "task_id": req.task_id,
-                "side_effect": req.side_effect,
-                "args_hash": req.args_hash,
-                "snapshot": req.snapshot,
-                "owner": owner,
-                "owner_boot": boot,
-                "owner_pid": pid,
-                "lease": req.lease_seconds,
-                "executions": executions,
-                "group_id": req.group_id,
-                "parent_id": req.parent_id,
-                "dl_at": req.deadline_at,
-                "dl_after": req.deadline_after,
-            },
+            req.insert_params(owner, boot, pid, executions=executions),
             Note(event, req.owner.node),
             lazy=lazy,
         )

@@ -23,7 +23,7 @@ from sqlalchemy import (
 metadata = MetaData()
 
 #: Bumped with every Alembic revision; the migration head must equal it.
-SCHEMA_REVISION = "0010_signals"
+SCHEMA_REVISION = "0011_concurrency"
 
 KEY = String(64)
 
@@ -96,6 +96,13 @@ entries = Table(
     # judges its grace by. The interrupt leaves both (0008_renewed_at).
     Column("renewed_at", Float),
     Column("lease_seconds", Float),
+    # Concurrency keys (0011_concurrency; docs/concurrency.md): the task's concurrency key,
+    # when it holds a slot of it (a claim took one, or a settle handed it one; cleared when
+    # it leaves ``running``), and since when it waits for one (``sleeping`` with the reason
+    # ``slot:<key>``; the order in which waiters are served).
+    Column("concurrency_key", String(255)),
+    Column("slot_at", Float),
+    Column("waiting_since", Float),
 )
 
 # Hot predicates. Partial indexes stay as small as the work in flight, so the stale-lease
@@ -152,6 +159,20 @@ Index(
     entries.c.tombstone_at,
     postgresql_where=entries.c.tombstone_at.is_not(None),
     sqlite_where=entries.c.tombstone_at.is_not(None),
+)
+# Concurrency keys (0011_concurrency): the slots held per key, and the waiters in order.
+Index(
+    "ix_ledger_entries_slot_holders",
+    entries.c.concurrency_key,
+    postgresql_where=entries.c.slot_at.is_not(None),
+    sqlite_where=entries.c.slot_at.is_not(None),
+)
+Index(
+    "ix_ledger_entries_slot_waiters",
+    entries.c.concurrency_key,
+    entries.c.waiting_since,
+    postgresql_where=entries.c.waiting_since.is_not(None),
+    sqlite_where=entries.c.waiting_since.is_not(None),
 )
 # ``revoke(task_id)`` names a task id, not a key (design.md § "Durable time").
 Index("ix_ledger_entries_task_id", entries.c.task_id)
@@ -292,4 +313,15 @@ Index(
     signals.c.id,
     postgresql_where=signals.c.wait.is_(None),
     sqlite_where=signals.c.wait.is_(None),
+)
+
+# Concurrency keys (0011_concurrency; docs/concurrency.md): one row per key, the row every
+# claim, settle and handover of that key locks first, so that counting its holders and taking
+# a slot are one decision; ``slot_limit`` is the limit the last claim asked for.
+concurrency_keys = Table(
+    "ledger_concurrency_keys",
+    metadata,
+    Column("concurrency_key", String(255), primary_key=True),
+    Column("slot_limit", Integer, nullable=False),
+    Column("updated_at", Float, nullable=False),
 )

@@ -200,6 +200,8 @@ def settle_update(dialect: Dialect, settled: bool) -> Any:
             settled_at=now if settled else None,
             due_at=func.coalesce(now + B("due_in", Float), B("due_abs", Float)),
             snapshot=func.coalesce(B("new_snapshot", Text), entries.c.snapshot),
+            # A slot of its concurrency key is held while running only (``ledger.slots``).
+            slot_at=None,
             # The attempt ended itself: its renewals say nothing of a paused zombie, unless
             # an earlier attempt of the entry was lost (``interruptions``): that one may be
             # paused mid-call, and the latest sign of life (no older than its own) stands

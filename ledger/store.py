@@ -45,8 +45,10 @@ class LedgerStore(
         StoreCore (core.py)          engine per process, fork safety, transactions, the hot
         │                            path's cursors, the event writer, error translation
         ├── HotPath (hotpath.py)     claim, renew_lease, write_step, settle, ...
-        │   └── ClaimGates           its base: the claim of a key that has an entry,
-        │       (claim_gates.py)     every gate decided under the entry's row lock
+        │   └── SlotGates            its base: concurrency keys (docs/concurrency.md): the
+        │       (slots.py)           claim under the key's lock, hand_over, slot_keys
+        │       └── ClaimGates       its base: the claim of a key that has an entry,
+        │           (claim_gates.py) every gate decided under the entry's row lock
         ├── SweepQueries (sweeps.py) interrupt_*, begin_resume, block, prune_settled, ...
         ├── OperatorQueries          get_entry, list_entries, release, stats, ...
         │   (operator.py)

@@ -147,6 +147,7 @@ class SweepQueries(StoreCore):
                 interruptions=entries.c.interruptions
                 + case((entries.c.owner == RESUME_OWNER, 0), else_=1),
                 lease_until=None,
+                slot_at=None,  # handed on by the sweep's next handover (``ledger.slots``)
                 updated_at=db_now(),
                 reason=why,
                 **(_death_signal(actor, why) if dead else {}),

@@ -70,6 +70,14 @@ class Owner:
 
 
 @dataclass(frozen=True)
+class SlotAsk:
+    """What a claim asks of a concurrency key (``ledger.slots``): its name and the limit."""
+
+    key: str
+    limit: int
+
+
+@dataclass(frozen=True)
 class ClaimRequest:
     """Everything ``LedgerStore.claim`` needs to decide a gate."""
 
@@ -97,6 +105,30 @@ class ClaimRequest:
     deadline_at: float | None = None
     #: The task's ``deadline`` option: seconds after the entry was created (database clock).
     deadline_after: float | None = None
+    #: The task's concurrency key and limit (docs/concurrency.md); None: it has none.
+    slot: SlotAsk | None = None
+
+    def insert_params(
+        self, owner: str, boot: str | None, pid: int | None, *, executions: int
+    ) -> dict[str, Any]:
+        """The bind parameters of ``statements.claim_insert`` for this request."""
+        return {
+            "key": self.key,
+            "task_name": self.task_name,
+            "task_id": self.task_id,
+            "side_effect": self.side_effect,
+            "args_hash": self.args_hash,
+            "snapshot": self.snapshot,
+            "owner": owner,
+            "owner_boot": boot,
+            "owner_pid": pid,
+            "lease": self.lease_seconds,
+            "executions": executions,
+            "group_id": self.group_id,
+            "parent_id": self.parent_id,
+            "dl_at": self.deadline_at,
+            "dl_after": self.deadline_after,
+        }
 
 
 @dataclass(frozen=True)
@@ -241,6 +273,11 @@ class Entry:
     #: the lease it took; the interrupt leaves both (``mark-dead`` reads them).
     renewed_at: float | None = None
     lease_seconds: float | None = None
+    #: docs/concurrency.md: the entry's concurrency key, when it took (or was handed) a slot
+    #: of it, and since when it waits for one (``sleeping``, reason ``slot:<key>``).
+    concurrency_key: str | None = None
+    slot_at: float | None = None
+    waiting_since: float | None = None
 
     def lease_left(self, now: float) -> float | None:
         """Seconds left on the lease at ``now`` (database clock); negative once it expired."""

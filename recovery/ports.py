@@ -31,6 +31,7 @@ from celery_ledger.ledger import (
     Resuming,
 )
 from celery_ledger.ledger.schedule import Due
+from celery_ledger.ledger.slots import Granted
 
 
 class Publisher(Protocol):
@@ -156,6 +157,16 @@ class OutboxPublishing(Protocol):
     def prune_outbox(self, *, limit: int = ...) -> int: ...
 
 
+class SlotQueries(Protocol):
+    """``SlotGates``: the handover of a concurrency key's free slots (docs/concurrency.md)."""
+
+    def hand_over(
+        self, concurrency_key: str, *, limit: int | None = ..., actor: str | None = ...
+    ) -> list[Granted]: ...
+
+    def hand_over_all(self, *, limit: int = ..., actor: str = ...) -> list[Granted]: ...
+
+
 class ResumeStore(ResumeQueries, EntryReads, Protocol):
     """A resume and an overdue retry's re-send: read the entry, then resume or park it."""
 
@@ -165,5 +176,9 @@ class WakeStore(ResumeQueries, EntryReads, TimeQueries, Protocol):
     cancellations, retention."""
 
 
-class SweepStore(ResumeQueries, EntryReads, TimeQueries, OutboxPublishing, Protocol):
+class SlotStore(ResumeQueries, EntryReads, TimeQueries, SlotQueries, Protocol):
+    """A handover: serve the waiters of a key, then wake them (the durable-time pass's wake)."""
+
+
+class SweepStore(ResumeQueries, EntryReads, TimeQueries, OutboxPublishing, SlotQueries, Protocol):
     """A whole sweep: every query above."""

@@ -91,6 +91,9 @@ class SweepReport:
     #: Entries about to be sent again whose deadline had passed: settled ``expired`` instead
     #: (the admission gate at recovery's door; a discarded expired message is never re-sent).
     expired: int = 0
+    #: Waiters for a concurrency key's slot served by this sweep (docs/concurrency.md); the
+    #: wake pass sent them with the due entries.
+    slots_handed: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -121,6 +124,9 @@ def run_sweep(
     """
     cancelled = wake.finish_cancelled(store, app, batch=batch, actor=actor)
     interrupted = store.interrupt_expired(limit=batch, actor=actor)
+    # The slots of the holders just interrupted, and any a settling worker did not hand on,
+    # go to their keys' waiters; the wake pass below sends them (docs/concurrency.md).
+    served = store.hand_over_all(limit=batch, actor=actor)
     found, outcomes, expired = _resume_interrupted(
         store,
         app,
@@ -170,6 +176,7 @@ def run_sweep(
         outbox_failed=outbox_failed,
         expired=expired + late_expired + due_expired,
         deferred=len(outcomes.get(ResumeOutcome.DEFERRED, [])),
+        slots_handed=len(served),
     )
     if _worth_logging(report):
         log.info("ledger sweep: %s", report.as_dict())
@@ -266,6 +273,7 @@ def _worth_logging(report: SweepReport) -> bool:
         or report.cancelled
         or report.outbox_pending
         or report.expired
+        or report.slots_handed
     )
 
 

@@ -24,6 +24,7 @@ LEDGER_TABLES = {
     "ledger_events",
     "ledger_outbox",
     "ledger_signals",
+    "ledger_concurrency_keys",
 }
 
 #: The partial indexes on the hot predicates, and a fragment each WHERE clause must hold.
@@ -33,6 +34,8 @@ PARTIAL_INDEXES = {
     "ix_ledger_entries_attention": "interrupted",
     "ix_ledger_entries_settled_at": "settled_at",
     "ix_ledger_entries_due": "due_at",
+    "ix_ledger_entries_slot_holders": "slot_at",
+    "ix_ledger_entries_slot_waiters": "waiting_since",
 }
 
 
@@ -91,7 +94,7 @@ def partial_index_clauses(engine: Engine) -> dict[str, str]:
 
 
 def test_head_revision_matches_schema_module() -> None:
-    assert head_revision() == SCHEMA_REVISION == "0010_signals"
+    assert head_revision() == SCHEMA_REVISION == "0011_concurrency"
 
 
 def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine) -> None:
@@ -108,6 +111,7 @@ def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine)
             "0008_renewed_at",
             "0009_outbox_errors",
             "0010_signals",
+            "0011_concurrency",
         ]
         assert current_revision(conn) is None
     store = LedgerStore(ledger_url)

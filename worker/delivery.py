@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, NoReturn, Protocol
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_ledger import canvas, envelope, otel, refusal, runtime, timing
+from celery_ledger import canvas, concurrency, envelope, otel, refusal, runtime, timing
 from celery_ledger.ambiguity import RUN_BODY, Ambiguity
 from celery_ledger.attempt import Attempt, AttemptTask, current_attempt
 from celery_ledger.codec import decode, decode_failure, encode, encode_failure
@@ -150,7 +150,7 @@ class Delivery:
         self.tracing = otel.tracing(self.settings)
         self.lease = float(task.lease_seconds or self.settings.lease_seconds)
         self.header_key = header(self.request, wire.KEY)
-        self.key = ""
+        self.key, self.slot = "", concurrency.NO_SLOT  # docs/concurrency.md
 
     def __call__(self) -> Any:
         """Claim, then hand the claim to its gate's handler; returns what the task returns."""
@@ -182,6 +182,7 @@ class Delivery:
             self.key, args_hash = self.task.ledger_key(
                 self.args, self.kwargs, req.id, self.header_key, canvas.replacement(req)
             )
+            self.slot = concurrency.slot_ask(self.task, self.args, self.kwargs)
         except Exception as exc:  # noqa: BLE001 - key_from is user code, the arguments the sender's
             raise self.refuse(exc) from None
         # A fresh publish (no retry count, not the ledger's own re-send) must bring the
@@ -205,6 +206,7 @@ class Delivery:
             # The admission gate: the claim refuses a delivery whose deadline passed.
             deadline_at=timing.delivery_deadline(req),
             deadline_after=None if self.task.deadline is None else float(self.task.deadline),
+            slot=self.slot,
         )
         claim = None
         for _ in range(3):
@@ -251,6 +253,8 @@ class Delivery:
         finally:
             heartbeat.unregister(attempt)
             current_attempt.reset(token)
+            if self.slot is not None:  # settled, stopped or superseded: its slot is free
+                concurrency.hand_over(self.task.app, self.slot, self.request.hostname)
 
     def give_back(self, claim: Claim) -> Any:
         """RETURN: the entry is settled; return its result or raise its failure, once the

@@ -27,7 +27,7 @@ from celery.exceptions import Retry
 from celery.utils import uuid
 from celery.utils.time import maybe_make_aware
 
-from celery_ledger import canvas, envelope, intents, signals, timing
+from celery_ledger import canvas, concurrency, envelope, intents, signals, timing
 from celery_ledger.attempt import Attempt, current_attempt
 from celery_ledger.codec import arguments_hash, check_depth, check_text
 from celery_ledger.delivery import Delivery, replacing
@@ -61,6 +61,10 @@ class LedgerTask(Task):
     #: re-running with a key the provider may have forgotten (design.md § "Durable time").
     #: None: no window.
     provider_key_ttl: float | None = None
+    #: At most ``concurrency_limit`` entries with one concurrency key run at once, fleet-wide
+    #: (docs/concurrency.md): argument names (keyed per task), or a callable returning the key.
+    concurrency_key: Sequence[str] | Callable[..., Any] | None = None
+    concurrency_limit: int | None = None
 
     # The ledger makes redelivery safe, so take the delivery guarantee that loses nothing:
     # ack after the body, and requeue when the pool process running it dies.
@@ -78,7 +82,7 @@ class LedgerTask(Task):
         super().on_bound(app)
         if cls.__dict__.get("run") is None and cls.run is Task.run:
             return  # the abstract base itself
-        for attr in ("key_from", "reconciler"):
+        for attr in ("key_from", "reconciler", "concurrency_key"):
             # Plain functions given as options would become methods of the task (and get
             # ``self``); keep them plain.
             if inspect.isfunction(cls.__dict__.get(attr)):
@@ -102,6 +106,9 @@ class LedgerTask(Task):
             )
         if cls.key_from is not None and not callable(cls.key_from):
             cls._check_argument_names("key_from", cls.key_from)
+        concurrency.check_options(cls.name, cls.concurrency_key, cls.concurrency_limit)
+        if cls.concurrency_key is not None and not callable(cls.concurrency_key):
+            cls._check_argument_names("concurrency_key", cls.concurrency_key)
         # A misspelled secret name would hide nothing, and show the secret in clear.
         secret_args = getattr(cls, "secret_args", None) or ()
         cls._check_argument_names(
@@ -359,9 +366,12 @@ class LedgerTask(Task):
             material = {"replacement": replacement, "of": material}
         return entry_key(self.name, material)
 
-    def _named_key_material(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-        """The key material of a ``key_from`` tuple: each named argument's value, found among
-        the parameters the call binds or in its ``**kwargs``.
+    def _named_key_material(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any], names: Sequence[str] | None = None
+    ) -> Any:
+        """The key material of a ``key_from`` tuple (or of ``names``: a ``concurrency_key``
+        tuple): each named argument's value, found among the parameters the call binds or in
+        its ``**kwargs``.
 
         A name the call does not give is an error, not ``None`` (guarantees.md § "Bad
         input"): with ``None``
@@ -381,9 +391,10 @@ class LedgerTask(Task):
                 extra = bound.get(p.name) or {}
         material: dict[str, Any] = {}
         missing: list[str] = []
-        names = self.key_from
-        assert names is not None and not callable(names)
-        for name in names:
+        option = "key_from" if names is None else "concurrency_key"
+        named = self.key_from if names is None else names
+        assert named is not None and not callable(named)
+        for name in named:
             param = params.get(name)
             if param is not None and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
                 if name in bound or param.default is not param.empty:
@@ -396,7 +407,7 @@ class LedgerTask(Task):
         if missing:
             given = sorted(set(kwargs)) or "none"
             raise MissingKeyArgument(
-                f"{self.name}: key_from names {', '.join(map(repr, missing))} but this call "
+                f"{self.name}: {option} names {', '.join(map(repr, missing))} but this call "
                 f"does not give {'it' if len(missing) == 1 else 'them'} (keyword arguments "
                 f"given: {given}, positional: {len(args)}); no business key can be made, "
                 "so nothing ran and nothing was recorded"

@@ -35,6 +35,7 @@ from celery_ledger.ledger import (
     is_sealed,
     open_snapshot,
 )
+from celery_ledger.ledger.slots import SlotKey
 from celery_ledger.redact import HIDDEN, Redaction, entry_redaction
 
 # -- words --------------------------------------------------------------------------------------
@@ -188,6 +189,13 @@ def next_action(entry: Entry, now: float, prefix: str) -> NextAction:
                 "sweep", f"retry overdue by {late}: the sweep re-sends it", f"{prefix} sweep"
             )
         return NextAction("wait", "Celery retry pending")
+    waited = slot_wait_seconds(entry, now)
+    if waited is not None:  # docs/concurrency.md: the ledger sends it when a slot is free
+        return NextAction(
+            "wait",
+            f"waiting {duration(waited)} for a slot of {entry.concurrency_key}: sent when one "
+            "is free",
+        )
     if entry.status.waits_for_time:  # design.md § "Durable time": held by the ledger until due
         left = None if entry.due_at is None else entry.due_at - now
         when = (
@@ -197,6 +205,25 @@ def next_action(entry: Entry, now: float, prefix: str) -> NextAction:
         )
         return NextAction("wait", when, f"{prefix} resume {key}")
     return NextAction("none", "-")
+
+
+def slot_wait_seconds(entry: Entry, now: float) -> float | None:
+    """How long ``entry`` has waited for a slot of its concurrency key (None: it does not)."""
+    if entry.status is not EntryStatus.SLEEPING or entry.waiting_since is None:
+        return None
+    return None if entry.slot_at is not None else max(now - entry.waiting_since, 0.0)
+
+
+def slot_key_view(found: SlotKey, now: float) -> dict[str, Any]:
+    """One concurrency key with waiters, as ``stats``, Flower and ``doctor`` show it."""
+    oldest = None if found.oldest_since is None else round(now - found.oldest_since, 3)
+    return {
+        "concurrency_key": found.key,
+        "limit": found.limit,
+        "holding": found.holding,
+        "waiting": found.waiting,
+        "oldest_wait_seconds": oldest,
+    }
 
 
 def entry_view(entry: Entry, now: float, nxt: NextAction) -> dict[str, Any]:
@@ -228,6 +255,8 @@ def entry_view(entry: Entry, now: float, nxt: NextAction) -> dict[str, Any]:
         "executions": entry.executions,
         "interruptions": entry.interruptions,
         "reason": entry.reason,
+        "concurrency_key": entry.concurrency_key,
+        "waiting_for_slot_seconds": slot_wait_seconds(entry, now),
         "has_snapshot": entry.snapshot is not None,
         "released": released,
         "marked_dead": (

@@ -28,6 +28,7 @@ from celery_ledger.cli.common import (
 )
 from celery_ledger.cli.doctor_budget import check_budget
 from celery_ledger.cli.doctor_pooler import check_pooler
+from celery_ledger.cli.doctor_slots import SLOT_WAIT_SECONDS, check_slot_waits
 from celery_ledger.ledger import (
     RESUME_OWNER,
     LedgerStore,
@@ -457,9 +458,18 @@ def _check_secrets(settings: Any, tasks: list[Any]) -> Check:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (see docs/operations.md).")
 @click.option("--strict", is_flag=True, help="Exit 1 on any WARN too (for CI and deploy gates).")
 @click.option("--fleet", help="Check the connection budget of WORKERSxCONCURRENCY[+BEATS].")
+@click.option(
+    "--slot-wait",
+    type=click.FloatRange(min=0),
+    default=SLOT_WAIT_SECONDS,
+    show_default=True,
+    help="Warn when a concurrency key has waiters older than this many seconds.",
+)
 @click.pass_context
 @guarded
-def doctor_cmd(ctx: click.Context, as_json: bool, strict: bool, fleet: str | None) -> None:
+def doctor_cmd(
+    ctx: click.Context, as_json: bool, strict: bool, fleet: str | None, slot_wait: float
+) -> None:
     """Read-only checks of the ledger and the app's settings; exit 1 on any FAIL (with
     --strict, on any WARN)."""
     from celery_ledger.runtime import settings_for
@@ -487,6 +497,7 @@ def doctor_cmd(ctx: click.Context, as_json: bool, strict: bool, fleet: str | Non
         _check_chords(app),
         _check_beat(app, settings, store),
         _check_backlog(settings, store),
+        Check(*check_slot_waits(store, slot_wait)),
         Check(*watchdog.doctor_check(settings)),
         _check_reconcilers(tasks),
         _check_secrets(settings, tasks),

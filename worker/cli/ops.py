@@ -44,7 +44,14 @@ from celery_ledger.ledger import (
     step_returned,
 )
 from celery_ledger.recovery import ResumeOutcome, resume_entry, run_sweep
-from celery_ledger.view import decode_stored, duration, entry_view, next_action, one_line
+from celery_ledger.view import (
+    decode_stored,
+    duration,
+    entry_view,
+    next_action,
+    one_line,
+    slot_key_view,
+)
 
 # -- list ---------------------------------------------------------------------------------
 
@@ -387,6 +394,7 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
     """Entries by status, blocked, oldest running, duplicate-execution rate (target 0.0)."""
     store = open_store(ctx)
     stats = store.stats()
+    slot_keys = [slot_key_view(k, store.now()) for k in store.slot_keys()]
     data = {
         "by_status": stats.by_status,
         "blocked": stats.by_status.get("blocked", 0),
@@ -406,6 +414,8 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
             {"task": t, "status": s, "count": n}
             for (t, s), n in sorted(stats.by_task_status.items())
         ],
+        # docs/concurrency.md: the concurrency keys with waiters, longest wait first.
+        "waiting_for_slots": slot_keys,
     }
     if as_json:
         emit_json(data)
@@ -437,6 +447,18 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
         ]
     )
     echo(ctx, formatter.getvalue().rstrip())
+    if slot_keys:
+        echo(ctx)
+        print_table(
+            ctx,
+            ["CONCURRENCY KEY", "LIMIT", "HOLDING", "WAITING", "OLDEST WAIT"],
+            [
+                [k["concurrency_key"], str(k["limit"]), str(k["holding"]), str(k["waiting"])]
+                + [duration(k["oldest_wait_seconds"])]
+                for k in slot_keys
+            ],
+            lambda _i, _v: None,
+        )
 
 
 COMMANDS = [list_cmd, show_cmd, release_cmd, resume_cmd, sweep_cmd, stats_cmd]

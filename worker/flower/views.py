@@ -24,6 +24,7 @@ from celery_ledger.view import (
     duration,
     entry_detail,
     next_action,
+    slot_key_view,
 )
 
 #: Longest JSON shown for one value (a result, an output); the rest is cut with a note.
@@ -129,6 +130,8 @@ def overview(page: LedgerPage, aggregates: Aggregates) -> dict[str, Any]:
         "preview": preview,
         "aggregates": aggregates,
         "settings": s,
+        # docs/concurrency.md: waiting per concurrency key, longest wait first.
+        "slot_keys": [slot_key_view(k, now) for k in store.slot_keys()],
     }
 
 
