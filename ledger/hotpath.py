@@ -17,6 +17,7 @@ from celery_ledger.ledger.claim_gates import ClaimGates
 from celery_ledger.ledger.core import Note
 from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.identity import is_declared
+from celery_ledger.ledger.rate_limits import hold_reason, take_token
 from celery_ledger.ledger.schema import entries, steps
 from celery_ledger.ledger.states import EntryStatus, Gate, StepStatus
 from celery_ledger.ledger.values import RESUME_OWNER, Claim, ClaimRequest, StepRecord
@@ -69,6 +70,8 @@ class HotPath(ClaimGates):
                 fence, deadline_passed = inserted
                 if deadline_passed:
                     return self._expire_new(req, fence)
+                if req.rate is not None:
+                    return self._token_for_new(req, fence)
                 return Claim(Gate.RUN, req.key, fence)
             with self._txn() as conn:
                 claim = self._claim_existing_txn(conn, req)
@@ -103,6 +106,22 @@ class HotPath(ClaimGates):
         error = expired_failure(why)
         self.settle(req.key, fence, EntryStatus.EXPIRED, error=error, actor=req.owner.node)
         return Claim(Gate.RETURN, req.key, fence, error=error)
+
+    def _token_for_new(self, req: ClaimRequest, fence: int) -> Claim:
+        """The rate limit on a new entry: take a token (one statement, autocommit), else hold
+        the entry (its insert counted an execution that never ran: taken back) until the
+        token is due, and answer HOLD. A second round trip, spent only by limited tasks:
+        the insert is the hot path's prepared statement, the bucket a row of its own."""
+        assert req.rate is not None
+        with self._one_statement() as conn:
+            token = take_token(conn, self.dialect, req.rate, queued=False)
+        if token.admitted:
+            return Claim(Gate.RUN, req.key, fence)
+        with self._txn() as conn:
+            self._hold_for_token(conn, req, fence, token, ran=1)
+        why = hold_reason(req.rate, token.due_at, token.now)
+        due_in = token.due_at - token.now
+        return Claim(Gate.HOLD, req.key, fence, reason=why, token_due_in=due_in)
 
     def record_intent(self, req: ClaimRequest) -> bool:
         """Record a task at publish time, before any worker has it (one statement, atomic).

@@ -24,6 +24,8 @@ LEDGER_TABLES = {
     "ledger_events",
     "ledger_outbox",
     "ledger_signals",
+    "ledger_rate_buckets",
+    "ledger_rate_holds",
 }
 
 #: The partial indexes on the hot predicates, and a fragment each WHERE clause must hold.
@@ -91,7 +93,7 @@ def partial_index_clauses(engine: Engine) -> dict[str, str]:
 
 
 def test_head_revision_matches_schema_module() -> None:
-    assert head_revision() == SCHEMA_REVISION == "0010_signals"
+    assert head_revision() == SCHEMA_REVISION == "0012_rate_limits"
 
 
 def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine) -> None:
@@ -108,6 +110,7 @@ def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine)
             "0008_renewed_at",
             "0009_outbox_errors",
             "0010_signals",
+            "0012_rate_limits",
         ]
         assert current_revision(conn) is None
     store = LedgerStore(ledger_url)
