@@ -113,8 +113,13 @@ class ClaimGates(StoreCore):
             return decided(Gate.RETURN, "returned", result=row.result, error=row.error)
         if found is EntryStatus.BLOCKED:
             return decided(Gate.BLOCK, "block-gate", reason=row.reason)
-        if found.waits_for_time and not _token_due(conn, req, row, found):
-            return decided(Gate.HOLD, "held", f"{found.value} until {row.due_at}")
+        if found.waits_for_time:
+            # Held for a token (``_token_gate``): once due, on to the run gate to take it;
+            # before, this copy of the delivery sends itself again for the due time.
+            token_wait = _token_wait(conn, req, row, found)
+            if token_wait is None or token_wait > 0:
+                detail = f"{found.value} until {row.due_at}"
+                return decided(Gate.HOLD, "held", detail, token_due_in=token_wait)
         if found is EntryStatus.RUNNING and row.owner != RESUME_OWNER:
             lease_live = row.remaining is not None and row.remaining > 0
             previous_boot = row.owner == req.owner.node and row.owner_boot != req.owner.boot
@@ -349,12 +354,14 @@ def _run_gate(row: Any, found: EntryStatus) -> tuple[Gate, int]:
     return Gate.TAKEOVER, interruptions
 
 
-def _token_due(conn: Connection, req: ClaimRequest, row: Any, found: EntryStatus) -> bool:
-    """Whether a ``scheduled`` entry is one a rate limit held whose token is due now: its
-    delivery goes on to the run gate (and takes its token) instead of HOLD."""
-    if req.rate is None or found is not EntryStatus.SCHEDULED:
-        return False
-    return row.due_at is not None and row.due_at <= row.now and is_held(conn, req.key)
+def _token_wait(conn: Connection, req: ClaimRequest, row: Any, found: EntryStatus) -> float | None:
+    """Seconds until the token of a ``scheduled`` entry a rate limit held is due (<= 0: due
+    now); None when the entry is not held for a token."""
+    if req.rate is None or found is not EntryStatus.SCHEDULED or row.due_at is None:
+        return None
+    if not is_held(conn, req.key):
+        return None
+    return float(row.due_at - row.now)
 
 
 def _conflicts(stored: str, req: ClaimRequest) -> bool:

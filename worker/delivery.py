@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, NoReturn, Protocol
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_ledger import canvas, envelope, otel, refusal, runtime, timing
+from celery_ledger import canvas, envelope, otel, ratelimit, refusal, runtime, timing
 from celery_ledger.ambiguity import RUN_BODY, Ambiguity
 from celery_ledger.attempt import Attempt, AttemptTask, current_attempt
 from celery_ledger.codec import decode, decode_failure, encode, encode_failure
@@ -205,6 +205,7 @@ class Delivery:
             # The admission gate: the claim refuses a delivery whose deadline passed.
             deadline_at=timing.delivery_deadline(req),
             deadline_after=None if self.task.deadline is None else float(self.task.deadline),
+            rate=ratelimit.token_ask(self.task, self.args, self.kwargs),
         )
         claim = None
         for _ in range(3):
@@ -275,7 +276,10 @@ class Delivery:
         redeliver(self.task, self.args, self.kwargs, countdown=countdown)
 
     def hold(self, claim: Claim) -> NoReturn:
-        """HOLD: the entry is scheduled or sleeping; the ledger sends it when due."""
+        """HOLD: the entry is scheduled or sleeping; the ledger sends it when due. Held for
+        a rate limit's token, this delivery sends itself again for then (``ratelimit``)."""
+        if claim.token_due_in is not None:
+            ratelimit.resend_when_due(self.task, self.args, self.kwargs, claim, self.settings)
         raise Ignore()
 
     def block(self, claim: Claim) -> NoReturn:

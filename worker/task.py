@@ -27,7 +27,7 @@ from celery.exceptions import Retry
 from celery.utils import uuid
 from celery.utils.time import maybe_make_aware
 
-from celery_ledger import canvas, envelope, intents, signals, timing
+from celery_ledger import canvas, envelope, intents, ratelimit, signals, timing
 from celery_ledger.attempt import Attempt, current_attempt
 from celery_ledger.codec import arguments_hash, check_depth, check_text
 from celery_ledger.delivery import Delivery, replacing
@@ -61,6 +61,9 @@ class LedgerTask(Task):
     #: re-running with a key the provider may have forgotten (design.md § "Durable time").
     #: None: no window.
     provider_key_ttl: float | None = None
+    #: Fleet-wide rate limit: ``"10/s"``, ``"5/m"``, ``"100/h"``, or ``"5/m per <argument>"``
+    #: (design.md § "Fleet-wide rate limits"). None: no limit.
+    ledger_rate_limit: str | None = None
 
     # The ledger makes redelivery safe, so take the delivery guarantee that loses nothing:
     # ack after the body, and requeue when the pool process running it dies.
@@ -95,6 +98,7 @@ class LedgerTask(Task):
                 envelope.relative_seconds(cls.deadline, "deadline")
             except ValueError as exc:
                 raise ValueError(f"task {cls.name}: {exc}") from None
+        ratelimit.check_option(cls)
         if isinstance(cls.key_from, str):
             raise TypeError(
                 f"task {cls.name}: key_from must be a tuple of argument names or a "
