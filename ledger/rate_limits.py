@@ -240,6 +240,9 @@ class RateLimitQueries(StoreCore):
     def held_for_tokens(self, *, limit: int = 100, bucket: str | None = None) -> list[HeldForToken]:
         """Entries held for a token now (``scheduled`` with a hold row), longest held first
         (read-only)."""
+        return self._held(None if bucket is None else rate_holds.c.bucket == bucket, limit=limit)
+
+    def _held(self, where: Any, *, limit: int) -> list[HeldForToken]:
         h = rate_holds.c
         query = (
             select(
@@ -257,10 +260,16 @@ class RateLimitQueries(StoreCore):
             .order_by(h.held_since)
             .limit(limit)
         )
-        if bucket is not None:
-            query = query.where(h.bucket == bucket)
+        if where is not None:
+            query = query.where(where)
         with self._read() as conn:
             return [HeldForToken(*r) for r in conn.execute(query).all()]
+
+    def token_holds(self, keys: list[str]) -> dict[str, HeldForToken]:
+        """The holds of those of ``keys`` held for a token now (read-only)."""
+        if not keys:
+            return {}
+        return {h.key: h for h in self._held(rate_holds.c.key.in_(keys), limit=len(keys))}
 
     def held_for_tokens_by_bucket(self) -> dict[str, tuple[int, float]]:
         """Per bucket: how many entries are held for a token, and since when the oldest

@@ -44,7 +44,14 @@ from celery_ledger.ledger import (
     step_returned,
 )
 from celery_ledger.recovery import ResumeOutcome, resume_entry, run_sweep
-from celery_ledger.view import decode_stored, duration, entry_view, next_action, one_line
+from celery_ledger.view import (
+    decode_stored,
+    duration,
+    entry_view,
+    next_action,
+    one_line,
+    token_hold_view,
+)
 
 # -- list ---------------------------------------------------------------------------------
 
@@ -86,7 +93,12 @@ def list_cmd(
     )
     now = store.now()
     prefix = command_prefix(ctx)
-    views = [entry_view(e, now, next_action(e, now, prefix)) for e in found]
+    holds = store.token_holds([e.key for e in found if e.status is EntryStatus.SCHEDULED])
+    views = []
+    for e in found:
+        view = entry_view(e, now, next_action(e, now, prefix, holds.get(e.key)))
+        view["held_for_token"] = token_hold_view(holds.get(e.key), now)
+        views.append(view)
     cipher = None
     for e, view in zip(found, views, strict=True):
         if is_sealed(e.snapshot) and cipher is None:
@@ -387,6 +399,7 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
     """Entries by status, blocked, oldest running, duplicate-execution rate (target 0.0)."""
     store = open_store(ctx)
     stats = store.stats()
+    holds, now = store.held_for_tokens_by_bucket(), store.now()
     data = {
         "by_status": stats.by_status,
         "blocked": stats.by_status.get("blocked", 0),
@@ -402,6 +415,11 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
         # The outbox: children not yet published, and of them those no publish can send.
         "outbox_pending": store.count_unpublished(),
         "outbox_failing": store.count_failing(),
+        # design.md § "Fleet-wide rate limits": entries held for a token, per bucket.
+        "held_for_token": {
+            bucket: {"entries": n, "oldest_held_seconds": round(now - since, 3)}
+            for bucket, (n, since) in sorted(holds.items())
+        },
         "by_task": [
             {"task": t, "status": s, "count": n}
             for (t, s), n in sorted(stats.by_task_status.items())
@@ -434,6 +452,10 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
                 f"{data['outbox_pending']} pending, {data['outbox_failing']} failing "
                 "(celery-ledger outbox drop|repair)",
             ),
+        ]
+        + [
+            (f"held: {bucket}", f"{n} for a token (oldest {duration(now - since)})")
+            for bucket, (n, since) in sorted(holds.items())
         ]
     )
     echo(ctx, formatter.getvalue().rstrip())

@@ -24,6 +24,7 @@ from celery_ledger.view import (
     duration,
     entry_detail,
     next_action,
+    token_hold_hint,
 )
 
 #: Longest JSON shown for one value (a result, an output); the rest is cut with a note.
@@ -129,6 +130,10 @@ def overview(page: LedgerPage, aggregates: Aggregates) -> dict[str, Any]:
         "preview": preview,
         "aggregates": aggregates,
         "settings": s,
+        # design.md § "Fleet-wide rate limits": what waits for a token, per bucket, and the
+        # longest held, each with why (``token_hold_hint``) and since when.
+        "token_buckets": store.held_for_tokens_by_bucket(),
+        "token_holds": [(h, token_hold_hint(h, now)) for h in store.held_for_tokens(limit=10)],
     }
 
 
