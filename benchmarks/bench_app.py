@@ -145,6 +145,8 @@ def make_app(
     options: dict[str, Any] = {}
     if mode == "ledger":
         options["side_effect"] = os.environ.get(ENV_SIDE_EFFECT, "non_idempotent")
+        if os.environ.get(ENV_RATE_LIMIT):  # benchmarks/rate_limits.py
+            options["ledger_rate_limit"] = os.environ[ENV_RATE_LIMIT]
 
     @app.task(
         base=base,
@@ -162,6 +164,7 @@ def make_app(
 
 ENV_BODY_MS = "BENCH_BODY_MS"
 ENV_SIDE_EFFECT = "BENCH_SIDE_EFFECT"
+ENV_RATE_LIMIT = "BENCH_RATE_LIMIT"
 ENV_FLOOR_ASYNC = "BENCH_FLOOR_SETTLE_ASYNC"
 ENV_FLOOR_AUDIT = "BENCH_FLOOR_AUDIT"
 ENV_FLOOR_SQL = "BENCH_FLOOR_SQL"

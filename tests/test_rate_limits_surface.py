@@ -10,12 +10,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from test_ledger_page import PageCase
 from test_signals_cli import cli  # noqa: F401 - the fixture
 from test_store_contract import request
 from test_time_cli import url_of
 
+from celery_ledger import LedgerTask, create_app
 from celery_ledger.ledger import Gate, LedgerStore, TokenAsk, entry_key
+from celery_ledger.ratelimit import token_ask
 
 #: One token a minute: the second claim is held for about a minute.
 SLOW = TokenAsk("shop.charge", 60.0, "1/m")
@@ -67,3 +70,45 @@ class TestHeldOnTheLedgerPage(PageCase):
         assert key[:16] in html and "held for a token: rate limit 1/m (shop.charge)" in html
         entry = self.page(f"/ledger/entry/{key}")
         assert "held for a token" in entry
+
+
+# -- the task option ------------------------------------------------------------------------------
+
+
+def test_the_option_names_one_bucket_per_task_or_per_argument_value(tmp_path: Path) -> None:
+    app = create_app("rate-option", data_dir=tmp_path)
+
+    @app.task(shared=False, base=LedgerTask, name="shop.notify", ledger_rate_limit="5/m per cid")
+    def notify(cid: Any, text: str = "") -> None:
+        return None
+
+    @app.task(shared=False, base=LedgerTask, name="shop.call", ledger_rate_limit="10/s")
+    def call(n: int) -> None:
+        return None
+
+    @app.task(shared=False, base=LedgerTask, name="shop.free")
+    def free(n: int) -> None:
+        return None
+
+    per = app.tasks["shop.notify"]
+    assert token_ask(per, (42,), {}) == TokenAsk("shop.notify cid=42", 12.0, "5/m")
+    assert token_ask(per, (), {"cid": "a", "text": "x"}).bucket == 'shop.notify cid="a"'
+    long = token_ask(per, ("x" * 400,), {})
+    assert long is not None and len(long.bucket) <= 255 and "sha256:" in long.bucket
+    assert token_ask(app.tasks["shop.call"], (1,), {}) == TokenAsk("shop.call", 0.1, "10/s")
+    assert token_ask(app.tasks["shop.free"], (1,), {}) is None
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"), [("10/d", "is not of the form"), ("5/m per nope", "nope")]
+)
+def test_a_bad_option_is_refused_at_registration(tmp_path: Path, bad: str, says: str) -> None:
+    app = create_app("rate-bad", data_dir=tmp_path)
+    with pytest.raises(ValueError) as err:
+
+        @app.task(shared=False, base=LedgerTask, name="bad.rate", ledger_rate_limit=bad)
+        def late(cid: int) -> None:
+            return None
+
+        app.tasks["bad.rate"]  # registration binds it
+    assert "bad.rate" in str(err.value) and says in str(err.value), str(err.value)
