@@ -7,6 +7,7 @@ the slower ``SELECT … FOR UPDATE`` transaction (``claim_gates``, the base of `
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from sqlalchemy import delete, select, update
@@ -17,7 +18,12 @@ from celery_ledger.ledger.claim_gates import ClaimGates
 from celery_ledger.ledger.core import Note
 from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.identity import is_declared
-from celery_ledger.ledger.rate_limits import hold_reason, take_token
+from celery_ledger.ledger.rate_limits import (
+    hold_reason,
+    read_token,
+    take_token_statement,
+    token_params,
+)
 from celery_ledger.ledger.schema import entries, steps
 from celery_ledger.ledger.states import EntryStatus, Gate, StepStatus
 from celery_ledger.ledger.values import RESUME_OWNER, Claim, ClaimRequest, StepRecord
@@ -108,13 +114,16 @@ class HotPath(ClaimGates):
         return Claim(Gate.RETURN, req.key, fence, error=error)
 
     def _token_for_new(self, req: ClaimRequest, fence: int) -> Claim:
-        """The rate limit on a new entry: take a token (one statement, autocommit), else hold
-        the entry (its insert counted an execution that never ran: taken back) until the
-        token is due, and answer HOLD. A second round trip, spent only by limited tasks:
-        the insert is the hot path's prepared statement, the bucket a row of its own."""
+        """The rate limit on a new entry: take a token (one statement on the hot path's raw
+        cursor, as durable as the claim's insert), else hold the entry (its insert counted an
+        execution that never ran: taken back) until the token is due, and answer HOLD. A
+        second round trip, spent only by limited tasks: the bucket is a row of its own."""
         assert req.rate is not None
-        with self._one_statement() as conn:
-            token = take_token(conn, self.dialect, req.rate, queued=False)
+        stmt = self.fast.compiled("token", partial(take_token_statement, self.dialect))
+        params = token_params(req.rate, queued=False)
+        with self.fast.cursor(lazy=self._lazy(req.side_effect in _CLAIM_IS_INTENT)) as cur:
+            cur.execute(stmt.sql, stmt.params(params))
+            token = read_token(cur.fetchone(), params, req.rate)
         if token.admitted:
             return Claim(Gate.RUN, req.key, fence)
         with self._txn() as conn:

@@ -131,6 +131,26 @@ def take_token_statement(dialect: Dialect) -> Any:
     )
 
 
+def token_params(ask: TokenAsk, *, queued: bool) -> dict[str, Any]:
+    """The bind parameters of ``take_token_statement`` for one claim (a fresh ``claimant``)."""
+    return {
+        "bucket": ask.bucket,
+        "interval": ask.interval,
+        "claimant": uuid.uuid4().hex,
+        "queued": 1 if queued else 0,
+    }
+
+
+def read_token(row: Any, params: dict[str, Any], ask: TokenAsk) -> Token:
+    """The ``Token`` a row returned by ``take_token_statement`` (tat, queue_end, admitted,
+    now) means for the claim that sent ``params``."""
+    tat, queue_end, admitted, now = row[0], row[1], row[2], row[3]
+    if admitted == params["claimant"]:
+        return Token(True, now, now)
+    due = tat if params["queued"] else queue_end - ask.interval
+    return Token(False, max(due, now), now)
+
+
 def take_token(conn: Connection, dialect: Dialect, ask: TokenAsk, *, queued: bool) -> Token:
     """Atomically take a token of ``ask.bucket`` if one is due, else reserve the delivery's
     wait (one statement, in the caller's transaction; the bucket's row is created on first
@@ -142,20 +162,9 @@ def take_token(conn: Connection, dialect: Dialect, ask: TokenAsk, *, queued: boo
     race: two claims that race for one token are ordered by the row lock, and the second is
     told when its own is due.
     """
-    claimant = uuid.uuid4().hex
-    row = conn.execute(
-        take_token_statement(dialect),
-        {
-            "bucket": ask.bucket,
-            "interval": ask.interval,
-            "claimant": claimant,
-            "queued": 1 if queued else 0,
-        },
-    ).one()
-    if row.admitted == claimant:
-        return Token(True, row.now, row.now)
-    due = row.tat if queued else row.queue_end - ask.interval
-    return Token(False, max(due, row.now), row.now)
+    params = token_params(ask, queued=queued)
+    row = conn.execute(take_token_statement(dialect), params).one()
+    return read_token(row, params, ask)
 
 
 def is_held(conn: Connection, key: str) -> bool:
