@@ -9,12 +9,15 @@ what the provider saw, not what the ledger admitted.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import create_engine, text
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.pool import NullPool
 
 from celery_ledger import LedgerTask
-from tests_app import app, effects_engine
+from tests_app import app
 
 #: Worker option that imports this module.
 RATE_TASKS = ["-I", "rate_app"]
@@ -37,17 +40,40 @@ def provider_calls(url_engine: Any, tag: str) -> list[tuple[int, float]]:
     return [(int(n), float(at)) for n, at in rows]
 
 
-def _call(tag: str, n: int) -> int:
-    with effects_engine().begin() as conn:
-        conn.execute(text(_TABLE))
-        conn.execute(
-            text(
-                "INSERT INTO rate_provider (tag, n, pid, at) VALUES "
-                "(:t, :n, :p, EXTRACT(EPOCH FROM clock_timestamp()))"
-            ),
-            {"t": tag, "n": n, "p": os.getpid()},
+def _engine() -> Any:
+    """This process's engine on the provider's table: no pool, so that twenty pool processes
+    keep no idle connection each on a PostgreSQL server shared with other tests."""
+    pid = os.getpid()
+    if pid not in _engines:
+        _engines[pid] = create_engine(
+            os.environ["TEST_EFFECTS_URL"].replace("postgresql://", "postgresql+psycopg://", 1),
+            poolclass=NullPool,
         )
-    return n
+    return _engines[pid]
+
+
+_engines: dict[int, Any] = {}
+
+
+def _call(tag: str, n: int) -> int:
+    """Record the call; a server out of connections (shared by the other tests) is waited
+    for, at most 40 times 0.25 s, and the call is stamped when it gets through."""
+    for attempt in range(40):
+        try:
+            with _engine().begin() as conn:  # the test created the table
+                conn.execute(
+                    text(
+                        "INSERT INTO rate_provider (tag, n, pid, at) VALUES "
+                        "(:t, :n, :p, EXTRACT(EPOCH FROM clock_timestamp()))"
+                    ),
+                    {"t": tag, "n": n, "p": os.getpid()},
+                )
+            return n
+        except OperationalError:
+            if attempt == 39:
+                raise
+            time.sleep(0.25)
+    raise AssertionError("unreachable")
 
 
 @app.task(
