@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 from rate_app import RATE_TASKS, provider_calls
+from sqlalchemy import text
 from test_time import time_env
 
 from celery_ledger.ledger.engine import make_engine
@@ -61,8 +62,14 @@ def test_the_limit_holds_across_four_workers_and_a_worker_kill(tmp_path, redis, 
             procs.worker("w-after", concurrency=4, extra=RATE_TASKS)
             values = [r.get(timeout=SECONDS * 4 + 120) for r in results]
         calls = provider_calls(engine, tag)
+        with engine.begin() as conn:
+            # The limit held deliveries back (acked, sent again for their token), not workers.
+            held = conn.execute(
+                text("SELECT count(*) FROM ledger_events WHERE event = 'held'")
+            ).scalar_one()
     finally:
         engine.dispose()
+    assert held > 0
     assert sorted(values) == list(range(total))
     assert {n for n, _ in calls} == set(range(total))
     times = [at for _, at in calls]
