@@ -151,6 +151,8 @@ def make_app(
             # (``ENV_CONCURRENCY_LIMIT``) the benchmark never reaches (benchmarks/concurrency.py).
             options["concurrency_key"] = lambda i: f"bench:{i % keys}"
             options["concurrency_limit"] = int(os.environ.get(ENV_CONCURRENCY_LIMIT, "1000"))
+        if os.environ.get(ENV_RATE_LIMIT):  # benchmarks/rate_limits.py
+            options["ledger_rate_limit"] = os.environ[ENV_RATE_LIMIT]
 
     @app.task(
         base=base,
@@ -168,6 +170,7 @@ def make_app(
 
 ENV_BODY_MS = "BENCH_BODY_MS"
 ENV_SIDE_EFFECT = "BENCH_SIDE_EFFECT"
+ENV_RATE_LIMIT = "BENCH_RATE_LIMIT"
 ENV_FLOOR_ASYNC = "BENCH_FLOOR_SETTLE_ASYNC"
 ENV_FLOOR_AUDIT = "BENCH_FLOOR_AUDIT"
 ENV_FLOOR_SQL = "BENCH_FLOOR_SQL"

@@ -60,6 +60,12 @@ from celery_ledger.ledger.outbox import (
     OutboxQueries,
     child_task_id,
 )
+from celery_ledger.ledger.rate_limits import (
+    HeldForToken,
+    RateLimit,
+    RateLimitQueries,
+    parse_rate_limit,
+)
 from celery_ledger.ledger.sealing import SnapshotCipher, cipher_from, is_sealed, open_snapshot
 from celery_ledger.ledger.states import (
     EntryStatus,
@@ -91,6 +97,7 @@ from celery_ledger.ledger.values import (
     Resuming,
     SlotAsk,
     StepRecord,
+    TokenAsk,
     step_returned,
 )
 
@@ -134,6 +141,12 @@ __all__ = [
     "RESUME_OWNER",
     "NO_ARGS_HASH",
     "BODY_STEP",
+    # Rate limits
+    "RateLimit",
+    "RateLimitQueries",
+    "HeldForToken",
+    "TokenAsk",
+    "parse_rate_limit",
     # Encryption at rest
     "SnapshotCipher",
     "cipher_from",

@@ -11,7 +11,9 @@ decides, in this order, what the entry means for the delivery that asks:
    entry instead (``_refuse_in_claim``);
 4. the crash-loop rule (``crashloop``): a takeover past ``max_interruptions`` parks it
    (``_block_in_claim``);
-5. the claim's own write (``sql.claim_takeover``): the fence grows by one.
+5. the rate limit (``rate_limits``), for a task that has one: the claim takes a token, or the
+   entry is held ``scheduled`` until its token is due (``_token_gate``, HOLD);
+6. the claim's own write (``sql.claim_takeover``): the fence grows by one.
 
 Every transition is fenced by the row lock, and every gate appends its event.
 """
@@ -28,6 +30,15 @@ from celery_ledger.ledger.core import Note, StoreCore
 from celery_ledger.ledger.crashloop import crash_loop_reason
 from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.death import last_sign_of_life
+from celery_ledger.ledger.rate_limits import (
+    Token,
+    end_hold,
+    hold_reason,
+    hold_statement,
+    is_held,
+    record_hold,
+    take_token,
+)
 from celery_ledger.ledger.schema import entries, steps
 from celery_ledger.ledger.states import EntryStatus, Gate, StepStatus
 from celery_ledger.ledger.values import (
@@ -80,6 +91,10 @@ class ClaimGates(StoreCore):
             if reason is not None:
                 self._block_in_claim(conn, req, fence, interruptions, reason)
                 return Claim(Gate.BLOCK, req.key, fence, found=found, reason=reason)
+        if req.rate is not None:
+            held = self._token_gate(conn, req, row, gate)
+            if held is not None:
+                return held
         return self._take_in_claim(conn, req, row, gate, fence, interruptions, deadline)
 
     def _standing_gate(
@@ -103,13 +118,63 @@ class ClaimGates(StoreCore):
         if found is EntryStatus.BLOCKED:
             return decided(Gate.BLOCK, "block-gate", reason=row.reason)
         if found.waits_for_time:
-            return decided(Gate.HOLD, "held", f"{found.value} until {row.due_at}")
+            # Held for a token (``_token_gate``): once due, on to the run gate to take it;
+            # before, this copy of the delivery sends itself again for the due time.
+            token_wait = _token_wait(conn, req, row, found)
+            if token_wait is None or token_wait > 0:
+                detail = f"{found.value} until {row.due_at}"
+                return decided(Gate.HOLD, "held", detail, token_due_in=token_wait)
         if found is EntryStatus.RUNNING and row.owner != RESUME_OWNER:
             lease_live = row.remaining is not None and row.remaining > 0
             previous_boot = row.owner == req.owner.node and row.owner_boot != req.owner.boot
             if lease_live and not previous_boot:
                 return decided(Gate.WAIT, "waited", lease_remaining=float(row.remaining))
         return None
+
+    def _token_gate(
+        self, conn: Connection, req: ClaimRequest, row: Any, gate: Gate
+    ) -> Claim | None:
+        """The rate limit's gate, under the claim's row lock: take a token of the task's
+        bucket (None: admitted), or hold the entry until its token is due and answer HOLD.
+
+        A takeover is not held: the attempt it replaces may have died in the body, and only
+        a takeover decides what that body left ambiguous. Its entry stays as it is (its lease
+        lapsed or lapses), and the delivery is sent again for its token's due time.
+        """
+        assert req.rate is not None
+        queued = is_held(conn, req.key)
+        token = take_token(conn, self.dialect, req.rate, queued=queued)
+        if token.admitted:
+            if queued:
+                end_hold(conn, req.key)
+            return None
+        found = EntryStatus(row.status)
+        why = hold_reason(req.rate, token.due_at, token.now)
+        if gate is not Gate.TAKEOVER:
+            self._hold_for_token(conn, req, row.fence, token, ran=0)
+        return Claim(
+            Gate.HOLD,
+            req.key,
+            row.fence,
+            found=found,
+            reason=why,
+            token_due_in=token.due_at - token.now,
+        )
+
+    def _hold_for_token(
+        self, conn: Connection, req: ClaimRequest, fence: int, token: Token, *, ran: int
+    ) -> bool:
+        """Hold the entry at ``fence`` ``scheduled`` until ``token.due_at``, with its reason
+        and its hold row (in the caller's transaction; fenced, atomic with its ``held``
+        event). Returns False when the fence moved (nothing written)."""
+        assert req.rate is not None
+        why = hold_reason(req.rate, token.due_at, token.now)
+        params = {"k": req.key, "f": fence, "due": token.due_at, "why": why}
+        note = Note("held", req.owner.node, why)
+        rows = self._write_with_event(conn, hold_statement(self.dialect, ran=ran), params, note)
+        if rows:
+            record_hold(conn, self.dialect, req.key, req.rate, token.due_at)
+        return bool(rows)
 
     def _take_in_claim(
         self,
@@ -293,6 +358,16 @@ def _run_gate(row: Any, found: EntryStatus) -> tuple[Gate, int]:
         # decides a possibly ambiguous body as before.
         return Gate.RUN, interruptions
     return Gate.TAKEOVER, interruptions
+
+
+def _token_wait(conn: Connection, req: ClaimRequest, row: Any, found: EntryStatus) -> float | None:
+    """Seconds until the token of a ``scheduled`` entry a rate limit held is due (<= 0: due
+    now); None when the entry is not held for a token."""
+    if req.rate is None or found is not EntryStatus.SCHEDULED or row.due_at is None:
+        return None
+    if not is_held(conn, req.key):
+        return None
+    return float(row.due_at - row.now)
 
 
 def _conflicts(stored: str, req: ClaimRequest) -> bool:

@@ -7,6 +7,7 @@ the slower ``SELECT … FOR UPDATE`` transaction (``claim_gates``, the base of `
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from sqlalchemy import delete, select, update
@@ -17,6 +18,12 @@ from celery_ledger.ledger.claim_gates import CLAIM_IS_INTENT
 from celery_ledger.ledger.core import Note
 from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.identity import is_declared
+from celery_ledger.ledger.rate_limits import (
+    hold_reason,
+    read_token,
+    take_token_statement,
+    token_params,
+)
 from celery_ledger.ledger.schema import entries, steps
 from celery_ledger.ledger.slots import SlotGates
 from celery_ledger.ledger.states import EntryStatus, Gate, StepStatus
@@ -73,6 +80,8 @@ class HotPath(SlotGates):
                 fence, deadline_passed = inserted
                 if deadline_passed:
                     return self._expire_new(req, fence)
+                if req.rate is not None:
+                    return self._token_for_new(req, fence)
                 return Claim(Gate.RUN, req.key, fence)
             with self._txn() as conn:
                 claim = self._claim_existing_txn(conn, req)
@@ -107,6 +116,25 @@ class HotPath(SlotGates):
         error = expired_failure(why)
         self.settle(req.key, fence, EntryStatus.EXPIRED, error=error, actor=req.owner.node)
         return Claim(Gate.RETURN, req.key, fence, error=error)
+
+    def _token_for_new(self, req: ClaimRequest, fence: int) -> Claim:
+        """The rate limit on a new entry: take a token (one statement on the hot path's raw
+        cursor, as durable as the claim's insert), else hold the entry (its insert counted an
+        execution that never ran: taken back) until the token is due, and answer HOLD. A
+        second round trip, spent only by limited tasks: the bucket is a row of its own."""
+        assert req.rate is not None
+        stmt = self.fast.compiled("token", partial(take_token_statement, self.dialect))
+        params = token_params(req.rate, queued=False)
+        with self.fast.cursor(lazy=self._lazy(req.side_effect in CLAIM_IS_INTENT)) as cur:
+            cur.execute(stmt.sql, stmt.params(params))
+            token = read_token(cur.fetchone(), params, req.rate)
+        if token.admitted:
+            return Claim(Gate.RUN, req.key, fence)
+        with self._txn() as conn:
+            self._hold_for_token(conn, req, fence, token, ran=1)
+        why = hold_reason(req.rate, token.due_at, token.now)
+        due_in = token.due_at - token.now
+        return Claim(Gate.HOLD, req.key, fence, reason=why, token_due_in=due_in)
 
     def record_intent(self, req: ClaimRequest) -> bool:
         """Record a task at publish time, before any worker has it (one statement, atomic).

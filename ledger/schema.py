@@ -23,7 +23,7 @@ from sqlalchemy import (
 metadata = MetaData()
 
 #: Bumped with every Alembic revision; the migration head must equal it.
-SCHEMA_REVISION = "0011_concurrency"
+SCHEMA_REVISION = "0012_rate_limits"
 
 KEY = String(64)
 
@@ -325,3 +325,31 @@ concurrency_keys = Table(
     Column("slot_limit", Integer, nullable=False),
     Column("updated_at", Float, nullable=False),
 )
+
+# Fleet-wide rate limits (0012_rate_limits; design.md § "Fleet-wide rate limits"): one token
+# bucket per limited task (or per task and argument value, ``"5/m per customer_id"``), kept as
+# a theoretical arrival time (GCRA): ``tat`` is when the next token is due, ``queue_end`` when
+# the slot after the last held delivery is. ``admitted`` names the last claim that took a
+# token (how a claim reads, in the same statement, whether it was the one).
+rate_buckets = Table(
+    "ledger_rate_buckets",
+    metadata,
+    Column("name", String(255), primary_key=True),
+    Column("tat", Float, nullable=False),
+    Column("queue_end", Float, nullable=False),
+    Column("admitted", String(255)),
+)
+
+# The entries held for a token (a ``scheduled`` entry with a row here): which bucket, since
+# when (the first hold; a re-hold keeps it), until when, and how often it was held.
+rate_holds = Table(
+    "ledger_rate_holds",
+    metadata,
+    Column("key", KEY, primary_key=True),
+    Column("bucket", String(255), nullable=False),
+    Column("rate", String(64), nullable=False),
+    Column("held_since", Float, nullable=False),
+    Column("due_at", Float, nullable=False),
+    Column("holds", Integer, nullable=False, server_default=text("1")),
+)
+Index("ix_ledger_rate_holds_bucket", rate_holds.c.bucket, rate_holds.c.held_since)

@@ -20,6 +20,7 @@ from celery_ledger.ledger.hotpath import HotPath
 from celery_ledger.ledger.links import LinkQueries
 from celery_ledger.ledger.operator import OperatorQueries
 from celery_ledger.ledger.outbox import OutboxQueries
+from celery_ledger.ledger.rate_limits import RateLimitQueries
 from celery_ledger.ledger.schedule import ScheduleQueries
 from celery_ledger.ledger.signals import SignalQueries
 from celery_ledger.ledger.sweeps import SweepQueries
@@ -37,6 +38,7 @@ class LedgerStore(
     OutboxQueries,
     LinkQueries,
     SignalQueries,
+    RateLimitQueries,
 ):
     """The ledger store: hot path, sweeps and operator queries over one engine per process.
 
@@ -63,8 +65,10 @@ class LedgerStore(
         │   (outbox.py)              mark_published, children_of, parent_of
         ├── LinkQueries (links.py)   a settle that records the next chain link and the
         │                            callbacks as outbox children; group members
-        └── SignalQueries            send_signal, take_signal: durable signals
-            (signals.py)             (design.md § "Durable signals")
+        ├── SignalQueries            send_signal, take_signal: durable signals
+        │   (signals.py)             (design.md § "Durable signals")
+        └── RateLimitQueries         held_for_tokens: the entries a rate limit holds (the
+            (rate_limits.py)         claim takes tokens with its helpers)
 
     Each query group is a mixin over ``StoreCore`` alone: none calls another group, and none
     tests which database it runs on (``StoreCore.dialect`` and ``statements`` hold the

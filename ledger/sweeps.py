@@ -34,7 +34,7 @@ from celery_ledger.ledger.core import Note, StoreCore
 from celery_ledger.ledger.crashloop import CrashLoop, crash_loop_reason
 from celery_ledger.ledger.dbclock import db_now, db_now_stable
 from celery_ledger.ledger.schedule import tombstone_values
-from celery_ledger.ledger.schema import entries, events, signals, steps
+from celery_ledger.ledger.schema import entries, events, rate_holds, signals, steps
 from celery_ledger.ledger.states import EntryStatus, StepStatus
 from celery_ledger.ledger.values import RESUME_OWNER, Interrupted, Overdue, Resuming
 
@@ -504,6 +504,8 @@ class SweepQueries(StoreCore):
             conn.execute(delete(events).where(events.c.key.in_(keys)))
             # A settled entry has no wait left to take a signal (design.md § "Durable signals").
             conn.execute(delete(signals).where(signals.c.key.in_(keys)))
+            # Settled while held for a token (cancelled, expired): that hold is over.
+            conn.execute(delete(rate_holds).where(rate_holds.c.key.in_(keys)))
             picked_rows = entries.c.key.in_(keys) & entries.c.settled_at.is_not(None)
             if tombstone is None:
                 conn.execute(delete(entries).where(picked_rows))

@@ -78,6 +78,16 @@ class SlotAsk:
 
 
 @dataclass(frozen=True)
+class TokenAsk:
+    """What a claim of a rate-limited task asks of its bucket (``rate_limits``): the bucket's
+    name, the seconds between two tokens, the limit as written (``"5/s"``)."""
+
+    bucket: str
+    interval: float
+    rate: str
+
+
+@dataclass(frozen=True)
 class ClaimRequest:
     """Everything ``LedgerStore.claim`` needs to decide a gate."""
 
@@ -107,6 +117,9 @@ class ClaimRequest:
     deadline_after: float | None = None
     #: The task's concurrency key and limit (docs/concurrency.md); None: it has none.
     slot: SlotAsk | None = None
+    #: The task's ``ledger_rate_limit``: a claim that would run takes a token of this bucket,
+    #: or is held until its token is due (gate HOLD with ``Claim.token_due_in``).
+    rate: TokenAsk | None = None
 
     def insert_params(
         self, owner: str, boot: str | None, pid: int | None, *, executions: int
@@ -199,6 +212,9 @@ class Claim:
     reason: str | None = None
     #: For WAIT: seconds left on the other attempt's lease.
     lease_remaining: float | None = None
+    #: For HOLD over a rate limit: seconds until the token is due (database clock); the
+    #: delivery sends itself again for then.
+    token_due_in: float | None = None
     #: For TAKEOVER and re-runs of ``retrying``: every replay row, loaded in the claim.
     steps: tuple[StepRecord, ...] = ()
     #: How many attempts ran the body before this one.

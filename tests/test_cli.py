@@ -652,13 +652,13 @@ def test_a_url_that_does_not_connect_is_one_line(cli: Any, tmp_path: Path) -> No
 
 def test_migrate_plan_changes_nothing_then_migrate_applies(cli: Any, pg_url: str) -> None:
     plan = json.loads(cli("--url", pg_url, "migrate", "--plan", "--json").stdout)
-    assert plan["current"] is None and plan["pending"][-1] == plan["head"] == "0011_concurrency"
+    assert plan["current"] is None and plan["pending"][-1] == plan["head"] == "0012_rate_limits"
     said = cli("--url", pg_url, "migrate", "--plan").stdout
     assert "no ledger schema yet" in said
     assert (
-        "11 pending: 0001, 0002, 0003_operators, 0004_time, 0005_outbox, 0006_canvas, "
+        "12 pending: 0001, 0002, 0003_operators, 0004_time, 0005_outbox, 0006_canvas, "
         "0007_events_index, 0008_renewed_at, 0009_outbox_errors, 0010_signals, "
-        "0011_concurrency" in said
+        "0011_concurrency, 0012_rate_limits" in said
     )
     engine = make_engine(pg_url)
     with engine.connect() as conn:

@@ -25,6 +25,8 @@ LEDGER_TABLES = {
     "ledger_outbox",
     "ledger_signals",
     "ledger_concurrency_keys",
+    "ledger_rate_buckets",
+    "ledger_rate_holds",
 }
 
 #: The partial indexes on the hot predicates, and a fragment each WHERE clause must hold.
@@ -94,7 +96,7 @@ def partial_index_clauses(engine: Engine) -> dict[str, str]:
 
 
 def test_head_revision_matches_schema_module() -> None:
-    assert head_revision() == SCHEMA_REVISION == "0011_concurrency"
+    assert head_revision() == SCHEMA_REVISION == "0012_rate_limits"
 
 
 def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine) -> None:
@@ -112,6 +114,7 @@ def test_fresh_database_gets_schema_at_head(ledger_url: str, raw_engine: Engine)
             "0009_outbox_errors",
             "0010_signals",
             "0011_concurrency",
+            "0012_rate_limits",
         ]
         assert current_revision(conn) is None
     store = LedgerStore(ledger_url)

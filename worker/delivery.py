@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, NoReturn, Protocol
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_ledger import canvas, concurrency, envelope, otel, refusal, runtime, timing
+from celery_ledger import canvas, concurrency, envelope, otel, ratelimit, refusal, runtime, timing
 from celery_ledger.ambiguity import RUN_BODY, Ambiguity
 from celery_ledger.attempt import Attempt, AttemptTask, current_attempt
 from celery_ledger.codec import decode, decode_failure, encode, encode_failure
@@ -142,8 +142,7 @@ class Delivery:
         self.request = task.request
         self.args = args
         self.kwargs = kwargs
-        # The app's runtime, looked up once for the whole delivery.
-        parts = runtime.runtime_of(task.app)
+        parts = runtime.runtime_of(task.app)  # looked up once for the whole delivery
         self.settings = parts.settings
         self.store = parts.store
         self.events = parts.events_enabled()
@@ -207,6 +206,7 @@ class Delivery:
             deadline_at=timing.delivery_deadline(req),
             deadline_after=None if self.task.deadline is None else float(self.task.deadline),
             slot=self.slot,
+            rate=ratelimit.token_ask(self.task, self.args, self.kwargs),
         )
         claim = None
         for _ in range(3):
@@ -279,8 +279,9 @@ class Delivery:
         redeliver(self.task, self.args, self.kwargs, countdown=countdown)
 
     def hold(self, claim: Claim) -> NoReturn:
-        """HOLD: the entry is scheduled or sleeping; the ledger sends it when due."""
-        raise Ignore()
+        """HOLD: the entry is scheduled or sleeping; the ledger sends it when due. Held for
+        a rate limit's token, this delivery sends itself again for then (``ratelimit``)."""
+        ratelimit.resend_when_due(self.task, self.args, self.kwargs, claim, self.settings)
 
     def block(self, claim: Claim) -> NoReturn:
         """BLOCK: the entry is parked for an operator; nothing runs."""

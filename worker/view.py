@@ -26,6 +26,7 @@ from celery_ledger.ledger import (
     Entry,
     EntryStatus,
     EventRecord,
+    HeldForToken,
     LedgerStore,
     Member,
     OutboxMessage,
@@ -141,9 +142,40 @@ class NextAction:
     command: str | None = None
 
 
-def next_action(entry: Entry, now: float, prefix: str) -> NextAction:
-    """The one thing that moves this entry on, and the command that does it."""
+def token_hold_hint(hold: HeldForToken, now: float) -> str:
+    """Why and since when an entry is held for a rate limit's token (design.md §
+    "Fleet-wide rate limits")."""
+    left = hold.due_at - now
+    due = "due now" if left <= 0 else f"due in {duration(left)}"
+    return (
+        f"held for a token: rate limit {hold.rate} ({hold.bucket}) since "
+        f"{duration(now - hold.held_since)} ago, {due}"
+    )
+
+
+def token_hold_view(hold: HeldForToken | None, now: float) -> dict[str, Any] | None:
+    """An entry's hold for a token as ``list --json``, ``show --json`` and Flower show it."""
+    if hold is None:
+        return None
+    return {
+        "bucket": hold.bucket,
+        "rate": hold.rate,
+        "held_since": hold.held_since,
+        "held_seconds": round(now - hold.held_since, 3),
+        "due_at": hold.due_at,
+        "holds": hold.holds,
+        "why": token_hold_hint(hold, now),
+    }
+
+
+def next_action(
+    entry: Entry, now: float, prefix: str, hold: HeldForToken | None = None
+) -> NextAction:
+    """The one thing that moves this entry on, and the command that does it (``hold``: the
+    entry's hold for a rate limit's token, if it has one)."""
     key = entry.key
+    if hold is not None and entry.status is EntryStatus.SCHEDULED:
+        return NextAction("wait", token_hold_hint(hold, now), f"{prefix} resume {key}")
     if entry.release_warning is not None:
         return NextAction(
             "release",
@@ -345,6 +377,8 @@ class EntryDetail:
     release_warning: str | None
     #: Its durable signals (design.md § "Durable signals"), payloads redacted.
     signals: tuple[SignalShown, ...] = ()
+    #: Its hold for a rate limit's token (design.md § "Fleet-wide rate limits"), if held.
+    token_hold: HeldForToken | None = None
 
     @property
     def snapshot(self) -> dict[str, Any] | None:
@@ -434,6 +468,8 @@ def entry_detail(
         values["snapshot"], redact=redact, task=task_of(entry.task_name), task_of=task_of
     )
     live = entry.live_lease(now)
+    held = entry.status is EntryStatus.SCHEDULED
+    hold = store.token_holds([key]).get(key) if held else None
     return EntryDetail(
         entry=entry,
         now=now,
@@ -446,10 +482,11 @@ def entry_detail(
         unreadable=unreadable,
         shown=shown,
         redaction=redaction,
-        action=next_action(entry, now, prefix),
+        action=next_action(entry, now, prefix, hold),
         lease_left=entry.lease_left(now),
         live_lease=live,
         release_refused=entry.release_refused(now),
         release_warning=entry.release_warning,
         signals=tuple(signal_shown(r, cipher, redaction) for r in store.signals_of(key)),
+        token_hold=hold,
     )

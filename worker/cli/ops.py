@@ -51,6 +51,7 @@ from celery_ledger.view import (
     next_action,
     one_line,
     slot_key_view,
+    token_hold_view,
 )
 
 # -- list ---------------------------------------------------------------------------------
@@ -93,7 +94,12 @@ def list_cmd(
     )
     now = store.now()
     prefix = command_prefix(ctx)
-    views = [entry_view(e, now, next_action(e, now, prefix)) for e in found]
+    holds = store.token_holds([e.key for e in found if e.status is EntryStatus.SCHEDULED])
+    views = []
+    for e in found:
+        view = entry_view(e, now, next_action(e, now, prefix, holds.get(e.key)))
+        view["held_for_token"] = token_hold_view(holds.get(e.key), now)
+        views.append(view)
     cipher = None
     for e, view in zip(found, views, strict=True):
         if is_sealed(e.snapshot) and cipher is None:
@@ -395,6 +401,7 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
     store = open_store(ctx)
     stats = store.stats()
     slot_keys = [slot_key_view(k, store.now()) for k in store.slot_keys()]
+    holds, now = store.held_for_tokens_by_bucket(), store.now()
     data = {
         "by_status": stats.by_status,
         "blocked": stats.by_status.get("blocked", 0),
@@ -410,6 +417,11 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
         # The outbox: children not yet published, and of them those no publish can send.
         "outbox_pending": store.count_unpublished(),
         "outbox_failing": store.count_failing(),
+        # design.md § "Fleet-wide rate limits": entries held for a token, per bucket.
+        "held_for_token": {
+            bucket: {"entries": n, "oldest_held_seconds": round(now - since, 3)}
+            for bucket, (n, since) in sorted(holds.items())
+        },
         "by_task": [
             {"task": t, "status": s, "count": n}
             for (t, s), n in sorted(stats.by_task_status.items())
@@ -444,6 +456,10 @@ def stats_cmd(ctx: click.Context, as_json: bool) -> None:
                 f"{data['outbox_pending']} pending, {data['outbox_failing']} failing "
                 "(celery-ledger outbox drop|repair)",
             ),
+        ]
+        + [
+            (f"held: {bucket}", f"{n} for a token (oldest {duration(now - since)})")
+            for bucket, (n, since) in sorted(holds.items())
         ]
     )
     echo(ctx, formatter.getvalue().rstrip())

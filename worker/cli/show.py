@@ -28,7 +28,14 @@ from celery_ledger.cli.common import (
 )
 from celery_ledger.ledger import EntryNotFound, EntryStatus, Member, cipher_from
 from celery_ledger.redact import Redaction, entry_redaction
-from celery_ledger.view import EntryDetail, duration, entry_detail, entry_view, timestamp
+from celery_ledger.view import (
+    EntryDetail,
+    duration,
+    entry_detail,
+    entry_view,
+    timestamp,
+    token_hold_view,
+)
 
 #: Longest stored text ``show`` prints for one field (reasons written before their bound).
 SHOWN_CHARS = 2000
@@ -100,6 +107,7 @@ def _entry_json(d: EntryDetail) -> dict[str, Any]:
     """``show --json``'s document (without ``now``), its secrets hidden (``_redact_view``)."""
     entry = d.entry
     view = entry_view(entry, d.now, d.action)
+    view["held_for_token"] = token_hold_view(d.token_hold, d.now)
     view.update(d.values)
     view["unreadable"] = dict(d.unreadable)
     view["steps"] = [

@@ -25,6 +25,7 @@ from celery_ledger.view import (
     entry_detail,
     next_action,
     slot_key_view,
+    token_hold_hint,
 )
 
 #: Longest JSON shown for one value (a result, an output); the rest is cut with a note.
@@ -132,6 +133,10 @@ def overview(page: LedgerPage, aggregates: Aggregates) -> dict[str, Any]:
         "settings": s,
         # docs/concurrency.md: waiting per concurrency key, longest wait first.
         "slot_keys": [slot_key_view(k, now) for k in store.slot_keys()],
+        # design.md § "Fleet-wide rate limits": what waits for a token, per bucket, and the
+        # longest held, each with why (``token_hold_hint``) and since when.
+        "token_buckets": store.held_for_tokens_by_bucket(),
+        "token_holds": [(h, token_hold_hint(h, now)) for h in store.held_for_tokens(limit=10)],
     }
 
 
