@@ -14,6 +14,7 @@ taken once one is, not lost: with ``--seed`` the actions taken are the seed's, n
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import time
@@ -226,3 +227,31 @@ def test_an_unsettled_outbox_child_keeps_a_ledgered_run_from_going_idle(tmp_path
     finally:
         store.dispose()
         work.db.dispose()
+
+
+def test_keep_leaves_the_runs_redis_keys_for_a_post_mortem(tmp_path: Path, engine: object) -> None:
+    # A failed run kept with --keep is read afterwards: what its queues and unacked hashes
+    # still held is the evidence, so --keep leaves them; without it they are removed.
+    import redis as redis_client
+
+    from celery_ledger.harness import demo_app
+
+    url = "redis://127.0.0.1:6379/15"
+    client = redis_client.Redis.from_url(url, socket_timeout=5)
+    try:
+        client.ping()
+    except redis_client.ConnectionError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("no Redis on 127.0.0.1:6379")
+    box = orchestrate.Sandbox.create(prefix="keep", broker=url, ledger=None, data_dir=tmp_path)
+    key = demo_app.redis_keyprefix(box.namespace, "q") + "unacked"
+    try:
+        client.set(key, "a message a killed worker held")
+        box.remove(True, [], engine)
+        assert client.exists(key), "--keep removed the run's Redis keys"
+        box.remove(False, [], engine)
+        assert not client.exists(key)
+    finally:
+        client.delete(key)
+        client.close()

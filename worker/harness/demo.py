@@ -291,7 +291,7 @@ def render(report: DemoReport) -> str:
 @click.option(
     "--keep",
     is_flag=True,
-    help="Keep the data directory (and ledger rows) for `celery-ledger list/show`.",
+    help="Keep the data directory, ledger rows and broker keys for `celery-ledger list/show`.",
 )
 @click.option(
     "--broker",

@@ -206,9 +206,12 @@ class Sandbox:
         ]
 
     def remove(self, keep: bool, order_ids: Iterable[str], ledger_engine: Any) -> None:
-        """Remove what the run created: Redis keys and RabbitMQ queues always (they are only
-        message bookkeeping); unless ``keep``, its ledger entries and effects tables, and a
-        temporary data directory."""
+        """Remove what the run created, unless ``keep``: its Redis keys or RabbitMQ queues
+        (message bookkeeping, but what a kept run's queues and unacked hashes still hold is
+        the evidence of a failure), its ledger entries and effects tables, and a temporary
+        data directory."""
+        if keep:
+            return
         if self.redis:
             assert self.broker_url is not None
             try:
@@ -221,8 +224,6 @@ class Sandbox:
                 demo_app.purge_amqp(self.broker_url, self.queues)
             except Exception as exc:  # noqa: BLE001 - report, go on removing the rest
                 log.warning("could not remove the queues of %s: %s", self.namespace, exc)
-        if keep:
-            return
         db = demo_app.EffectsDb(self.effects_url, self.namespace)
         try:
             if not self.owns_ledger:

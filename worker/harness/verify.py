@@ -962,7 +962,11 @@ def _finite(param: click.Parameter, value: float) -> float:
     "in a temporary directory.",
 )
 @concurrency_option
-@click.option("--keep", is_flag=True, help="Keep the data directory and the ledger rows.")
+@click.option(
+    "--keep",
+    is_flag=True,
+    help="Keep the data directory, the ledger rows and the broker's keys or queues.",
+)
 @click.option(
     "--crash-ledger",
     is_flag=True,
