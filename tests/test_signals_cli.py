@@ -154,3 +154,19 @@ def test_a_payload_is_sealed_at_rest_and_shown_redacted(
     monkeypatch.delenv("CELERY_LEDGER_SNAPSHOT_KEYS")
     shown = json.loads(cli("--url", url, "show", "k-run", "--json").stdout)
     assert shown["signals"][0]["payload"] is None and "sealed" in shown["signals"][0]["unreadable"]
+
+
+def test_list_says_an_entry_waits_for_a_signal_since_when_and_how_to_send_it(
+    cli: Any, tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    waiting_entry(url)
+    listed = cli("--url", url, "list", "--json")
+    assert listed.exit_code == 0, listed.output
+    [row] = json.loads(listed.output)["entries"]
+    assert row["next_action"] == "signal", row
+    assert "waiting" in row["hint"] and "for signal 'approved'" in row["hint"], row
+    assert "times out in" in row["hint"], row
+    assert row["next_command"].endswith("signal k-wait approved --payload JSON"), row
+    text = cli("--url", url, "list")
+    assert "for signal 'approved'" in text.output, text.output

@@ -36,6 +36,7 @@ from celery_ledger.ledger import (
     is_sealed,
     open_snapshot,
 )
+from celery_ledger.ledger.signals import wait_reason
 from celery_ledger.ledger.slots import SlotKey
 from celery_ledger.redact import HIDDEN, Redaction, entry_redaction
 
@@ -228,6 +229,15 @@ def next_action(
             f"waiting {duration(waited)} for a slot of {entry.concurrency_key}: sent when one "
             "is free",
         )
+    signal = signal_waited_for(entry)
+    if signal is not None:  # design.md § "Durable signals": sent when the signal comes
+        left = None if entry.due_at is None else entry.due_at - now
+        timeout = "times out now" if left is None or left <= 0 else f"times out in {duration(left)}"
+        return NextAction(
+            "signal",
+            f"waiting {duration(now - entry.updated_at)} for signal {signal!r}; {timeout}",
+            f"{prefix} signal {key} {signal} --payload JSON",
+        )
     if entry.status.waits_for_time:  # design.md § "Durable time": held by the ledger until due
         left = None if entry.due_at is None else entry.due_at - now
         when = (
@@ -237,6 +247,14 @@ def next_action(
         )
         return NextAction("wait", when, f"{prefix} resume {key}")
     return NextAction("none", "-")
+
+
+def signal_waited_for(entry: Entry) -> str | None:
+    """The signal ``entry`` waits for in ``wait_for`` (None: it waits for none)."""
+    if entry.status is not EntryStatus.SLEEPING or not entry.reason:
+        return None
+    prefix = wait_reason("")
+    return entry.reason[len(prefix) :] if entry.reason.startswith(prefix) else None
 
 
 def slot_wait_seconds(entry: Entry, now: float) -> float | None:
