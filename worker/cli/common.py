@@ -17,6 +17,7 @@ import getpass
 import json
 import math
 import os
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -94,10 +95,6 @@ def explain_schema(ctx: click.Context, exc: SchemaError) -> str:
     return one_line(exc)
 
 
-#: The first 16 bytes of every SQLite 3 database file.
-SQLITE_HEADER = b"SQLite format 3\x00"
-
-
 def sqlite_path(url: str) -> str | None:
     """The file of a SQLite ledger URL (None: not SQLite, or in memory)."""
     if not is_sqlite(url):
@@ -107,12 +104,18 @@ def sqlite_path(url: str) -> str | None:
 
 
 def sqlite_file_problem(path: str) -> str | None:
-    """Why the file at ``path`` is no ledger to operate on, read from its first bytes without
-    opening it as a database (SQLite writes a header into an empty file it opens): missing,
-    empty, or not a SQLite file. None when it is a SQLite file (the schema says the rest)."""
+    """Why the file at ``path`` is no ledger to operate on: missing, empty, or not a SQLite
+    file. None when it is a SQLite file (the schema says the rest).
+
+    Nothing here opens the file with ``open()``: closing any descriptor of a file drops every
+    POSIX lock this process holds on it, SQLite's included, and a process that holds ledger
+    connections (``celery-ledger`` called in-process) would lose them; another process could
+    then delete the WAL those connections still use. The size comes from ``stat``, and the
+    header is read by SQLite itself, read-only (it shares this process's descriptors of the
+    file instead of closing one, and writes nothing into an empty file).
+    """
     try:
-        with open(path, "rb") as f:
-            head = f.read(len(SQLITE_HEADER))
+        size = os.stat(path).st_size
     except FileNotFoundError:
         return (
             f"no ledger database at {path} (wrong --url? or run `celery-ledger migrate` to "
@@ -120,13 +123,22 @@ def sqlite_file_problem(path: str) -> str | None:
         )
     except OSError as exc:
         return f"cannot read {path}: {exc.strerror or exc}"
-    if not head:
+    if size == 0:
         return (
             f"{path} is an empty file: no ledger schema yet (empty database); run "
             "`celery-ledger migrate` to create one"
         )
-    if head != SQLITE_HEADER:
-        return f"{path} is not a celery-ledger database (not an SQLite file; wrong --url?)"
+    uri = f"{Path(path).resolve().as_uri()}?mode=ro"
+    try:
+        conn = sqlite3.connect(uri, uri=True)
+        try:
+            conn.execute("PRAGMA schema_version").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        if "not a database" in str(exc):
+            return f"{path} is not a celery-ledger database (not an SQLite file; wrong --url?)"
+        return f"cannot read {path}: {exc}"
     return None
 
 
