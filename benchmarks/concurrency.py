@@ -7,10 +7,10 @@ Two measurements on one scratch PostgreSQL database, each taken without and with
 same invocation, the variants alternating order round after round:
 
 - **claim latency** (``LedgerStore`` in this process): the wall time of one ``claim`` of a new
-  key, then of the run's end (``settle``, and with a key the ``hand_over`` a worker makes after
-  it). With a key the claim is a transaction under the key's row lock instead of one
-  statement; the limit is never reached (no waiter), so what is measured is the slot's
-  bookkeeping, not a wait;
+  key, then of the run's end (``settle``; with a key ``settle_in_slot``, the settle and its
+  handover in one transaction under the key's lock). With a key the claim is a transaction
+  under the key's row lock instead of one statement; the limit is never reached (no waiter),
+  so what is measured is the slot's bookkeeping, not a wait;
 - **throughput** (a real ``celery worker -c 8`` draining a pre-filled Redis queue, as
   ``throughput.py``): the same ``LedgerTask`` without a key and with ``concurrency_key`` (task
   ``i`` on key ``i mod --keys``) and a limit (``--limit``) the run never reaches. The issue's
@@ -64,9 +64,10 @@ def claim_and_end(
         t0 = time.perf_counter()
         claim = store.claim(req)
         t1 = time.perf_counter()
-        store.settle(claim.key, claim.fence, EntryStatus.COMPLETED, result=str(i))
-        if slot is not None:
-            store.hand_over(slot.key, limit=slot.limit, actor="bench")
+        if slot is None:
+            store.settle(claim.key, claim.fence, EntryStatus.COMPLETED, result=str(i))
+        else:  # the settle and its handover in one transaction under the key's lock
+            store.settle_in_slot(slot, claim.key, claim.fence, EntryStatus.COMPLETED, result=str(i))
         t2 = time.perf_counter()
         return (t1 - t0) * 1000, (t2 - t1) * 1000
 
@@ -87,12 +88,12 @@ def latency(url: str, claims: int, rounds: int, keys: int, limit: int) -> Report
             got[variant]["end"].append(median([e for _, e in timed]))
             print(
                 f"  round {r + 1} {variant}: claim {got[variant]['claim'][-1]:.3f} ms, "
-                f"settle{' + hand_over' if variant == 'key' else ''} "
+                f"settle{' in the key lock' if variant == 'key' else ''} "
                 f"{got[variant]['end'][-1]:.3f} ms (medians of {claims})",
                 file=sys.stderr,
             )
     note = f"median per call of {claims}, median of {rounds} rounds; {keys} key(s), limit {limit}"
-    for what, label in (("claim", "claim"), ("end", "settle (+ hand_over with a key)")):
+    for what, label in (("claim", "claim"), ("end", "settle (in the key's lock with a key)")):
         plain, keyed = median(got["no key"][what]), median(got["key"][what])
         report.add(BENCH, f"{label}, no key", plain, "ms", note=note)
         report.add(BENCH, f"{label}, concurrency key", keyed, "ms", note=note)

@@ -7,6 +7,7 @@ the slower ``SELECT … FOR UPDATE`` transaction (``claim_gates``, the base of `
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -15,9 +16,11 @@ from sqlalchemy import delete, select, update
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.admission import Refusal, expired_failure, refusal
 from celery_ledger.ledger.claim_gates import CLAIM_IS_INTENT
-from celery_ledger.ledger.core import Note
+from celery_ledger.ledger.core import Note, _OnCursor
 from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.identity import is_declared
+from celery_ledger.ledger.links import LINKS_STEP
+from celery_ledger.ledger.outbox import Child, child_rows, insert_children
 from celery_ledger.ledger.rate_limits import (
     hold_reason,
     read_token,
@@ -25,9 +28,15 @@ from celery_ledger.ledger.rate_limits import (
     token_params,
 )
 from celery_ledger.ledger.schema import entries, steps
-from celery_ledger.ledger.slots import SlotGates
+from celery_ledger.ledger.slots import Granted, SlotGates
 from celery_ledger.ledger.states import EntryStatus, Gate, StepStatus
-from celery_ledger.ledger.values import RESUME_OWNER, Claim, ClaimRequest, StepRecord
+from celery_ledger.ledger.values import (
+    RESUME_OWNER,
+    Claim,
+    ClaimRequest,
+    SlotAsk,
+    StepRecord,
+)
 
 
 class HotPath(SlotGates):
@@ -378,6 +387,72 @@ class HotPath(SlotGates):
             ValueError: ``status`` is running or interrupted (not a settlement), or a due time
                 or snapshot is given for another status than retrying.
         """
+        hot, params, note, lazy = self._settle_parts(
+            key, fence, status, result, error, reason, actor, due_in, due_at, snapshot
+        )
+        return bool(self._fast_write(hot, params, note, lazy=lazy))
+
+    def settle_in_slot(
+        self,
+        ask: SlotAsk,
+        key: str,
+        fence: int,
+        status: EntryStatus,
+        *,
+        links: Sequence[Child] = (),
+        result: str | None = None,
+        error: str | None = None,
+        reason: str | None = None,
+        actor: str | None = None,
+        due_in: float | None = None,
+        due_at: float | None = None,
+        snapshot: str | None = None,
+    ) -> list[Granted] | None:
+        """``settle`` (``settle_with_links`` with ``links``) of an entry that holds a slot of
+        ``ask.key``, and the handover of the key's free slots to its oldest waiters, in one
+        transaction under the key's lock (``SlotGates.settle_handing_over``).
+
+        Returns the waiters served, for the caller to wake; None when this attempt was
+        superseded (nothing written, nothing handed over).
+
+        Raises:
+            ValueError: as ``settle`` and ``settle_with_links``.
+        """
+        hot, params, note, lazy = self._settle_parts(
+            key, fence, status, result, error, reason, actor, due_in, due_at, snapshot
+        )
+        if links:
+            if status not in (EntryStatus.COMPLETED, EntryStatus.FAILED):
+                raise ValueError(f"a settle records links when completed or failed, not {status}")
+            record = self.fast.compiled("outbox-insert", lambda: insert_children(self.dialect))
+            children = [record.params(r) for r in child_rows(key, fence, LINKS_STEP, fence, links)]
+
+        def write(run: _OnCursor) -> list[Any]:
+            rows = self._write_with_event(run, self._hot(hot), params, note)
+            if rows and links:
+                run.cur.executemany(record.sql, children)
+            return rows
+
+        # With links, the outbox rows wait for the flush, as ``settle_with_links``.
+        rows, granted = self.settle_handing_over(
+            ask, key, write, lazy=lazy and not links, actor=actor
+        )
+        return granted if rows else None
+
+    def _settle_parts(
+        self,
+        key: str,
+        fence: int,
+        status: EntryStatus,
+        result: str | None,
+        error: str | None,
+        reason: str | None,
+        actor: str | None,
+        due_in: float | None,
+        due_at: float | None,
+        snapshot: str | None,
+    ) -> tuple[Any, dict[str, Any], Note, bool]:
+        """A settle's statement key, parameters, event and durability (``settle``)."""
         if status in (EntryStatus.RUNNING, EntryStatus.INTERRUPTED):
             raise ValueError(f"settle cannot move an entry to {status.value}")
         waits = (due_in, due_at, snapshot) != (None, None, None)
@@ -401,14 +476,8 @@ class HotPath(SlotGates):
             "due_abs": due_at,
             "new_snapshot": snapshot,
         }
-        settled = status.settled
-        rows = self._fast_write(
-            ("settle", settled),
-            params,
-            Note("settled", actor, reason or error),
-            # A settle lets no effect begin; a lost one is recovered by replay or blocks
-            # (design.md § "Durability follows effects"). A block is rare and is what an operator
-            # acts on: it waits.
-            lazy=self._lazy(status is EntryStatus.BLOCKED),
-        )
-        return bool(rows)
+        # A settle lets no effect begin; a lost one is recovered by replay or blocks
+        # (design.md § "Durability follows effects"). A block is rare and is what an operator
+        # acts on: it waits.
+        lazy = self._lazy(status is EntryStatus.BLOCKED)
+        return ("settle", status.settled), params, Note("settled", actor, reason or error), lazy

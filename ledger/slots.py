@@ -19,12 +19,15 @@ one decision, and two claims of one key never both see a free slot.
   when fewer than N are held and no one waits ahead of it. Otherwise its entry is parked
   ``sleeping`` with the reason ``slot:<key>`` and ``waiting_since`` (gate HOLD: acked, no
   worker slot held, nothing polls).
-- **The handover** (``hand_over``): under the key's lock, the free slots go to the oldest
-  waiters (``waiting_since``, then key: first come, first served), each made due now, so
-  that the sweep's own wake (``recovery.wake.wake_entry``) sends it; its claim finds the
-  slot its own and RUNs. The worker calls it after its settle; the sweep calls it for every
-  key with waiters after it interrupted expired leases (``hand_over_all``), the backstop for
-  a worker that died between its settle and its handover.
+- **The handover**: under the key's lock, the free slots go to the oldest waiters
+  (``waiting_since``, then key: first come, first served), each made due now, so that the
+  sweep's own wake (``recovery.wake.wake_entry``) sends it; its claim finds the slot its own
+  and RUNs. A holder's settle does it in the settle's own transaction, which locks the key
+  first as a claim does (``settle_handing_over``): a claim that counted the holder before
+  the settle has parked by the time the settle looks for waiters, so it is served. A run
+  that ended without a settle (stopped, superseded) calls ``hand_over`` afterwards; the
+  sweep calls it for every key with waiters after it interrupted expired leases
+  (``hand_over_all``), the backstop for a holder that died and for a wake never sent.
 - **A dead holder** keeps its slot exactly as long as its lease: the interrupt (sweep, boot
   sweep, the worker-lost fast path, ``mark-dead``) bumps the fence and clears ``slot_at``
   in one statement, so its zombie is fenced out before its slot is handed on. No TTL.
@@ -32,6 +35,7 @@ one decision, and two claims of one key never both see a free slot.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, partial
 from typing import Any
@@ -228,6 +232,27 @@ def park_statement(dialect: Dialect) -> Any:
 
 
 @cache
+def grant_statement(dialect: Dialect) -> Any:
+    """The ``n`` oldest waiters of ``ck`` (first come, first served; a cancelled one is left
+    to its cancellation) take a slot and are made due now; with their events."""
+    now, ck = db_now(), B("ck", String)
+    oldest = (
+        select(entries.c.key)
+        .where(waiting(ck), entries.c.cancel_requested_at.is_(None))
+        .order_by(entries.c.waiting_since, entries.c.key)
+        .limit(B("n", Integer))
+        .scalar_subquery()
+    )
+    upd = (
+        update(entries)
+        .where(entries.c.key.in_(oldest), waiting(ck))
+        .values(slot_at=now, waiting_since=None, due_at=now - _DUE_NOW_BACK_SECONDS)
+        .returning(*sql.RETURNED, entries.c.snapshot)
+    )
+    return sql.with_event(dialect, upd)
+
+
+@cache
 def anyone_waits_statement(dialect: Dialect) -> Any:
     """Whether anyone waits for a slot of ``ck``."""
     return select(exists().where(waiting(B("ck", String))))
@@ -344,6 +369,46 @@ class SlotGates(ClaimGates):
         self._write_with_event(conn, park_statement(self.dialect), params, note)
         return _parked(req, ckey, claim.fence, claim.found)
 
+    def settle_handing_over(
+        self,
+        ask: SlotAsk,
+        key: str,
+        settle: Callable[[_OnCursor], list[Any]],
+        *,
+        lazy: bool,
+        actor: str | None,
+    ) -> tuple[list[Any], list[Granted]]:
+        """Run ``settle`` (a write that moves entry ``key`` out of ``running``, clearing its
+        slot) and hand the key's free slots to its oldest waiters, in one unit of work on the
+        hot path's cursor that locks ``ask.key`` first, as every claim of the key does.
+
+        The lock orders this settle with the key's claims, so a waiter cannot slip between
+        them: a claim that counted this entry as a holder before the settle parks before the
+        settle's count of the waiters (which then serves it), and a claim that locks after
+        it sees the slot free. Returns ``settle``'s rows (none: superseded, nothing handed
+        over) and the waiters served, for the caller to wake (``recovery.slots``).
+        """
+        keyed = {"ck": ask.key, "k": key}
+        with self.fast.cursor(lazy=lazy) as cur:
+            if self.dialect.autocommit:
+                cur.execute("BEGIN")  # one transaction, as ``_claim_new_with_slot``
+            run = _OnCursor(self._hot, cur)
+            lock = self._slot_hot(lock_statement)
+            limit = int(run.rows(lock, {"ck": ask.key, "lim": ask.limit})[0][0])
+            rows = settle(run)
+            granted: list[Granted] = []
+            if rows:
+                held, ahead = run.rows(self._slot_hot(count_statement), keyed)[0][:2]
+                free = limit - int(held)
+                if ahead and free > 0:
+                    note = Note("slot-granted", actor, f"a slot of {ask.key} is free")
+                    grant = self._slot_hot(grant_statement)
+                    served = self._write_with_event(run, grant, {"ck": ask.key, "n": free}, note)
+                    granted = _served(served)
+            if self.dialect.autocommit:
+                cur.execute("COMMIT")
+        return rows, granted
+
     def hand_over(
         self, concurrency_key: str, *, limit: int | None = None, actor: str | None = None
     ) -> list[Granted]:
@@ -352,10 +417,10 @@ class SlotGates(ClaimGates):
         waiter is made due now; the caller wakes it (``recovery.wake.wake_entry``), else the
         sweep does. Returns the waiters served (none when no slot is free: a lost race with
         another handover is that)."""
-        # Nobody waits, nothing to serve: one read on the waiters' index, no lock. A waiter
-        # that parks after this read found the slot freed before it (the settle committed
-        # first), so it parked only if every slot was held or others waited ahead; a slot
-        # freed later is handed over by the run that frees it, or by the sweep.
+        # Nobody waits, nothing to serve: one read on the waiters' index, no lock. A claim
+        # that parks after this read, having counted a holder that has let go since, is
+        # served by the key's next settle or by the sweep (a settle's own handover,
+        # ``settle_handing_over``, takes the lock first and cannot miss it).
         anyone = self._slot_hot(anyone_waits_statement)
         with self.fast.cursor(lazy=True) as cur:
             cur.execute(anyone.sql, anyone.params({"ck": concurrency_key}))
@@ -371,24 +436,11 @@ class SlotGates(ClaimGates):
         free = limit - held
         if free <= 0:
             return []
-        picks = conn.execute(
-            select(entries.c.key)
-            .where(waiting(ckey), entries.c.cancel_requested_at.is_(None))
-            .order_by(entries.c.waiting_since, entries.c.key)
-            .limit(free)
-        ).all()
-        if not picks:
-            return []
-        now = db_now()
-        upd = (
-            update(entries)
-            .where(entries.c.key.in_([p.key for p in picks]), waiting(ckey))
-            .values(slot_at=now, waiting_since=None, due_at=now - _DUE_NOW_BACK_SECONDS)
-            .returning(*sql.RETURNED, entries.c.snapshot)
-        )
         note = Note("slot-granted", actor, f"a slot of {ckey} is free")
-        rows = self._write_with_event(conn, sql.with_event(self.dialect, upd), {}, note)
-        return [Granted(r.key, r.task_id, r.fence, r.snapshot) for r in rows]
+        served = self._write_with_event(
+            conn, grant_statement(self.dialect), {"ck": ckey, "n": free}, note
+        )
+        return _served(served)
 
     def hand_over_all(self, *, limit: int = 500, actor: str = "sweep") -> list[Granted]:
         """The sweep's backstop: ``hand_over`` for each key that has waiters (up to ``limit``
@@ -430,6 +482,12 @@ class SlotGates(ClaimGates):
                 ).scalar_one_or_none()
                 found.append(SlotKey(ckey, int(cap or 0), int(held), int(r.waiting), r.oldest))
         return found
+
+
+def _served(rows: list[Any]) -> list[Granted]:
+    """The waiters ``grant_statement`` served, from its rows: ``RETURNED``, then the snapshot
+    (a lazy twin may add a column after it)."""
+    return [Granted(r[0], r[1], int(r[2]), r[len(sql.RETURNED)]) for r in rows]
 
 
 def _parked(req: ClaimRequest, ckey: str, fence: int, found: EntryStatus | None) -> Claim:

@@ -1,14 +1,16 @@
 """The handover of a concurrency key's free slots (docs/concurrency.md), and its wake.
 
-A waiter the ledger serves (``LedgerStore.hand_over``) is ``sleeping`` and due now; it is sent
-by the durable-time pass's own wake (``wake.wake_entry``: the CAS to running under the resume
-marker, then the stored envelope, whose claim passes the admission gate and finds the slot its
-own). Who calls it:
+A waiter the ledger serves (a holder's ``LedgerStore.settle_in_slot``, or ``hand_over``) is
+``sleeping`` and due now; it is sent by the durable-time pass's own wake (``wake.wake_entry``:
+the CAS to running under the resume marker, then the stored envelope, whose claim passes the
+admission gate and finds the slot its own). Who sends it:
 
-- the worker, right after the settle of a task that held a slot (``celery_ledger.concurrency``);
+- the worker, right after the settle of a task that held a slot, which served the waiters in
+  its own transaction (``wake_granted``), or after a run that ended without a settle
+  (``hand_over``; ``celery_ledger.concurrency``);
 - the sweep, after it interrupted expired leases (``hand_over_all``): the backstop for a
-  holder that died (its slot came back with the interrupt) and for a worker that died between
-  its settle and its handover. The sweep's wake pass that follows sends what it served.
+  holder that died (its slot came back with the interrupt) and for a worker that died after
+  its settle, before it sent the waiters it served. The sweep's wake pass sends those.
 
 A wake that fails (a broker refusal, this process dying) leaves the waiter due: the next
 sweep's wake sends it. A lost race with another waker is nothing: exactly one CAS wins.

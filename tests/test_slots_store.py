@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 from test_store_contract import request, wait_lease_expired
 
@@ -139,3 +140,101 @@ def test_concurrent_claims_of_one_key_never_exceed_the_limit(store: LedgerStore)
         t.join(timeout=60)
     assert sorted(g.value for g in gates.values()) == ["hold"] * 5 + ["run"] * 3
     assert len(holders(store)) == 3
+
+
+def test_a_settle_hands_its_slot_over_in_its_own_transaction(store: LedgerStore) -> None:
+    """``settle_in_slot``: the settle and the handover are one write; a superseded attempt
+    hands nothing over; a settle with links records them too."""
+    first = store.claim(ask("k-1", limit=2))
+    second = store.claim(ask("k-2", limit=2))
+    assert [store.claim(ask(f"k-{n}", limit=2)).gate for n in (3, 4, 5)] == [Gate.HOLD] * 3
+    slot = SlotAsk(CUSTOMER, 2)
+    served = store.settle_in_slot(slot, "k-1", first.fence, EntryStatus.COMPLETED, result="1")
+    assert served is not None and [g.key for g in served] == ["k-3"]
+    assert served[0].task_id == "t-k-3" and served[0].fence == store.get_entry("k-3").fence
+    assert served[0].snapshot == store.get_entry("k-3").snapshot
+    assert holders(store) == ["k-2", "k-3"]
+    assert [d.key for d in store.list_due()] == ["k-3"]
+    # Superseded: nothing written, nothing handed over.
+    assert store.settle_in_slot(slot, "k-1", first.fence, EntryStatus.FAILED, error="x") is None
+    assert holders(store) == ["k-2", "k-3"]
+    # A retry gives its slot up too, and the next waiter is served.
+    retried = store.settle_in_slot(
+        slot, "k-2", second.fence, EntryStatus.RETRYING, error="later", due_in=60.0
+    )
+    assert retried is not None and [g.key for g in retried] == ["k-4"]
+    assert store.get_entry("k-2").status is EntryStatus.RETRYING
+    assert "slot-granted" in [e.event for e in store.entry_events("k-4")]
+
+
+def test_a_claim_that_counted_a_holder_is_served_by_that_holders_settle(pg_url: str) -> None:
+    """The race a settle followed by a separate handover loses: a claim counts the holder
+    (not yet settled) and parks after the handover looked for waiters, so nobody serves it
+    until the sweep. The settle takes the key's lock first, so it waits for that claim and
+    then serves it. (PostgreSQL: on SQLite every writer is serialized anyway.)"""
+    store = LedgerStore(pg_url)
+    try:
+        first = store.claim(ask("k-1"))
+        assert first.gate is Gate.RUN
+        counted, go = threading.Event(), threading.Event()
+        claimer: list[threading.Thread] = []
+
+        def pause_before_parking(statement: str) -> None:
+            # Only the claim's thread, and only its park (after it counted the holders).
+            parks = "waiting_since" in statement and statement.lstrip().upper().startswith(
+                ("UPDATE", "WITH")
+            )
+            if parks and threading.current_thread() in claimer:
+                counted.set()
+                assert go.wait(timeout=30)
+
+        store.fast.listeners.append(pause_before_parking)
+        gates: list[Gate] = []
+        claimer.append(threading.Thread(target=lambda: gates.append(store.claim(ask("k-2")).gate)))
+        claimer[0].start()
+        assert counted.wait(timeout=30), "the claim never reached its park"
+        served: list[object] = []
+        settler = threading.Thread(
+            target=lambda: served.append(
+                store.settle_in_slot(
+                    SlotAsk(CUSTOMER, 1), "k-1", first.fence, EntryStatus.COMPLETED, result="1"
+                )
+            )
+        )
+        settler.start()
+        # Either the settle finished (it did not wait for the claim), or it waits for a lock.
+        deadline = time.monotonic() + 30
+        while settler.is_alive() and not waits_for_a_lock(pg_url):
+            assert time.monotonic() < deadline, "the settle neither ended nor waited"
+            time.sleep(0.05)
+        go.set()
+        claimer[0].join(timeout=30)
+        settler.join(timeout=30)
+        assert gates == [Gate.HOLD]
+        assert served and served[0] is not None
+        assert [g.key for g in served[0]] == ["k-2"], "the waiter was left to the sweep"
+        assert holders(store) == ["k-2"]
+    finally:
+        go.set()
+        store.dispose()
+
+
+def waits_for_a_lock(pg_url: str) -> bool:
+    """Whether a session of ``pg_url``'s database waits for a lock."""
+    from sqlalchemy import create_engine, text
+
+    from celery_ledger.ledger.engine import normalize_url
+
+    engine = create_engine(normalize_url(pg_url))
+    try:
+        with engine.connect() as conn:
+            return bool(
+                conn.execute(
+                    text(
+                        "SELECT count(*) FROM pg_stat_activity "
+                        "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                    )
+                ).scalar_one()
+            )
+    finally:
+        engine.dispose()

@@ -41,6 +41,7 @@ from celery_ledger.ledger import (
     LedgerStore,
     LedgerUnavailable,
     SideEffect,
+    SlotAsk,
     SnapshotCipher,
     StepRecord,
     StepStatus,
@@ -48,6 +49,7 @@ from celery_ledger.ledger import (
     step_provider_key,
 )
 from celery_ledger.ledger.signals import Taken
+from celery_ledger.ledger.slots import Granted
 from celery_ledger.outbox import Sends
 from celery_ledger.redact import scrub_for_call
 from celery_ledger.replay import Ident, ReplayBook
@@ -95,6 +97,7 @@ class Attempt(StepRunner):
         replay: tuple[StepRecord, ...] = (),
         actor: str | None = None,
         emit: EmitEvent | None = None,
+        slot: SlotAsk | None = None,
     ) -> None:
         self.task = task
         self._store = store
@@ -133,6 +136,11 @@ class Attempt(StepRunner):
         #: How many ``wait_for`` calls of each signal name this run has made: the n-th wait
         #: is the same wait on every run, and takes the same signal (``signals.wait_for``).
         self.signal_waits: Counter[str] = Counter()
+        #: docs/concurrency.md: the concurrency key whose slot this attempt holds, and the
+        #: waiters its settle served in the settle's own transaction (None: no settle of
+        #: this attempt handed the slot over; ``Delivery.run`` then does it after the run).
+        self.slot = slot
+        self.served: list[Granted] | None = None
 
     def __repr__(self) -> str:
         return f"<Attempt key={self.key} task_id={self.task_id} fence={self.fence}>"
@@ -485,6 +493,20 @@ class Attempt(StepRunner):
         """
 
         def write() -> bool:
+            if self.slot is not None:
+                served = self._store.settle_in_slot(
+                    self.slot,
+                    self.key,
+                    self.fence,
+                    status,
+                    links=links,
+                    actor=self.actor,
+                    **fields,
+                )
+                if served is None:
+                    return False
+                self.served = served
+                return True
             if links:
                 return self._store.settle_with_links(
                     self.key,

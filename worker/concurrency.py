@@ -9,9 +9,10 @@ This module is the worker's side:
   ``key_from``, and keys the slots per task (``<task name>:<name>=<value>,...``); a callable
   returns the key itself, shared by every task that returns it (so two tasks can share a
   customer's slots);
-- **the handover** after a run (``hand_over``): once the attempt settled (or was stopped, or
-  superseded), the free slots of its key go to the oldest waiters, which are sent at once
-  through the sweep's own wake (``recovery.slots``). A handover that fails is the sweep's.
+- **the handover** after a run (``after_run``): the attempt's settle served the key's oldest
+  waiters in its own transaction (``LedgerStore.settle_in_slot``), and they are sent at once
+  through the sweep's own wake (``recovery.slots``); a run that ended without a settle of its
+  own (stopped, superseded) serves them then. A handover that fails is the sweep's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 from celery_ledger import runtime
 from celery_ledger.ledger import SlotAsk
-from celery_ledger.ledger.slots import MAX_CONCURRENCY_KEY_CHARS
+from celery_ledger.ledger.slots import MAX_CONCURRENCY_KEY_CHARS, Granted
 from celery_ledger.recovery import slots
 
 log = logging.getLogger(__name__)
@@ -99,21 +100,36 @@ def _fit(text: str) -> str:
     return f"{text[: MAX_CONCURRENCY_KEY_CHARS - _DIGEST_CHARS - 1]}#{digest}"
 
 
-def hand_over(app: Any, ask: SlotAsk, actor: str | None) -> None:
-    """After a run that held (or may have held) a slot of ``ask.key``: serve its waiters and
-    send them now. Never raises: what it could not do, the sweep does."""
+def after_run(app: Any, ask: SlotAsk, served: list[Granted] | None, actor: str | None) -> None:
+    """After a run that held (or may have held) a slot of ``ask.key``: send the waiters its
+    settle served (``served``, handed over in the settle's transaction), or, when no
+    settle of it did (stopped, superseded, a ``wait_for``, an unreachable ledger), serve the
+    key's waiters now and send them. Never raises: what it could not do, the sweep does."""
+    store = runtime.store_for(app)
+    actor = actor or "worker"
+    lease = runtime.settings_for(app).lease_seconds
     try:
-        slots.hand_over(
-            runtime.store_for(app),
-            app,
-            ask.key,
-            limit=ask.limit,
-            lease_seconds=runtime.settings_for(app).lease_seconds,
-            actor=actor or "worker",
-            cipher=runtime.snapshot_cipher(app),
-        )
+        if served is not None:
+            slots.wake_granted(
+                store,
+                app,
+                served,
+                lease_seconds=lease,
+                actor=actor,
+                cipher=runtime.snapshot_cipher(app),
+            )
+        else:
+            slots.hand_over(
+                store,
+                app,
+                ask.key,
+                limit=ask.limit,
+                lease_seconds=lease,
+                actor=actor,
+                cipher=runtime.snapshot_cipher(app),
+            )
     except Exception as exc:  # noqa: BLE001 - the sweep's handover is the backstop
         log.warning("could not hand over a slot of %s (%r); the sweep will", ask.key, exc)
 
 
-__all__ = ["check_options", "hand_over", "slot_ask"]
+__all__ = ["after_run", "check_options", "slot_ask"]

@@ -235,6 +235,7 @@ class Delivery:
             replay=claim.steps,
             actor=self.request.hostname,
             emit=self.emit,
+            slot=self.slot,
         )
         token = current_attempt.set(attempt)
         heartbeat.register(attempt)
@@ -254,7 +255,9 @@ class Delivery:
             heartbeat.unregister(attempt)
             current_attempt.reset(token)
             if self.slot is not None:  # settled, stopped or superseded: its slot is free
-                concurrency.hand_over(self.task.app, self.slot, self.request.hostname)
+                concurrency.after_run(
+                    self.task.app, self.slot, attempt.served, self.request.hostname
+                )
 
     def give_back(self, claim: Claim) -> Any:
         """RETURN: the entry is settled; return its result or raise its failure, once the
