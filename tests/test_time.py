@@ -41,6 +41,11 @@ def time_env(tmp_path: Path, redis: str, pg_url: str, **extra: Any) -> dict[str,
         CELERY_LEDGER_HOLD_THRESHOLD_SECONDS=str(THRESHOLD),
         CELERY_LEDGER_SWEEP_INTERVAL=str(SWEEP),
         CELERY_LEDGER_LEASE_SECONDS="6",
+        # Two of these leases, not two default ones: a takeover whose reconciler says "not
+        # executed" of a SIGKILLed attempt's step waits out this grace since that attempt's
+        # last sign of life (design.md § "The death-signal gate"); at the default 120 s it held
+        # one task of the long-countdown test for two minutes.
+        CELERY_LEDGER_DEATH_GRACE_SECONDS="12",
         **extra,
     )
 
