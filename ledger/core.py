@@ -42,7 +42,7 @@ from celery_ledger.ledger.engine import (
     parse_url,
 )
 from celery_ledger.ledger.errors import SchemaError, translate_db_errors
-from celery_ledger.ledger.fastpath import Compiled, FastPath
+from celery_ledger.ledger.fastpath import Compiled, FastPath, Pipelined
 from celery_ledger.ledger.migrate import (
     current_revision,
     ensure_schema,
@@ -323,6 +323,19 @@ class StoreCore:
         rows = list(run.rows(stmt, params))
         self._append_events(run, note, rows)
         return rows
+
+    def _send_with_event(
+        self, unit: Pipelined, stmt: Compiled, params: dict[str, Any], note: Note
+    ) -> Callable[[], list[Any]]:
+        """``_write_with_event`` in a pipelined unit (``FastPath.pipelined``): the write is
+        sent, and its rows read when the returned function is called. PostgreSQL: one
+        statement, nothing waits for it until then. SQLite: it runs now, its events with it."""
+        if self.dialect.event_in_statement:
+            binds = {"ev_event": note.event, "ev_actor": note.actor, "ev_detail": note.detail}
+            sent = unit.send(stmt, {**params, **binds})
+            return lambda: list(sent.fetchall())
+        rows = self._write_with_event(_OnCursor(self._hot, unit.cur), stmt, params, note)
+        return lambda: rows
 
     def _append_events(
         self, on: Connection | _Runner, note: Note, rows: Sequence[Sequence[Any]]

@@ -155,9 +155,7 @@ class FastPath:
         idle = self._idle_lazy if session else self._idle
         with self._gate(), translate_db_errors(self.dbapi):
             conn = self._connect(idle, session)
-            cur = conn.cursor() if not self.listeners else _Observed(conn.cursor(), self.listeners)
-            if lazy and self._lazy_statement is not None:
-                cur = _Lazy(cur, self._lazy_sql)
+            cur = self._wrap(conn.cursor(), lazy)
             reuse = False
             try:
                 if self._begin:
@@ -180,6 +178,31 @@ class FastPath:
                     with contextlib.suppress(Exception):  # it may be broken already
                         conn.close()
 
+    def _wrap(self, cur: Any, lazy: bool) -> Any:
+        """A raw cursor as ``cursor`` hands it out: observed, and sending lazy twins."""
+        if self.listeners:
+            cur = _Observed(cur, self.listeners)
+        if lazy and self._lazy_statement is not None:
+            cur = _Lazy(cur, self._lazy_sql)
+        return cur
+
+    @contextmanager
+    def pipelined(self, *, lazy: bool = False) -> Iterator[Pipelined]:
+        """``cursor`` for a unit of several statements whose results are read only when the
+        unit needs them: each is sent on a cursor of its own (``Pipelined.send``). With
+        psycopg (PostgreSQL) the unit runs in the driver's pipeline mode, so the statements
+        sent before a read go out together and cost one round trip; the server still runs
+        them one after the other, in order, each under READ COMMITTED with a snapshot of its
+        own. Elsewhere each statement runs when it is sent, as on ``cursor``. A transaction
+        block is the caller's, as on ``cursor`` (PostgreSQL's connections are in
+        autocommit).
+        """
+        with self.cursor(lazy=lazy) as cur:
+            conn = cur.connection
+            pipeline = getattr(conn, "pipeline", None)
+            with pipeline() if pipeline is not None else contextlib.nullcontext():
+                yield Pipelined(cur, lambda: self._wrap(conn.cursor(), lazy))
+
     def close(self) -> None:
         """Close the idle connections (in the process that opened them only)."""
         if self._pid != os.getpid():
@@ -190,6 +213,24 @@ class FastPath:
             while idle:
                 with contextlib.suppress(Exception):
                     idle.pop().close()
+
+
+class Pipelined:
+    """The statements of one unit of work (``FastPath.pipelined``), each sent on a cursor of
+    its own so that its result can be read after later ones were sent."""
+
+    __slots__ = ("cur", "_new")
+
+    def __init__(self, cur: Any, new: Callable[[], Any]) -> None:
+        #: The unit's first cursor (``BEGIN``, ``COMMIT``, and statements read at once).
+        self.cur = cur
+        self._new = new
+
+    def send(self, stmt: Compiled, params: dict[str, Any]) -> Any:
+        """Send ``stmt``; returns its cursor, to fetch from when the result is needed."""
+        cur = self._new()
+        cur.execute(stmt.sql, stmt.params(params))
+        return cur
 
 
 class _Lazy:

@@ -7,7 +7,7 @@ the slower ``SELECT … FOR UPDATE`` transaction (``claim_gates``, the base of `
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -16,8 +16,9 @@ from sqlalchemy import delete, select, update
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.admission import Refusal, expired_failure, refusal
 from celery_ledger.ledger.claim_gates import CLAIM_IS_INTENT
-from celery_ledger.ledger.core import Note, _OnCursor
+from celery_ledger.ledger.core import Note
 from celery_ledger.ledger.dbclock import db_now
+from celery_ledger.ledger.fastpath import Pipelined
 from celery_ledger.ledger.identity import is_declared
 from celery_ledger.ledger.links import LINKS_STEP
 from celery_ledger.ledger.outbox import Child, child_rows, insert_children
@@ -427,11 +428,14 @@ class HotPath(SlotGates):
             record = self.fast.compiled("outbox-insert", lambda: insert_children(self.dialect))
             children = [record.params(r) for r in child_rows(key, fence, LINKS_STEP, fence, links)]
 
-        def write(run: _OnCursor) -> list[Any]:
-            rows = self._write_with_event(run, self._hot(hot), params, note)
-            if rows and links:
-                run.cur.executemany(record.sql, children)
-            return rows
+        def write(unit: Pipelined) -> Callable[[], list[Any]]:
+            sent = self._send_with_event(unit, self._hot(hot), params, note)
+            if not links:
+                return sent
+            rows = sent()  # the links are recorded only by a settle that wrote
+            if rows:
+                unit.cur.executemany(record.sql, children)
+            return lambda: rows
 
         # With links, the outbox rows wait for the flush, as ``settle_with_links``.
         rows, granted = self.settle_handing_over(

@@ -57,9 +57,10 @@ from sqlalchemy import (
 from celery_ledger.ledger import statements as sql
 from celery_ledger.ledger.admission import Refusal, refusal
 from celery_ledger.ledger.claim_gates import CLAIM_IS_INTENT, ClaimGates
-from celery_ledger.ledger.core import Note, _OnCursor
+from celery_ledger.ledger.core import Note
 from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.dialect import Dialect
+from celery_ledger.ledger.fastpath import Pipelined
 from celery_ledger.ledger.schema import concurrency_keys, entries
 from celery_ledger.ledger.statements import B
 from celery_ledger.ledger.states import EntryStatus, Gate
@@ -297,36 +298,38 @@ class SlotGates(ClaimGates):
         take a slot or park. None: the key has an entry (nothing but the key's lock row was
         written); the slow transaction decides it."""
         keyed = {"ck": ask.key, "k": req.key}
-        with self.fast.cursor(lazy=lazy) as cur:
+        # Pipelined (``FastPath.pipelined``): the lock, the insert and the count go out
+        # together, then the take or the park with the COMMIT: two round trips on PostgreSQL.
+        # The server runs them in order, so the count's snapshot follows the lock.
+        with self.fast.pipelined(lazy=lazy) as unit:
             if self.dialect.autocommit:
-                cur.execute("BEGIN")  # one transaction, as ``LinkQueries.settle_with_links``
-            run = _OnCursor(self._hot, cur)
-            lock = self._slot_hot(lock_statement)
-            limit = int(run.rows(lock, {"ck": ask.key, "lim": ask.limit})[0][0])
+                unit.cur.execute("BEGIN")  # one transaction, as ``LinkQueries.settle_with_links``
+            lock = unit.send(self._slot_hot(lock_statement), {"ck": ask.key, "lim": ask.limit})
             params = req.insert_params(req.owner.node, req.owner.boot, req.owner.pid, executions=1)
-            rows = self._write_with_event(
-                run, self._hot("claim"), params, Note("claimed", req.owner.node)
+            inserted = self._send_with_event(
+                unit, self._hot("claim"), params, Note("claimed", req.owner.node)
             )
+            counted = unit.send(self._slot_hot(count_statement), keyed)
+            limit = int(lock.fetchone()[0])
+            rows = inserted()
+            held, ahead = counted.fetchone()[:2]
             result = None
             if rows:
                 fence = int(rows[0][2])
                 claim = Claim(Gate.RUN, req.key, fence)
                 if refusal(None, rows[0][4], rows[0][5]) is Refusal.EXPIRED:
                     result = claim, True
+                elif int(held) < limit and not ahead:
+                    unit.send(self._slot_hot(take_statement), keyed)
+                    result = claim, False
                 else:
-                    held, ahead = run.rows(self._slot_hot(count_statement), keyed)[0][:2]
-                    if int(held) < limit and not ahead:
-                        take = self._slot_hot(take_statement)
-                        cur.execute(take.sql, take.params(keyed))
-                        result = claim, False
-                    else:
-                        note = self._wait_note(ask.key, int(held), limit, bool(ahead), req)
-                        self._write_with_event(
-                            run, self._slot_hot(park_statement), {**keyed, "f": fence}, note
-                        )
-                        result = _parked(req, ask.key, fence, None), False
+                    note = self._wait_note(ask.key, int(held), limit, bool(ahead), req)
+                    self._send_with_event(
+                        unit, self._slot_hot(park_statement), {**keyed, "f": fence}, note
+                    )
+                    result = _parked(req, ask.key, fence, None), False
             if self.dialect.autocommit:
-                cur.execute("COMMIT")
+                unit.cur.execute("COMMIT")
         return result
 
     def _wait_note(self, ckey: str, held: int, limit: int, ahead: bool, req: ClaimRequest) -> Note:
@@ -373,40 +376,44 @@ class SlotGates(ClaimGates):
         self,
         ask: SlotAsk,
         key: str,
-        settle: Callable[[_OnCursor], list[Any]],
+        settle: Callable[[Pipelined], Callable[[], list[Any]]],
         *,
         lazy: bool,
         actor: str | None,
     ) -> tuple[list[Any], list[Granted]]:
-        """Run ``settle`` (a write that moves entry ``key`` out of ``running``, clearing its
-        slot) and hand the key's free slots to its oldest waiters, in one unit of work on the
-        hot path's cursor that locks ``ask.key`` first, as every claim of the key does.
+        """Run ``settle`` (it sends a write that moves entry ``key`` out of ``running``,
+        clearing its slot, and returns how to read its rows) and hand the key's free slots to
+        its oldest waiters, in one unit of work that locks ``ask.key`` first, as every claim
+        of the key does.
 
         The lock orders this settle with the key's claims, so a waiter cannot slip between
         them: a claim that counted this entry as a holder before the settle parks before the
         settle's count of the waiters (which then serves it), and a claim that locks after
-        it sees the slot free. Returns ``settle``'s rows (none: superseded, nothing handed
-        over) and the waiters served, for the caller to wake (``recovery.slots``).
+        it sees the slot free. Pipelined (``FastPath.pipelined``): the lock, the settle and
+        the count go out together, then the COMMIT (with the grant when someone waits): two
+        round trips on PostgreSQL. Returns ``settle``'s rows (none: superseded, nothing
+        handed over) and the waiters served, for the caller to wake (``recovery.slots``).
         """
         keyed = {"ck": ask.key, "k": key}
-        with self.fast.cursor(lazy=lazy) as cur:
+        with self.fast.pipelined(lazy=lazy) as unit:
             if self.dialect.autocommit:
-                cur.execute("BEGIN")  # one transaction, as ``_claim_new_with_slot``
-            run = _OnCursor(self._hot, cur)
-            lock = self._slot_hot(lock_statement)
-            limit = int(run.rows(lock, {"ck": ask.key, "lim": ask.limit})[0][0])
-            rows = settle(run)
+                unit.cur.execute("BEGIN")  # one transaction, as ``_claim_new_with_slot``
+            lock = unit.send(self._slot_hot(lock_statement), {"ck": ask.key, "lim": ask.limit})
+            settled = settle(unit)
+            counted = unit.send(self._slot_hot(count_statement), keyed)
+            limit = int(lock.fetchone()[0])
+            rows = settled()
+            held, ahead = counted.fetchone()[:2]
             granted: list[Granted] = []
-            if rows:
-                held, ahead = run.rows(self._slot_hot(count_statement), keyed)[0][:2]
-                free = limit - int(held)
-                if ahead and free > 0:
-                    note = Note("slot-granted", actor, f"a slot of {ask.key} is free")
-                    grant = self._slot_hot(grant_statement)
-                    served = self._write_with_event(run, grant, {"ck": ask.key, "n": free}, note)
-                    granted = _served(served)
+            free = limit - int(held)
+            if rows and ahead and free > 0:
+                note = Note("slot-granted", actor, f"a slot of {ask.key} is free")
+                grant = self._slot_hot(grant_statement)
+                granted = _served(
+                    self._send_with_event(unit, grant, {"ck": ask.key, "n": free}, note)()
+                )
             if self.dialect.autocommit:
-                cur.execute("COMMIT")
+                unit.cur.execute("COMMIT")
         return rows, granted
 
     def hand_over(

@@ -7,6 +7,7 @@ A missing pgbouncer skips on a laptop and fails under CI=true, like a missing se
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from celery_ledger.ledger import ClaimRequest, EntryStatus, LedgerStore, Owner
+from celery_ledger.ledger import ClaimRequest, EntryStatus, Gate, LedgerStore, Owner, SlotAsk
 from servers import CI
 
 BIN = Path(sys.executable).parent
@@ -111,6 +112,24 @@ def test_prepared_statements_are_off_when_a_pooler_is_declared(
     already, or has it not. Declared, the ledger prepares nothing."""
     with stores(through(bouncer, pg_url, query), **options) as s:
         assert claim_and_settle(s) == []
+
+
+def test_concurrency_keys_hold_their_limit_through_the_pooler(bouncer: Any, pg_url: str) -> None:
+    """A claim and a settle with a concurrency key (docs/concurrency.md) are transactions of
+    several statements, pipelined by the driver: through PgBouncer in transaction pooling
+    they keep the limit and hand the slots over in order, on every client, as directly."""
+    slot = SlotAsk("shop:c-1", 2)
+    with stores(through(bouncer, pg_url, "pooler=pgbouncer")) as s:
+        claims = []
+        for i in range(PAIRS // 4):
+            req = ClaimRequest(f"k-{i}", "t", f"tid-{i}", "h", "{}", "idempotent", OWNER, 60.0)
+            claims.append(s[i % len(s)].claim(dataclasses.replace(req, slot=slot)))
+        assert [c.gate for c in claims[:2]] == [Gate.RUN, Gate.RUN]
+        assert {c.gate for c in claims[2:]} == {Gate.HOLD}
+        served = s[1].settle_in_slot(slot, "k-0", claims[0].fence, EntryStatus.COMPLETED)
+        assert served is not None and [g.key for g in served] == ["k-2"]
+        again = s[2].settle_in_slot(slot, "k-1", claims[1].fence, EntryStatus.FAILED, error="x")
+        assert again is not None and [g.key for g in again] == ["k-3"]
 
 
 def test_undeclared_the_pooler_breaks_prepared_statements(bouncer: Any, pg_url: str) -> None:
