@@ -14,17 +14,23 @@ returns.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from celery_ledger.ledger.cancellation import CancellationQueries
 from celery_ledger.ledger.death import DeathSignals
 from celery_ledger.ledger.hotpath import HotPath
 from celery_ledger.ledger.links import LinkQueries
 from celery_ledger.ledger.operator import OperatorQueries
-from celery_ledger.ledger.outbox import OutboxQueries
+from celery_ledger.ledger.outbox import Child, OutboxQueries
 from celery_ledger.ledger.rate_limits import RateLimitQueries
 from celery_ledger.ledger.schedule import ScheduleQueries
 from celery_ledger.ledger.signals import SignalQueries
+from celery_ledger.ledger.slots import Granted
+from celery_ledger.ledger.states import EntryStatus
 from celery_ledger.ledger.sweeps import SweepQueries
 from celery_ledger.ledger.transactions import TransactionSteps
+from celery_ledger.ledger.values import SlotAsk
 
 
 class LedgerStore(
@@ -78,3 +84,31 @@ class LedgerStore(
     pid): composition would need either a delegating wrapper per public method or a change at
     every call site, and would buy no isolation the mixins do not already have.
     """
+
+    def settle_attempt(
+        self,
+        slot: SlotAsk | None,
+        key: str,
+        fence: int,
+        status: EntryStatus,
+        *,
+        links: Sequence[Child] = (),
+        actor: str | None = None,
+        **fields: Any,
+    ) -> tuple[bool, list[Granted] | None]:
+        """The settle an attempt makes: with a concurrency key's ``slot``, ``settle_in_slot``
+        (its handover in the same transaction); else with ``links``, ``settle_with_links``;
+        else ``settle``. Returns whether it wrote (False: superseded), and the waiters its
+        handover served (None: it made no handover)."""
+        if slot is not None:
+            served = self.settle_in_slot(
+                slot, key, fence, status, links=links, actor=actor, **fields
+            )
+            return served is not None, served
+        if links:
+            result, error = fields.get("result"), fields.get("error")
+            wrote = self.settle_with_links(
+                key, fence, result=result, error=error, status=status, links=links, actor=actor
+            )
+            return wrote, None
+        return self.settle(key, fence, status, actor=actor, **fields), None

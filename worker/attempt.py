@@ -136,9 +136,8 @@ class Attempt(StepRunner):
         #: How many ``wait_for`` calls of each signal name this run has made: the n-th wait
         #: is the same wait on every run, and takes the same signal (``signals.wait_for``).
         self.signal_waits: Counter[str] = Counter()
-        #: docs/concurrency.md: the concurrency key whose slot this attempt holds, and the
-        #: waiters its settle served in the settle's own transaction (None: no settle of
-        #: this attempt handed the slot over; ``Delivery.run`` then does it after the run).
+        #: docs/concurrency.md: the key whose slot it holds; the waiters its settle served in
+        #: its own transaction (None: none did; ``Delivery.run`` hands over after the run).
         self.slot = slot
         self.served: list[Granted] | None = None
 
@@ -493,31 +492,11 @@ class Attempt(StepRunner):
         """
 
         def write() -> bool:
-            if self.slot is not None:
-                served = self._store.settle_in_slot(
-                    self.slot,
-                    self.key,
-                    self.fence,
-                    status,
-                    links=links,
-                    actor=self.actor,
-                    **fields,
-                )
-                if served is None:
-                    return False
-                self.served = served
-                return True
-            if links:
-                return self._store.settle_with_links(
-                    self.key,
-                    self.fence,
-                    result=fields.get("result"),
-                    error=fields.get("error"),
-                    status=status,
-                    links=links,
-                    actor=self.actor,
-                )
-            return self._store.settle(self.key, self.fence, status, actor=self.actor, **fields)
+            at = (self.slot, self.key, self.fence, status)
+            ok, self.served = self._store.settle_attempt(
+                *at, links=links, actor=self.actor, **fields
+            )
+            return ok
 
         with self.tracing.settle(self, status.value) as span:
             try:

@@ -21,12 +21,15 @@ import hashlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery_ledger import runtime
 from celery_ledger.ledger import SlotAsk
-from celery_ledger.ledger.slots import MAX_CONCURRENCY_KEY_CHARS, Granted
+from celery_ledger.ledger.slots import MAX_CONCURRENCY_KEY_CHARS
 from celery_ledger.recovery import slots
+
+if TYPE_CHECKING:
+    from celery_ledger.attempt import Attempt
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +103,15 @@ def _fit(text: str) -> str:
     return f"{text[: MAX_CONCURRENCY_KEY_CHARS - _DIGEST_CHARS - 1]}#{digest}"
 
 
-def after_run(app: Any, ask: SlotAsk, served: list[Granted] | None, actor: str | None) -> None:
-    """After a run that held (or may have held) a slot of ``ask.key``: send the waiters its
-    settle served (``served``, handed over in the settle's transaction), or, when no
-    settle of it did (stopped, superseded, a ``wait_for``, an unreachable ledger), serve the
-    key's waiters now and send them. Never raises: what it could not do, the sweep does."""
+def after_run(app: Any, attempt: Attempt) -> None:
+    """After a run: when ``attempt`` held (or may have held) a slot of a concurrency key,
+    send the waiters its settle served (``attempt.served``, handed over in the settle's
+    transaction), or, when no settle of it did (stopped, superseded, a ``wait_for``, an
+    unreachable ledger), serve the key's waiters now and send them. Never raises: what it
+    could not do, the sweep does."""
+    ask, served, actor = attempt.slot, attempt.served, attempt.actor
+    if ask is None:
+        return
     store = runtime.store_for(app)
     actor = actor or "worker"
     lease = runtime.settings_for(app).lease_seconds

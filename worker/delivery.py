@@ -254,10 +254,7 @@ class Delivery:
         finally:
             heartbeat.unregister(attempt)
             current_attempt.reset(token)
-            if self.slot is not None:  # settled, stopped or superseded: its slot is free
-                concurrency.after_run(
-                    self.task.app, self.slot, attempt.served, self.request.hostname
-                )
+            concurrency.after_run(self.task.app, attempt)  # settled, stopped or superseded
 
     def give_back(self, claim: Claim) -> Any:
         """RETURN: the entry is settled; return its result or raise its failure, once the
