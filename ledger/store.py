@@ -76,6 +76,9 @@ class LedgerStore(
         └── RateLimitQueries         held_for_tokens: the entries a rate limit holds (the
             (rate_limits.py)         claim takes tokens with its helpers)
 
+    The store's one method of its own, ``settle_attempt``, picks among the groups' settles
+    (with a slot, with links, or neither) for the runtime's attempt.
+
     Each query group is a mixin over ``StoreCore`` alone: none calls another group, and none
     tests which database it runs on (``StoreCore.dialect`` and ``statements`` hold the
     differences). Mixins rather than composition (``store.sweeps.block(...)``) because every
