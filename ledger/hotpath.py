@@ -20,8 +20,8 @@ from celery_ledger.ledger.core import Note
 from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.fastpath import Pipelined
 from celery_ledger.ledger.identity import is_declared
-from celery_ledger.ledger.links import LINKS_STEP
-from celery_ledger.ledger.outbox import Child, child_rows, insert_children
+from celery_ledger.ledger.links import link_rows
+from celery_ledger.ledger.outbox import Child
 from celery_ledger.ledger.rate_limits import (
     hold_reason,
     read_token,
@@ -425,8 +425,7 @@ class HotPath(SlotGates):
         if links:
             if status not in (EntryStatus.COMPLETED, EntryStatus.FAILED):
                 raise ValueError(f"a settle records links when completed or failed, not {status}")
-            record = self.fast.compiled("outbox-insert", lambda: insert_children(self.dialect))
-            children = [record.params(r) for r in child_rows(key, fence, LINKS_STEP, fence, links)]
+            record, children = link_rows(self.fast, self.dialect, key, fence, links)
 
         def write(unit: Pipelined) -> Callable[[], list[Any]]:
             sent = self._send_with_event(unit, self._hot(hot), params, note)

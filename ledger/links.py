@@ -19,10 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import or_, select
 
 from celery_ledger.ledger.core import Note, StoreCore, _OnCursor
+from celery_ledger.ledger.dialect import Dialect
+from celery_ledger.ledger.fastpath import Compiled, FastPath
 from celery_ledger.ledger.outbox import Child, child_rows, child_task_id, insert_children
 from celery_ledger.ledger.schema import entries, outbox
 from celery_ledger.ledger.states import EntryStatus
@@ -52,6 +55,15 @@ class Member:
     status: EntryStatus
     group_id: str | None
     parent_id: str | None
+
+
+def link_rows(
+    fast: FastPath, dialect: Dialect, key: str, fence: int, links: Sequence[Child]
+) -> tuple[Compiled, list[Any]]:
+    """The outbox insert (compiled once) and its parameters for the links a settle of
+    ``key`` at ``fence`` records (their occurrence is the fence)."""
+    record = fast.compiled("outbox-insert", lambda: insert_children(dialect))
+    return record, [record.params(r) for r in child_rows(key, fence, LINKS_STEP, fence, links)]
 
 
 class LinkQueries(StoreCore):
@@ -97,8 +109,7 @@ class LinkQueries(StoreCore):
         }
         fast = self.fast
         settle = self._hot(("settle", True))
-        record = fast.compiled("outbox-insert", lambda: insert_children(self.dialect))
-        rows_params = [record.params(r) for r in child_rows(key, fence, LINKS_STEP, fence, links)]
+        record, rows_params = link_rows(fast, self.dialect, key, fence, links)
         # The hot path's cursor, as the settle without links: one unit of work. It is a
         # transaction on SQLite already (BEGIN IMMEDIATE); on PostgreSQL its connection is in
         # autocommit, so this unit opens one itself (an error closes the connection, which
