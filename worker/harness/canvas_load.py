@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery import chain, chord
-from sqlalchemy import delete
+from sqlalchemy import delete, select
 
 from celery_ledger.ledger import BODY_STEP, entry_key
 from celery_ledger.ledger.schema import entries, events, outbox, steps
@@ -130,6 +130,31 @@ def drop(ledger_engine: Any, keys: list[str]) -> None:
             conn.execute(delete(entries).where(entries.c.key.in_(chunk)))
 
 
+def unfinished(ledger_engine: Any, keys: list[str]) -> list[dict[str, Any]]:
+    """The canvas's entries (``keys``, from ``enqueue``) that are not ``completed``, with
+    what the ledger knows of them; a key without an entry is reported as never claimed."""
+    cols = (
+        entries.c.key,
+        entries.c.task_name,
+        entries.c.status,
+        entries.c.reason,
+        entries.c.fence,
+        entries.c.executions,
+        entries.c.interruptions,
+        entries.c.group_id,
+        entries.c.due_at,
+        entries.c.lease_until,
+    )
+    found: dict[str, dict[str, Any]] = {}
+    with ledger_engine.connect() as conn:
+        for i in range(0, len(keys), 500):
+            for row in conn.execute(select(*cols).where(entries.c.key.in_(keys[i : i + 500]))):
+                found[row.key] = dict(row._mapping)
+    out = [e for e in found.values() if e["status"] != "completed"]
+    out += [{"key": k, "status": "no entry (never claimed)"} for k in keys if k not in found]
+    return out
+
+
 @dataclass
 class CanvasReport:
     chains: int = 0
@@ -139,6 +164,9 @@ class CanvasReport:
     chord_callbacks: int = 0
     duplicate_effects: int = 0
     incomplete: list[str] = field(default_factory=list)
+    #: For an incomplete canvas: each of its tasks' ledger entries that is not ``completed``
+    #: (``unfinished``), or that has no entry at all: where a lost link or member stopped.
+    unfinished: list[dict[str, Any]] = field(default_factory=list)
     #: Whether an incomplete chain or chord fails the run. Not on ``filesystem://``, which
     #: forgets what a SIGKILLed worker had fetched: a link or member it dropped before any
     #: claim is the orders' "never claimed" (its publish intent is re-sent by the sweep

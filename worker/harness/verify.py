@@ -698,6 +698,7 @@ def _run_verify(
             phases.update(f"starting {len(procs)} processes ...")
             wait_ready(procs)
             chains = canvas_load.chains_for(tasks)
+            canvas_keys: list[str] = []
             for w in works:
                 w.enqueue(gaps)
                 if w.kind.ledgered:
@@ -770,6 +771,8 @@ def _run_verify(
                 chains,
                 strict=box.broker_url is not None and not box.broker_url.startswith("filesystem"),
             )
+            if canvas.incomplete:
+                canvas.unfinished = canvas_load.unfinished(stage.ledger_engine, canvas_keys)
             phases.done("effects and ledger entries counted")
     led = reports["ledgered"]
     ok = (
@@ -890,6 +893,9 @@ def render(report: VerifyReport) -> str:
         lines.append(report.canvas.line())
         if report.canvas.incomplete:
             lines.append("  incomplete: " + ", ".join(report.canvas.incomplete[:10]))
+            for e in report.canvas.unfinished[:10]:
+                why = e.get("reason") or ""
+                lines.append(f"  unfinished {e['key'][:16]}…: {e['status']} {why}")
     if report.time is not None:
         lines.append(report.time.line())
         for violation in report.time.violations:
