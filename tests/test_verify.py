@@ -122,6 +122,12 @@ def check(report: dict[str, Any]) -> dict[str, Any]:
         # lapses more often, design.md § "Recovery"), each with its reason.
         crash_loop = blocked["reason"].startswith("crash loop: interrupted")
         assert blocked["reason"] and (blocked["ambiguous_steps"] or crash_loop), blocked
+    # A chain or the chord may stop at a task parked blocked, with its reason, as an order
+    # may (tests/test_harness_canvas_blocked.py); none is lost where the broker keeps messages.
+    canvas = report["canvas"]
+    assert all(canvas["blocked"].values()), canvas
+    if canvas["strict"]:
+        assert set(canvas["incomplete"]) == set(canvas["blocked"]), canvas
     # Every completed order sent its child through the outbox; none was lost, and
     # a duplicate child would have shown in duplicate_effects.
     assert led["children_lost"] == 0, led

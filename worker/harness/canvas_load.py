@@ -5,19 +5,21 @@ Sent into the ledgered run beside its orders, so the same chaos hits it: ``CHAIN
 three links (each link one effect, the chain's result the list of the links' numbers) and one
 chord of ``CHORD_SIZE`` members with a callback (each member one effect, the callback one).
 Counted from the effects table at the end: every link, member and callback effect exactly
-once, every chain and the chord complete.
+once, every chain and the chord complete, or stopped at a task the ledger parked ``blocked``
+(a crash inside its effect step that its reconciler cannot prove): counted as a blocked order
+is, what a crash cost, not a loss (``blocked``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from celery import chain, chord
 from sqlalchemy import delete, select
 
-from celery_ledger.ledger import BODY_STEP, entry_key
+from celery_ledger.ledger import BODY_STEP, EntryStatus, entry_key
 from celery_ledger.ledger.schema import entries, events, outbox, steps
 from celery_ledger.recovery.reconcile import AmbiguousStep, Reconciled
 from celery_ledger.unlock import CHORD_UNLOCK, unlock_id
@@ -93,10 +95,11 @@ def chord_id(run: str) -> str:
     return f"{run}-chord"
 
 
-def enqueue(app: Any, run: str, chains: int) -> list[str]:
+def enqueue(app: Any, run: str, chains: int) -> dict[str, str]:
     """Apply ``chains`` chains and the chord through ``app`` (the run's own). Returns the
-    ledger keys their tasks will have (for the cleanup)."""
-    keys: list[str] = []
+    ledger keys their tasks will have, each with its chain's or the chord's id (for the
+    cleanup, and for ``blocked``)."""
+    keys: dict[str, str] = {}
     for i in range(chains):
         cid = chain_id(run, i)
         res = chain(
@@ -104,23 +107,24 @@ def enqueue(app: Any, run: str, chains: int) -> list[str]:
             *(app.signature(LINK, args=(run, cid, n)) for n in range(2, CHAIN_LENGTH + 1)),
         ).apply_async()
         while res is not None:
-            keys.append(entry_key(LINK, res.id))
+            keys[entry_key(LINK, res.id)] = cid
             res = res.parent
     hid = chord_id(run)
     res = chord(
         [app.signature(LINK, args=([], run, hid, n)) for n in range(CHORD_SIZE)],
         app.signature(JOIN, args=(run, hid)),
     ).apply_async()
-    keys.append(entry_key(JOIN, res.id))
-    keys += [entry_key(LINK, r.id) for r in res.parent.results]
+    keys[entry_key(JOIN, res.id)] = hid
+    keys.update((entry_key(LINK, r.id), hid) for r in res.parent.results)
     # The join of database result backends is a ledgered task too (design.md § "Canvas:
     # chains, groups, chords, callbacks").
-    keys.append(entry_key(CHORD_UNLOCK, unlock_id(res.parent.id)))
+    keys[entry_key(CHORD_UNLOCK, unlock_id(res.parent.id))] = hid
     return keys
 
 
-def drop(ledger_engine: Any, keys: list[str]) -> None:
+def drop(ledger_engine: Any, keys: Iterable[str]) -> None:
     """Remove the canvas's ledger entries, their steps, events and recorded links."""
+    keys = list(keys)
     with ledger_engine.begin() as conn:
         for i in range(0, len(keys), 500):
             chunk = keys[i : i + 500]
@@ -130,7 +134,25 @@ def drop(ledger_engine: Any, keys: list[str]) -> None:
             conn.execute(delete(entries).where(entries.c.key.in_(chunk)))
 
 
-def unfinished(ledger_engine: Any, keys: list[str]) -> list[dict[str, Any]]:
+def blocked(ledger_engine: Any, keys: Mapping[str, str]) -> dict[str, str]:
+    """The chains and the chord (``keys``, from ``enqueue``) one of whose tasks the ledger
+    parked ``blocked`` for an operator, each with that task's reason: a crash inside a step
+    whose effect the reconciler cannot prove (as a blocked order), not a loss."""
+    found: dict[str, str] = {}
+    chunks = [list(keys)[i : i + 500] for i in range(0, len(keys), 500)]
+    with ledger_engine.connect() as conn:
+        for chunk in chunks:
+            rows = conn.execute(
+                select(entries.c.key, entries.c.reason).where(
+                    entries.c.key.in_(chunk), entries.c.status == EntryStatus.BLOCKED.value
+                )
+            )
+            for key, reason in rows:
+                found.setdefault(keys[key], reason or "")
+    return found
+
+
+def unfinished(ledger_engine: Any, keys: Iterable[str]) -> list[dict[str, Any]]:
     """The canvas's entries (``keys``, from ``enqueue``) that are not ``completed``, with
     what the ledger knows of them; a key without an entry is reported as never claimed."""
     cols = (
@@ -145,6 +167,7 @@ def unfinished(ledger_engine: Any, keys: list[str]) -> list[dict[str, Any]]:
         entries.c.due_at,
         entries.c.lease_until,
     )
+    keys = list(keys)
     found: dict[str, dict[str, Any]] = {}
     with ledger_engine.connect() as conn:
         for i in range(0, len(keys), 500):
@@ -164,9 +187,13 @@ class CanvasReport:
     chord_callbacks: int = 0
     duplicate_effects: int = 0
     incomplete: list[str] = field(default_factory=list)
+    #: The incomplete chains and chord that stopped at a task the ledger parked ``blocked``
+    #: (``blocked``), with its reason: counted as blocked orders are, not as lost.
+    blocked: dict[str, str] = field(default_factory=dict)
     #: For an incomplete canvas: each of its tasks' ledger entries that is not ``completed``
     #: (``unfinished``), or that has no entry at all: where a lost link or member stopped.
     unfinished: list[dict[str, Any]] = field(default_factory=list)
+    chord_id: str = ""
     #: Whether an incomplete chain or chord fails the run. Not on ``filesystem://``, which
     #: forgets what a SIGKILLed worker had fetched: a link or member it dropped before any
     #: claim is the orders' "never claimed" (its publish intent is re-sent by the sweep
@@ -177,9 +204,18 @@ class CanvasReport:
     def ok(self) -> bool:
         if self.duplicate_effects or self.chord_callbacks > 1:
             return False
-        if self.chord_members_done == self.chord_members and self.chord_callbacks == 0:
-            return False  # every member done and no callback: the join was lost
-        return not (self.strict and self.incomplete)
+        if (
+            self.chord_members_done == self.chord_members
+            and self.chord_callbacks == 0
+            and self.chord_id not in self.blocked
+        ):
+            return False  # every member done and no callback, and no blocked join: it was lost
+        return not (self.strict and self.lost)
+
+    @property
+    def lost(self) -> list[str]:
+        """The incomplete chains and chord that no blocked task explains."""
+        return [i for i in self.incomplete if i not in self.blocked]
 
     def line(self) -> str:
         line = (
@@ -187,6 +223,8 @@ class CanvasReport:
             f"chord {self.chord_members_done}/{self.chord_members} members and "
             f"{self.chord_callbacks} callback(s), {self.duplicate_effects} duplicated effect(s)"
         )
+        if self.blocked:
+            line += f"; {len(self.blocked)} stopped at a task parked blocked"
         if self.incomplete and not self.strict:
             line += (
                 " (on filesystem:// a link or member the broker dropped before any claim is "
@@ -195,9 +233,17 @@ class CanvasReport:
         return line
 
 
-def tally(snapshot: Any, run: str, chains: int, *, strict: bool = True) -> CanvasReport:
-    """Count the canvas from an ``EffectsSnapshot`` of the run."""
-    r = CanvasReport(chains=chains, strict=strict)
+def tally(
+    snapshot: Any,
+    run: str,
+    chains: int,
+    *,
+    strict: bool = True,
+    parked: Mapping[str, str] | None = None,
+) -> CanvasReport:
+    """Count the canvas from an ``EffectsSnapshot`` of the run; ``parked``: ``blocked``'s
+    answer (the chains and the chord stopped at a blocked task)."""
+    r = CanvasReport(chains=chains, strict=strict, chord_id=chord_id(run))
     links = [f"link{n}" for n in range(1, CHAIN_LENGTH + 1)]
     for i in range(chains):
         cid = chain_id(run, i)
@@ -214,4 +260,5 @@ def tally(snapshot: Any, run: str, chains: int, *, strict: bool = True) -> Canva
     r.chord_callbacks = counts.get("join", 0)
     if r.chord_callbacks != 1 or r.chord_members_done != CHORD_SIZE:
         r.incomplete.append(hid)
+    r.blocked = {i: why for i, why in (parked or {}).items() if i in r.incomplete}
     return r

@@ -301,6 +301,9 @@ class Workload:
         #: Chains sent beside the orders (with a chord: ``verify``'s canvas workload), or
         #: None: the run is over only once the canvas is complete too (or nothing moves).
         self.canvas_chains: int | None = None
+        #: The canvas's ledger keys, each with its chain's or the chord's id
+        #: (``canvas_load.enqueue``): a chain stopped at a blocked task is over.
+        self.canvas_keys: dict[str, str] = {}
         #: ``verify``'s time-and-cancellation workload (``time_load.TimeLoad``), or None: the
         #: run is over only once each of its tasks is terminal too.
         self.time_load: Any = None
@@ -449,9 +452,14 @@ class Workload:
             if self.canvas_chains is not None:
                 # A chord's callback is published after its last member settles: the orders
                 # can all be done while it is still queued.
-                canvas = canvas_load.tally(self.snapshot, self.run, self.canvas_chains)
-                done = done and not canvas.incomplete
-                if canvas.incomplete and not self.box.embedded:
+                parked = canvas_load.blocked(ledger_engine, self.canvas_keys)
+                canvas = canvas_load.tally(
+                    self.snapshot, self.run, self.canvas_chains, parked=parked
+                )
+                # A chain or the chord stopped at a task parked ``blocked`` waits for an
+                # operator, as a blocked order does: it is over for this run.
+                done = done and not canvas.lost
+                if canvas.lost and not self.box.embedded:
                     # A link, member or callback still to run is work the ledger owns (a
                     # member whose worker was killed waits for its lease and a sweep): on a
                     # loaded machine that takes longer than the idle time, and going idle
@@ -459,7 +467,11 @@ class Workload:
                     # ends a run that never completes. Not on ``filesystem://``, which may
                     # drop a member before any claim (``canvas_load.CanvasReport.strict``).
                     self.mark_progress()
-                if canvas.chord_members_done == canvas.chord_members and not canvas.chord_callbacks:
+                if (
+                    canvas.chord_members_done == canvas.chord_members
+                    and not canvas.chord_callbacks
+                    and canvas.chord_id not in canvas.blocked
+                ):
                     # Every member done and no callback fails the run on any broker (the
                     # join's publish intent is the ledger's): on ``filesystem://`` a callback a
                     # killed worker had fetched comes back with that intent's re-send, after

@@ -698,15 +698,16 @@ def _run_verify(
             phases.update(f"starting {len(procs)} processes ...")
             wait_ready(procs)
             chains = canvas_load.chains_for(tasks)
-            canvas_keys: list[str] = []
+            canvas_keys: dict[str, str] = {}
             for w in works:
                 w.enqueue(gaps)
                 if w.kind.ledgered:
                     canvas_keys = _enqueue_canvas(w, chains)
                     w.canvas_chains = chains
+                    w.canvas_keys = canvas_keys
                     if not keep and not box.owns_ledger:
 
-                        def drop_canvas(keys: list[str] = canvas_keys) -> None:
+                        def drop_canvas(keys: dict[str, str] = canvas_keys) -> None:
                             canvas_load.drop(stage.ledger_engine, keys)
 
                         stage.cleanups.append(drop_canvas)
@@ -770,8 +771,9 @@ def _run_verify(
                 ledgered.run,
                 chains,
                 strict=box.broker_url is not None and not box.broker_url.startswith("filesystem"),
+                parked=canvas_load.blocked(stage.ledger_engine, canvas_keys),
             )
-            if canvas.incomplete:
+            if canvas.lost:
                 canvas.unfinished = canvas_load.unfinished(stage.ledger_engine, canvas_keys)
             phases.done("effects and ledger entries counted")
     led = reports["ledgered"]
@@ -809,7 +811,7 @@ def _run_verify(
     )
 
 
-def _enqueue_canvas(work: Workload, chains: int) -> list[str]:
+def _enqueue_canvas(work: Workload, chains: int) -> dict[str, str]:
     app = demo_app.build_app(work.env)
     try:
         return canvas_load.enqueue(app, work.run, chains)
@@ -893,6 +895,8 @@ def render(report: VerifyReport) -> str:
         lines.append(report.canvas.line())
         if report.canvas.incomplete:
             lines.append("  incomplete: " + ", ".join(report.canvas.incomplete[:10]))
+            for item, why in report.canvas.blocked.items():
+                lines.append(f"  blocked {item}: {why}")
             for e in report.canvas.unfinished[:10]:
                 why = e.get("reason") or ""
                 lines.append(f"  unfinished {e['key'][:16]}…: {e['status']} {why}")
