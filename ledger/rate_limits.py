@@ -195,6 +195,9 @@ def hold_statement(dialect: Dialect, *, ran: int) -> Any:
             lease_until=None,
             executions=entries.c.executions - ran,
             updated_at=db_now_stable(),
+            # Out of ``running``: a slot of its concurrency key is held while running only
+            # (``ledger.slots``); a stale one would be trusted by the wake's claim.
+            slot_at=None,
         )
         .returning(*sql.RETURNED)
     )

@@ -11,9 +11,9 @@ one decision, and two claims of one key never both see a free slot.
 - **Who holds a slot**: an entry of the key with ``slot_at`` set that is ``running`` (an
   attempt, or the resume marker of a wake), or ``sleeping`` in the slot wait after a
   handover made it due (``holding``). Every write that moves an entry out of ``running``
-  clears ``slot_at`` (the settle, the interrupt, a refusal or block at the claim); a status
-  any other path leaves is not counted either way, so a stale ``slot_at`` can only make
-  fewer run, never more.
+  clears ``slot_at`` (the settle, the interrupt, a refusal or block at the claim, a rate
+  limit's hold); a status any other path leaves is not counted either way, so a stale
+  ``slot_at`` can only make fewer run, never more.
 - **The claim** (``claim_with_slot``): the ordinary gates first (``ClaimGates``, the
   admission gate among them), under the key's lock; a delivery that would run takes a slot
   when fewer than N are held and no one waits ahead of it. Otherwise its entry is parked
@@ -61,6 +61,7 @@ from celery_ledger.ledger.core import Note
 from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.dialect import Dialect
 from celery_ledger.ledger.fastpath import Pipelined
+from celery_ledger.ledger.rate_limits import hold_reason, take_token
 from celery_ledger.ledger.schema import concurrency_keys, entries
 from celery_ledger.ledger.statements import B
 from celery_ledger.ledger.states import EntryStatus, Gate
@@ -272,7 +273,8 @@ class SlotGates(ClaimGates):
         """
         # Durable exactly when the one-statement claim it replaces is (``_lazy``).
         lazy = self._lazy(req.side_effect in CLAIM_IS_INTENT)
-        new = self._claim_new_with_slot(req, ask, lazy)
+        # With a rate limit too, a new entry takes its token in the slower transaction.
+        new = self._claim_new_with_slot(req, ask, lazy) if req.rate is None else None
         if new is not None:
             return new
         for _ in range(3):
@@ -282,10 +284,28 @@ class SlotGates(ClaimGates):
                 if decided is None:
                     continue  # pruned between the insert and the read: insert again
                 claim, expired_new = decided
+                if claim.found is None and req.rate is not None and not expired_new:
+                    # A new entry: the rate limit's gate, as an existing one's claim asks it
+                    # (``ClaimGates._token_gate``), before the slot's.
+                    claim = self._token_for_new_in(conn, req, claim)
                 if claim.gate in _RUNS and not expired_new:
                     claim = self._slot_gate(conn, req, ask.key, limit, claim)
                 return claim, expired_new
         raise RuntimeError(f"claim of {req.key} did not converge")  # pragma: no cover
+
+    def _token_for_new_in(self, conn: Connection, req: ClaimRequest, claim: Claim) -> Claim:
+        """A new entry's token (``req.rate``), on ``conn``: the claim as it is when one was
+        taken, else the entry held until its token is due (its insert counted an execution
+        that never ran: taken back) and HOLD."""
+        assert req.rate is not None
+        token = take_token(conn, self.dialect, req.rate, queued=False)
+        if token.admitted:
+            return claim
+        self._hold_for_token(conn, req, claim.fence, token, ran=1)
+        why = hold_reason(req.rate, token.due_at, token.now)
+        return Claim(
+            Gate.HOLD, req.key, claim.fence, reason=why, token_due_in=token.due_at - token.now
+        )
 
     def _slot_hot(self, build: Any) -> Any:
         return self.fast.compiled(("slot", build.__name__), partial(build, self.dialect))

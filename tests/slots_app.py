@@ -47,3 +47,28 @@ def per_customer(self: LedgerTask, customer: str, n: int, pause: float) -> str:
     time.sleep(pause)
     record("end", customer, n, host, token)
     return f"{customer}:{n}"
+
+
+#: ``per_customer_rated``'s rate per customer (one token every half second).
+RATE_PER_CUSTOMER = 2.0
+
+
+# One at a time per customer, and at most two a second per customer (docs/concurrency.md
+# § "With a rate limit"): both gates in one claim.
+@app.task(
+    base=LedgerTask,
+    bind=True,
+    name="slots_app.per_customer_rated",
+    side_effect="idempotent",
+    key_from=("customer", "n"),
+    concurrency_key=("customer",),
+    concurrency_limit=1,
+    ledger_rate_limit=f"{RATE_PER_CUSTOMER:g}/s per customer",
+)
+def per_customer_rated(self: LedgerTask, customer: str, n: int, pause: float) -> str:
+    token = uuid.uuid4().hex
+    host = self.request.hostname or "?"
+    record("start", customer, n, host, token)
+    time.sleep(pause)
+    record("end", customer, n, host, token)
+    return f"{customer}:{n}"

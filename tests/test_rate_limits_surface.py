@@ -114,20 +114,20 @@ def test_a_bad_option_is_refused_at_registration(tmp_path: Path, bad: str, says:
     assert "bad.rate" in str(err.value) and says in str(err.value), str(err.value)
 
 
-def test_a_rate_limit_with_a_concurrency_key_is_refused_at_registration(tmp_path: Path) -> None:
+def test_a_rate_limit_with_a_concurrency_key_registers_both(tmp_path: Path) -> None:
+    # Both gates in one claim (docs/concurrency.md § "With a rate limit"): no longer refused.
     app = create_app("rate-and-slot", data_dir=tmp_path)
-    with pytest.raises(ValueError) as err:
 
-        @app.task(
-            shared=False,
-            base=LedgerTask,
-            name="both.limits",
-            ledger_rate_limit="5/s",
-            concurrency_key=("cid",),
-            concurrency_limit=1,
-        )
-        def both(cid: int) -> None:
-            return None
+    @app.task(
+        shared=False,
+        base=LedgerTask,
+        name="both.limits",
+        ledger_rate_limit="5/s per cid",
+        concurrency_key=("cid",),
+        concurrency_limit=1,
+    )
+    def both(cid: int) -> None:
+        return None
 
-        app.tasks["both.limits"]  # registration binds it
-    assert "both.limits" in str(err.value) and "cannot be combined" in str(err.value)
+    task = app.tasks["both.limits"]  # registration binds it
+    assert (task.ledger_rate_limit, task.concurrency_limit) == ("5/s per cid", 1)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from slots_app import SLOT_TASKS
+from slots_app import RATE_PER_CUSTOMER, SLOT_TASKS
 
 from celery_ledger.ledger import EntryStatus, LedgerStore
 from helpers import business_key
@@ -118,4 +118,58 @@ def test_one_per_customer_across_workers_and_sigkills(tmp_path, redis, pg_url):
     cut = sum(1 for spans in by_customer.values() for _ in spans) - len(keys)
     assert cut >= 1, "no SIGKILL cut a run short: the test proved nothing about dead holders"
     print(f"\n{len(keys)} tasks, {cut} run(s) cut short by the SIGKILLs and run again")
+    store.dispose()
+
+
+def over_the_rate(by_customer: dict[str, list[tuple[float, float, str]]], rate: float) -> list[str]:
+    """The windows in which one customer started more runs than the limit admits: at most
+    ``rate * W + 1`` claims in any W seconds (docs/rate-limits.md), plus one for the
+    difference between a claim's database time and its run's start in the log."""
+    found = []
+    for customer, spans in by_customer.items():
+        starts = sorted(s for s, _, _ in spans)
+        for i, first in enumerate(starts):
+            for j in range(i + 1, len(starts)):
+                runs_in = j - i + 1
+                if runs_in > rate * (starts[j] - first) + 2:
+                    found.append(f"{customer}: {runs_in} runs in {starts[j] - first:.3f}s")
+    return found
+
+
+def test_a_concurrency_key_and_a_rate_limit_on_one_task(tmp_path, redis, pg_url):
+    """30 tasks over 3 customers, one at a time and two a second per customer, on two
+    workers of four pool processes: never two runs of one customer at once, never more
+    starts than the rate admits, and all 30 complete."""
+    task, customers, per = "slots_app.per_customer_rated", 3, 10
+    log = tmp_path / "slots.log"
+    env = test_env(
+        tmp_path,
+        broker=redis,
+        ledger_url=pg_url,
+        CELERY_LEDGER_SWEEP_INTERVAL="1",
+        TEST_SLOT_LOG=str(log),
+    )
+    client = client_app(env)
+    store = LedgerStore(pg_url)
+    keys = [business_key(task, customer=f"c{c}", n=n) for n in range(per) for c in range(customers)]
+    with processes(tmp_path, env) as procs:
+        procs.worker("w1", concurrency=4, extra=SLOT_TASKS)
+        procs.worker("w2", concurrency=4, extra=SLOT_TASKS)
+        procs.beat()
+        for n in range(per):
+            for c in range(customers):
+                client.send_task(task, args=(f"c{c}", n, 0.05))
+
+        def done() -> int:
+            return store.stats().by_status.get("completed", 0)
+
+        try:
+            wait_for(lambda: done() == len(keys), timeout=120, what="all 30 to complete")
+        except WaitTimeout as exc:
+            raise AssertionError(f"{exc}; by status: {store.stats().by_status}") from None
+    assert {store.get_entry(k).status for k in keys} == {EntryStatus.COMPLETED}
+    by_customer = runs(log, {})
+    assert sorted(by_customer) == [f"c{c}" for c in range(customers)]
+    assert overlaps(by_customer) == []
+    assert over_the_rate(by_customer, RATE_PER_CUSTOMER) == []
     store.dispose()

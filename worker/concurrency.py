@@ -24,8 +24,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery_ledger import runtime
-from celery_ledger.ledger import SlotAsk
-from celery_ledger.ledger.slots import MAX_CONCURRENCY_KEY_CHARS
+from celery_ledger.ledger import Claim, SlotAsk
+from celery_ledger.ledger.slots import MAX_CONCURRENCY_KEY_CHARS, Granted
 from celery_ledger.recovery import slots
 
 if TYPE_CHECKING:
@@ -109,11 +109,23 @@ def after_run(app: Any, attempt: Attempt) -> None:
     transaction), or, when no settle of it did (stopped, superseded, a ``wait_for``, an
     unreachable ledger), serve the key's waiters now and send them. Never raises: what it
     could not do, the sweep does."""
-    ask, served, actor = attempt.slot, attempt.served, attempt.actor
-    if ask is None:
-        return
+    if attempt.slot is not None:
+        _hand_over(app, attempt.slot, attempt.actor or "worker", attempt.served)
+
+
+def after_hold(app: Any, ask: SlotAsk | None, claim: Claim, actor: str | None) -> None:
+    """After a HOLD: when the claim held the entry for a rate limit's token
+    (docs/concurrency.md § "With a rate limit"), a slot a handover had given it went back
+    with that hold, so the key's waiters are served now, not at the sweep's next handover.
+    Never raises."""
+    if ask is not None and claim.token_due_in is not None:
+        _hand_over(app, ask, actor or "worker", None)
+
+
+def _hand_over(app: Any, ask: SlotAsk, actor: str, served: list[Granted] | None) -> None:
+    """Send ``served`` (waiters a settle served), or serve the key's waiters now and send
+    them (``served`` None)."""
     store = runtime.store_for(app)
-    actor = actor or "worker"
     lease = runtime.settings_for(app).lease_seconds
     try:
         if served is not None:
@@ -139,4 +151,4 @@ def after_run(app: Any, attempt: Attempt) -> None:
         log.warning("could not hand over a slot of %s (%r); the sweep will", ask.key, exc)
 
 
-__all__ = ["after_run", "check_options", "slot_ask"]
+__all__ = ["after_run", "after_hold", "check_options", "slot_ask"]

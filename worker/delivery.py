@@ -279,8 +279,8 @@ class Delivery:
         redeliver(self.task, self.args, self.kwargs, countdown=countdown)
 
     def hold(self, claim: Claim) -> NoReturn:
-        """HOLD: the entry is scheduled or sleeping; the ledger sends it when due. Held for
-        a rate limit's token, this delivery sends itself again for then (``ratelimit``)."""
+        """HOLD: the ledger sends the entry when due; held for a token, ``ratelimit``."""
+        concurrency.after_hold(self.task.app, self.slot, claim, self.request.hostname)
         ratelimit.resend_when_due(self.task, self.args, self.kwargs, claim, self.settings)
 
     def block(self, claim: Claim) -> NoReturn:

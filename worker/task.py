@@ -103,12 +103,6 @@ class LedgerTask(Task):
             except ValueError as exc:
                 raise ValueError(f"task {cls.name}: {exc}") from None
         ratelimit.check_option(cls)
-        if cls.concurrency_key is not None and getattr(cls, "ledger_rate_limit", None):
-            # Each is its own claim path (a key's lock, a bucket's row); their order when a
-            # task asks for both is not designed yet (docs/rate-limits.md, "Limits").
-            raise ValueError(
-                f"task {cls.name}: concurrency_key and ledger_rate_limit cannot be combined yet"
-            )
         if isinstance(cls.key_from, str):
             raise TypeError(
                 f"task {cls.name}: key_from must be a tuple of argument names or a "
