@@ -139,13 +139,17 @@ class ClaimGates(StoreCore):
 
         A takeover is not held: the attempt it replaces may have died in the body, and only
         a takeover decides what that body left ambiguous. Its entry stays as it is (its lease
-        lapsed or lapses), and the delivery is sent again for its token's due time.
+        lapsed or lapses), and the delivery is sent again for its token's due time: the
+        bucket's next token, as a held delivery's, not a place at the end of the queue. It
+        keeps no place (nothing is held), so taking a new one on each claim would let two
+        takeovers push each other back for ever.
         """
         assert req.rate is not None
-        queued = is_held(conn, req.key)
+        held = is_held(conn, req.key)
+        queued = held or gate is Gate.TAKEOVER
         token = take_token(conn, self.dialect, req.rate, queued=queued)
         if token.admitted:
-            if queued:
+            if held:
                 end_hold(conn, req.key)
             return None
         found = EntryStatus(row.status)

@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from test_store_contract import request
+from test_store_contract import request, wait_lease_expired
 
 from celery_ledger.ledger import (
     ClaimRequest,
@@ -156,3 +156,45 @@ def test_concurrent_claims_from_many_stores_never_exceed_the_limit(ledger_url: s
     assert min(gaps) >= 0.05 - 1e-6, min(gaps)
     span = admitted[-1] - admitted[0]
     assert len(admitted) <= span / 0.05 + 1
+
+
+def test_takeovers_held_for_a_token_do_not_push_each_other_back_for_ever(
+    store: LedgerStore,
+) -> None:
+    """A takeover that finds no token is not held (its entry stays as it is) and keeps no
+    place in the bucket's queue. Had it queued at the end on each claim, two of them, each
+    coming back at its own due time, would each find the other's new place past its own and
+    be sent back again, for ever (the concurrency keys' model found it: entries resumed after
+    a crash never ran). A takeover waits for the bucket's next token instead."""
+    slow = TokenAsk("takeovers", 0.4, "150/m")
+
+    def req(key: str, lease: float = 3600.0) -> ClaimRequest:
+        return dataclasses.replace(request(key, task_id=f"t-{key}", lease=lease), rate=slow)
+
+    for key in ("a", "b"):
+        until_db_time(store, store.now() + slow.interval)
+        assert store.claim(req(key, lease=0.5)).gate is Gate.RUN
+    for key in ("a", "b"):
+        wait_lease_expired(store, key)
+    until_db_time(store, store.now() + slow.interval)
+    assert store.claim(req("c")).gate is Gate.RUN  # the bucket's token is taken
+    due = {}
+    for key in ("a", "b"):
+        claim = store.claim(req(key))
+        assert claim.gate is Gate.HOLD and claim.token_due_in is not None, claim
+        due[key] = store.now() + claim.token_due_in
+    ran: set[str] = set()
+    for _ in range(8):  # each comes back at its own due time, as its re-sent message does
+        for key in sorted(due, key=due.__getitem__):
+            if key in ran:
+                continue
+            until_db_time(store, due[key])
+            claim = store.claim(req(key))
+            if claim.gate is Gate.TAKEOVER:
+                ran.add(key)
+            else:
+                assert claim.gate is Gate.HOLD and claim.token_due_in is not None, claim
+                due[key] = store.now() + claim.token_due_in
+        if ran == {"a", "b"}:
+            break
+    assert ran == {"a", "b"}, f"takeovers never admitted: due {due}, now {store.now()}"

@@ -8,7 +8,10 @@ own transaction (``settle_in_slot``), is stopped without a settle of its own (th
 afterwards, as ``celery_ledger.concurrency.after_run`` does), or crashes (it stops writing).
 Time passes on a fake clock (every stored time moves back), the sweep interrupts expired
 leases, hands over every key's free slots and resumes what it interrupted, and the waker sends
-the due waiters.
+the due waiters. In the second variant the task has a rate limit too (docs/concurrency.md
+§ "With a rate limit"): a claim may be held for its token (its delivery comes back once time
+passes, and the worker hands over, as ``concurrency.after_hold`` does), also a waiter a
+handover served.
 
 Invariants:
 
@@ -49,6 +52,7 @@ from celery_ledger.ledger import (
     LedgerStore,
     Owner,
     SlotAsk,
+    TokenAsk,
 )
 from celery_ledger.ledger.schema import entries
 from celery_ledger.ledger.slots import Granted, holding, waiting
@@ -61,6 +65,10 @@ STEPS_PER_EXAMPLE = int(os.environ.get("CELERY_LEDGER_MODEL_STEPS", "40"))
 CKEY = "model.charge:customer=c-1"
 LIMIT = 2
 SLOT = SlotAsk(CKEY, LIMIT)
+#: The rate variant's bucket: a token every 5 s of the fake clock.
+RATE = TokenAsk("model.charge", 5.0, "12/m")
+#: The rate variant's examples (each step of it costs a little more).
+RATE_EXAMPLES = max(1, EXAMPLES * 2 // 3)
 KEYS = tuple(f"e{i}" for i in range(5))
 LEASE = 10.0
 WORKERS = (Owner("w0@host", "boot-0", 100), Owner("w1@host", "boot-1", 101))
@@ -77,7 +85,7 @@ TIMES = (
 )
 
 
-def _request(key: str, owner: Owner) -> ClaimRequest:
+def _request(key: str, owner: Owner, rate: TokenAsk | None = None) -> ClaimRequest:
     return ClaimRequest(
         key=key,
         task_name="model.charge",
@@ -89,23 +97,33 @@ def _request(key: str, owner: Owner) -> ClaimRequest:
         lease_seconds=LEASE,
         max_interruptions=1000,
         slot=SLOT,
+        rate=rate,
     )
 
 
 class SlotModel(RuleBasedStateMachine):
     url: str = ""
+    rate: TokenAsk | None = None
 
     def __init__(self) -> None:
         super().__init__()
         self.store = LedgerStore(self.url)
         with self.store.engine.begin() as conn:
-            for table in ("ledger_events", "ledger_entries", "ledger_concurrency_keys"):
+            for table in (
+                "ledger_events",
+                "ledger_entries",
+                "ledger_concurrency_keys",
+                "ledger_rate_buckets",
+                "ledger_rate_holds",
+            ):
                 conn.execute(text(f"DELETE FROM {table}"))
         #: The attempts the simulated workers run: key -> fence.
         self.attempts: dict[str, int] = {}
         #: Entries with a message in flight (published, redelivered, resumed, woken).
         self.inbox: set[str] = set()
         self.delivered: set[str] = set()
+        #: Deliveries held for a token: each sends itself again for its due time.
+        self.held: set[str] = set()
 
     def teardown(self) -> None:
         self.store.dispose()
@@ -159,9 +177,16 @@ class SlotModel(RuleBasedStateMachine):
         key = data.draw(st.sampled_from(sorted(self.inbox)))
         self.inbox.discard(key)
         self.delivered.add(key)
-        claim = self.store.claim(_request(key, worker))
+        self.claim(key, worker)
+
+    def claim(self, key: str, worker: Owner) -> None:
+        claim = self.store.claim(_request(key, worker, self.rate))
         if claim.gate in (Gate.RUN, Gate.TAKEOVER):
             self.attempts[key] = claim.fence
+        elif claim.gate is Gate.HOLD and claim.token_due_in is not None:
+            self.held.add(key)  # sent again for its token's due time
+            before = self.waiters_in_order()
+            self.served(before, self.store.hand_over(CKEY, limit=LIMIT, actor="worker"))
 
     @precondition(lambda self: bool(self.attempts))
     @rule(data=st.data(), retry=st.booleans())
@@ -204,6 +229,19 @@ class SlotModel(RuleBasedStateMachine):
         with self.store.engine.begin() as conn:
             conn.execute(text(f"UPDATE ledger_entries SET {sets}"), {"d": seconds})
             conn.execute(text("UPDATE ledger_events SET at = at - :d"), {"d": seconds})
+            conn.execute(
+                text("UPDATE ledger_rate_buckets SET tat = tat - :d, queue_end = queue_end - :d"),
+                {"d": seconds},
+            )
+            conn.execute(
+                text(
+                    "UPDATE ledger_rate_holds"
+                    " SET held_since = held_since - :d, due_at = due_at - :d"
+                ),
+                {"d": seconds},
+            )
+        self.inbox.update(self.held)  # their countdowns ran (or ran early: held again)
+        self.held.clear()
 
     @rule()
     def sweep(self) -> None:
@@ -248,9 +286,7 @@ class SlotModel(RuleBasedStateMachine):
             while self.inbox:
                 key = sorted(self.inbox)[0]
                 self.inbox.discard(key)
-                claim = self.store.claim(_request(key, WORKERS[0]))
-                if claim.gate in (Gate.RUN, Gate.TAKEOVER):
-                    self.attempts[key] = claim.fence
+                self.claim(key, WORKERS[0])
             if not self.attempts:
                 self.time_passes(12.0)
                 self.sweep()
@@ -258,15 +294,32 @@ class SlotModel(RuleBasedStateMachine):
             statuses = {k: self.entry(k).status for k in self.delivered}
             if all(s is EntryStatus.COMPLETED for s in statuses.values()):
                 return
-        raise AssertionError(f"not every entry completed: {statuses}")
+        left = {
+            k: (e.status.value, e.reason, e.owner, e.lease_until, e.due_at, e.fence)
+            for k in sorted(self.delivered)
+            if (e := self.entry(k)).status is not EntryStatus.COMPLETED
+        }
+        raise AssertionError(
+            f"not every entry completed: {left}; now {self.store.now()}, inbox {self.inbox}, "
+            f"held {self.held}, attempts {self.attempts}; {self.rate_rows()}"
+        )
+
+    def rate_rows(self) -> str:
+        with self.store.engine.connect() as conn:
+            buckets = conn.execute(text("SELECT * FROM ledger_rate_buckets")).all()
+            holds = conn.execute(text("SELECT * FROM ledger_rate_holds")).all()
+        return f"buckets {buckets}, holds {holds}"
 
 
 @pytest.mark.timeout(600)
-def test_slots_model(ledger_url: str) -> None:
+@pytest.mark.parametrize("rate", [None, RATE], ids=["slot", "slot-and-rate"])
+def test_slots_model(ledger_url: str, rate: TokenAsk | None) -> None:
     """Random interleavings keep every invariant, and every entry completes in the end."""
+    variant = rate
 
     class Run(SlotModel):
         url = ledger_url
+        rate = variant
 
         def teardown(self) -> None:
             try:
@@ -277,7 +330,7 @@ def test_slots_model(ledger_url: str) -> None:
     run_state_machine_as_test(
         Run,
         settings=settings(
-            max_examples=EXAMPLES,
+            max_examples=EXAMPLES if rate is None else RATE_EXAMPLES,
             stateful_step_count=STEPS_PER_EXAMPLE,
             deadline=None,
             database=None,
