@@ -30,6 +30,16 @@ def record(what: str, customer: str, n: int, host: str, token: str) -> None:
         os.close(fd)
 
 
+def run_logged(task: LedgerTask, customer: str, n: int, pause: float) -> str:
+    """One run: its start, ``pause`` seconds, its end, each a line of the log."""
+    token = uuid.uuid4().hex
+    host = task.request.hostname or "?"
+    record("start", customer, n, host, token)
+    time.sleep(pause)
+    record("end", customer, n, host, token)
+    return f"{customer}:{n}"
+
+
 # Idempotent: a run a SIGKILL cut short may simply run again (the test is about the slots).
 @app.task(
     base=LedgerTask,
@@ -41,12 +51,7 @@ def record(what: str, customer: str, n: int, host: str, token: str) -> None:
     concurrency_limit=1,
 )
 def per_customer(self: LedgerTask, customer: str, n: int, pause: float) -> str:
-    token = uuid.uuid4().hex
-    host = self.request.hostname or "?"
-    record("start", customer, n, host, token)
-    time.sleep(pause)
-    record("end", customer, n, host, token)
-    return f"{customer}:{n}"
+    return run_logged(self, customer, n, pause)
 
 
 #: ``per_customer_rated``'s rate per customer (one token every half second).
@@ -66,9 +71,4 @@ RATE_PER_CUSTOMER = 2.0
     ledger_rate_limit=f"{RATE_PER_CUSTOMER:g}/s per customer",
 )
 def per_customer_rated(self: LedgerTask, customer: str, n: int, pause: float) -> str:
-    token = uuid.uuid4().hex
-    host = self.request.hostname or "?"
-    record("start", customer, n, host, token)
-    time.sleep(pause)
-    record("end", customer, n, host, token)
-    return f"{customer}:{n}"
+    return run_logged(self, customer, n, pause)
