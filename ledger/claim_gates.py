@@ -152,18 +152,17 @@ class ClaimGates(StoreCore):
             if held:
                 end_hold(conn, req.key)
             return None
-        found = EntryStatus(row.status)
-        why = hold_reason(req.rate, token.due_at, token.now)
         if gate is not Gate.TAKEOVER:
             self._hold_for_token(conn, req, row.fence, token, ran=0)
-        return Claim(
-            Gate.HOLD,
-            req.key,
-            row.fence,
-            found=found,
-            reason=why,
-            token_due_in=token.due_at - token.now,
-        )
+        return token_hold(req, row.fence, token, found=EntryStatus(row.status))
+
+    def _hold_new_for_token(
+        self, conn: Connection, req: ClaimRequest, fence: int, token: Token
+    ) -> Claim:
+        """Hold a new entry (its insert counted an execution that never ran: taken back)
+        until ``token`` is due, in the caller's transaction; its HOLD claim."""
+        self._hold_for_token(conn, req, fence, token, ran=1)
+        return token_hold(req, fence, token)
 
     def _hold_for_token(
         self, conn: Connection, req: ClaimRequest, fence: int, token: Token, *, ran: int
@@ -383,3 +382,14 @@ def _conflicts(stored: str, req: ClaimRequest) -> bool:
     by its task id). The claim then stores the new hash with the fence it takes.
     """
     return stored != req.args_hash and stored != NO_ARGS_HASH and not req.args_may_change
+
+
+def token_hold(
+    req: ClaimRequest, fence: int, token: Token, *, found: EntryStatus | None = None
+) -> Claim:
+    """The HOLD claim of a delivery that found no token: why, and when its token is due."""
+    assert req.rate is not None
+    why = hold_reason(req.rate, token.due_at, token.now)
+    return Claim(
+        Gate.HOLD, req.key, fence, found=found, reason=why, token_due_in=token.due_at - token.now
+    )

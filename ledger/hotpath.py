@@ -23,7 +23,6 @@ from celery_ledger.ledger.identity import is_declared
 from celery_ledger.ledger.links import link_rows
 from celery_ledger.ledger.outbox import Child
 from celery_ledger.ledger.rate_limits import (
-    hold_reason,
     read_token,
     take_token_statement,
     token_params,
@@ -141,10 +140,7 @@ class HotPath(SlotGates):
         if token.admitted:
             return Claim(Gate.RUN, req.key, fence)
         with self._txn() as conn:
-            self._hold_for_token(conn, req, fence, token, ran=1)
-        why = hold_reason(req.rate, token.due_at, token.now)
-        due_in = token.due_at - token.now
-        return Claim(Gate.HOLD, req.key, fence, reason=why, token_due_in=due_in)
+            return self._hold_new_for_token(conn, req, fence, token)
 
     def record_intent(self, req: ClaimRequest) -> bool:
         """Record a task at publish time, before any worker has it (one statement, atomic).

@@ -61,7 +61,7 @@ from celery_ledger.ledger.core import Note
 from celery_ledger.ledger.dbclock import db_now
 from celery_ledger.ledger.dialect import Dialect
 from celery_ledger.ledger.fastpath import Pipelined
-from celery_ledger.ledger.rate_limits import hold_reason, take_token
+from celery_ledger.ledger.rate_limits import take_token
 from celery_ledger.ledger.schema import concurrency_keys, entries
 from celery_ledger.ledger.statements import B
 from celery_ledger.ledger.states import EntryStatus, Gate
@@ -295,17 +295,12 @@ class SlotGates(ClaimGates):
 
     def _token_for_new_in(self, conn: Connection, req: ClaimRequest, claim: Claim) -> Claim:
         """A new entry's token (``req.rate``), on ``conn``: the claim as it is when one was
-        taken, else the entry held until its token is due (its insert counted an execution
-        that never ran: taken back) and HOLD."""
+        taken, else the entry held until its token is due and HOLD."""
         assert req.rate is not None
         token = take_token(conn, self.dialect, req.rate, queued=False)
         if token.admitted:
             return claim
-        self._hold_for_token(conn, req, claim.fence, token, ran=1)
-        why = hold_reason(req.rate, token.due_at, token.now)
-        return Claim(
-            Gate.HOLD, req.key, claim.fence, reason=why, token_due_in=token.due_at - token.now
-        )
+        return self._hold_new_for_token(conn, req, claim.fence, token)
 
     def _slot_hot(self, build: Any) -> Any:
         return self.fast.compiled(("slot", build.__name__), partial(build, self.dialect))

@@ -139,16 +139,10 @@ def blocked(ledger_engine: Any, keys: Mapping[str, str]) -> dict[str, str]:
     parked ``blocked`` for an operator, each with that task's reason: a crash inside a step
     whose effect the reconciler cannot prove (as a blocked order), not a loss."""
     found: dict[str, str] = {}
-    chunks = [list(keys)[i : i + 500] for i in range(0, len(keys), 500)]
-    with ledger_engine.connect() as conn:
-        for chunk in chunks:
-            rows = conn.execute(
-                select(entries.c.key, entries.c.reason).where(
-                    entries.c.key.in_(chunk), entries.c.status == EntryStatus.BLOCKED.value
-                )
-            )
-            for key, reason in rows:
-                found.setdefault(keys[key], reason or "")
+    parked = entries.c.status == EntryStatus.BLOCKED.value
+    cols = (entries.c.key, entries.c.reason)
+    for key, reason in _entries_of(ledger_engine, keys, *cols, where=parked):
+        found.setdefault(keys[key], reason or "")
     return found
 
 
@@ -168,14 +162,23 @@ def unfinished(ledger_engine: Any, keys: Iterable[str]) -> list[dict[str, Any]]:
         entries.c.lease_until,
     )
     keys = list(keys)
-    found: dict[str, dict[str, Any]] = {}
-    with ledger_engine.connect() as conn:
-        for i in range(0, len(keys), 500):
-            for row in conn.execute(select(*cols).where(entries.c.key.in_(keys[i : i + 500]))):
-                found[row.key] = dict(row._mapping)
+    found = {row.key: dict(row._mapping) for row in _entries_of(ledger_engine, keys, *cols)}
     out = [e for e in found.values() if e["status"] != "completed"]
     out += [{"key": k, "status": "no entry (never claimed)"} for k in keys if k not in found]
     return out
+
+
+def _entries_of(
+    ledger_engine: Any, keys: Iterable[str], *cols: Any, where: Any = None
+) -> list[Any]:
+    """``cols`` of the entries of ``keys`` (those matching ``where``), 500 keys a query."""
+    keys = list(keys)
+    rows: list[Any] = []
+    with ledger_engine.connect() as conn:
+        for i in range(0, len(keys), 500):
+            stmt = select(*cols).where(entries.c.key.in_(keys[i : i + 500]))
+            rows += conn.execute(stmt if where is None else stmt.where(where)).all()
+    return rows
 
 
 @dataclass
