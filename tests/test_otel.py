@@ -69,11 +69,13 @@ def test_claim_steps_and_settle_are_children_of_the_celery_task_span(
         procs.worker("w1", concurrency=1, extra=OTEL_TASKS)
         assert app.send_task(ORDER, args=("t1", 5)).get(timeout=60)["order_id"] == "t1"
         # The sweep task: its sweep is a span under its own task span (no result is kept).
+        # The task's span ends after the sweep's, so waiting for it waits for both: the
+        # worker is stopped next, and a span not yet written would be lost with it.
         app.send_task("celery_ledger.sweep")
         wait_for(
-            lambda: named(read_spans(spans_file), otel.SWEEP_SPAN),
+            lambda: named(read_spans(spans_file), "run/celery_ledger.sweep"),
             timeout=60,
-            what="the sweep's span",
+            what="the sweep task's span",
         )
     spans = read_spans(spans_file)
 
