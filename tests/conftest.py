@@ -107,12 +107,16 @@ def _rank(item: pytest.Item) -> int:
     return next((i for i, p in enumerate(LONG_FIRST) if path.startswith(p)), len(LONG_FIRST))
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for ``--dist loadgroup``: every test on RabbitMQ runs in one xdist worker, one at a
     time (some restart the shared server's app or shorten its ``consumer_timeout`` for a moment,
     which would cut the connections of any other RabbitMQ test beside them); the chaos
     workloads share another. xdist hands out the groups first (the most tests first), then
-    single tests in this order: the long ones (``LONG_FIRST``) are moved to the front."""
+    single tests in this order: the long ones (``LONG_FIRST``) are moved to the front.
+
+    First of every plugin's hook: xdist's own reads the markers to append ``@group`` to each
+    node id, and a marker added after it is ignored (``test_rabbitmq_group.py``)."""
     items.sort(key=_rank)  # stable: the rest keep their order
     for item in items:
         # A test on the shared RabbitMQ by fixture, or by a parameter (test_broker_faults.py's

@@ -38,3 +38,46 @@ def test_the_broker_fault_tests_on_rabbitmq_are_in_the_rabbitmq_group(tmp_path: 
     on_rabbitmq = {k: v for k, v in groups.items() if k.endswith("[rabbitmq]")}
     assert len(on_rabbitmq) == 3, out.stdout + out.stderr
     assert set(on_rabbitmq.values()) == {"rabbitmq-server"}, on_rabbitmq
+
+
+#: Records, as each test is set up, the xdist worker and the node id xdist gave it (``@group``
+#: appended when the group took), then skips it: nothing of the test itself runs.
+PROBE = """
+import os
+import pytest
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    with open(os.environ["PROBE_OUT"], "a") as f:
+        f.write(os.environ.get("PYTEST_XDIST_WORKER", "main") + " " + item.nodeid + "\\n")
+    pytest.skip("probe: only where it would run")
+"""
+
+
+def test_xdist_keeps_each_group_on_one_worker(tmp_path: Path) -> None:
+    """The markers are no use unless xdist sees them: its own ``collection_modifyitems``
+    appends ``@group`` to a grouped test's node id, and it must run after ours. Under
+    ``-n 2 --dist loadgroup`` every test of a group is set up on one worker, with its
+    group in its node id."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    out_file = tmp_path / "seen.txt"
+    here = Path(__file__).parent
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-p", "probe"]
+        + ["-p", "no:cacheprovider", "-q"]
+        + [str(here / "test_broker_faults.py"), str(here / "test_verify.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=here.parent,
+        env={**os.environ, "PYTHONPATH": str(tmp_path), "PROBE_OUT": str(out_file)},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    seen = [line.split(" ", 1) for line in out_file.read_text().splitlines()]
+    workers: dict[str, set[str]] = {}
+    for worker, nodeid in seen:
+        assert "@" in nodeid, f"{nodeid} has no group in its node id: xdist did not see it"
+        workers.setdefault(nodeid.rpartition("@")[2], set()).add(worker)
+    assert set(workers) == {"rabbitmq-server", "chaos-workloads"}, seen
+    for group, on in workers.items():
+        assert len(on) == 1, f"{group} ran on {sorted(on)}"
