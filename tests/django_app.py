@@ -20,6 +20,7 @@ from celery_ledger import LedgerTask, create_app
 
 app = create_app("django_app")
 app.conf.task_default_queue = os.environ.get("TEST_QUEUE", "celery")
+app.conf.worker_lost_wait = 1.0  # as tests_app: a killed pool process's task requeued in 1 s
 
 
 def _credit(order_id: str, kind: str) -> str:

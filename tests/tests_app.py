@@ -23,6 +23,12 @@ from helpers import configure_queue
 
 app = create_app("tests_app")
 app.conf.task_default_queue = os.environ.get("TEST_QUEUE", "celery")
+# How long the pool's parent waits for a SIGKILLed pool process's result before it declares
+# WorkerLostError (Celery's default: 10 s), as ``celery-ledger demo`` does
+# (harness/demo_app.py): only then do acks_late requeue and the ledger's worker-lost fast path
+# run, so every test that kills a pool process waited 10 s for nothing. It changes when, not
+# what.
+app.conf.worker_lost_wait = 1.0
 if os.environ.get("TEST_VISIBILITY_TIMEOUT"):
     app.conf.broker_transport_options = {
         **(app.conf.broker_transport_options or {}),
