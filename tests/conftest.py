@@ -82,11 +82,14 @@ HEAVY = {"test_verify", "test_demo", "test_benchmarks", "test_broker_faults"}
 #: parameters): they start first, so that the run does not end waiting for one of them
 #: started last. Only their order changes.
 LONG_FIRST = (
+    "test_pgbouncer.py::test_verify_through_pgbouncer",
     "test_protocol_model.py::test_protocol_model",
     "test_fuzz_messages.py::test_two_hundred_malformed_messages",
     "test_canvas.py::test_chord_members_killed",
     "test_outbox_hostile.py::test_a_child_the_broker_refuses_never_holds_back_the_others",
     "test_ledger_crash.py::test_three_ledger_crashes",
+    "test_rate_limits.py::test_the_limit_holds_across_four_workers",
+    "test_consumer_watchdog.py::test_a_broker_restart_plain_celery_beside_the_watchdog",
     "test_cli.py::test_full_story_blocked_found_shown_released_runs_once",
     "test_delivery.py::test_same_task_id_redelivered_by_redis_runs_body_once",
     "test_canvas.py::test_link_error_under_redelivery_is_published_once",

@@ -1,7 +1,8 @@
-"""Every test that touches the shared RabbitMQ runs in the one xdist group that serializes
-them (``conftest.pytest_collection_modifyitems``): ``test_broker_faults.py`` stops the shared
-server's app and shortens its ``consumer_timeout`` to 1 s, which cuts or closes the
-connections of any other RabbitMQ test running beside it."""
+"""How the suite is scheduled (``conftest.pytest_collection_modifyitems``). Every test that
+touches the shared RabbitMQ runs in the one xdist group that serializes them:
+``test_broker_faults.py`` stops the shared server's app and shortens its ``consumer_timeout``
+to 1 s, which cuts or closes the connections of any other RabbitMQ test running beside it.
+The groups must take under ``--dist loadgroup``, and the longest tests are moved first."""
 
 from __future__ import annotations
 
@@ -81,3 +82,23 @@ def test_xdist_keeps_each_group_on_one_worker(tmp_path: Path) -> None:
     assert set(workers) == {"rabbitmq-server", "chaos-workloads"}, seen
     for group, on in workers.items():
         assert len(on) == 1, f"{group} ran on {sorted(on)}"
+
+
+def test_every_long_first_entry_names_a_test() -> None:
+    """``conftest.LONG_FIRST`` moves the longest tests to the front; an entry left behind by a
+    rename would move nothing, silently."""
+    from conftest import LONG_FIRST
+
+    here = Path(__file__).parent
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+        + [str(here)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=here.parent,
+    )
+    names = [line.rpartition("/")[2] for line in out.stdout.splitlines() if "::" in line]
+    assert len(names) > 100, out.stdout[-2000:] + out.stderr[-2000:]
+    for prefix in LONG_FIRST:
+        assert any(n.startswith(prefix) for n in names), f"{prefix} names no test"
