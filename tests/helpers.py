@@ -66,3 +66,37 @@ def configure_queue(app: Any, env: Any) -> None:
     app.conf.task_default_exchange = name
     app.conf.task_default_exchange_type = "topic"
     app.conf.task_default_routing_key = name
+
+
+#: ``Float`` columns that hold a length of time, not a moment: the fake clock leaves them.
+DURATIONS = frozenset({"lease_seconds"})
+
+
+def time_passes(store: LedgerStore, seconds: float) -> None:
+    """A fake clock for the store's tests: the ledger is ``seconds`` further on without
+    waiting them. Every stored moment in every ledger table moves back by ``seconds``, so the
+    database clock is that much further past each one (leases run out, tokens and due times
+    come). A test that waited for a token instead depended on how loaded the machine was:
+    two statements meant to run within one token's interval ran 0.54 s apart in CI."""
+    from sqlalchemy import Float
+
+    from celery_ledger.ledger.schema import metadata
+
+    with store.engine.begin() as conn:
+        for table in metadata.sorted_tables:
+            moments = [
+                c.name
+                for c in table.columns
+                if isinstance(c.type, Float) and c.name not in DURATIONS
+            ]
+            if moments:
+                sets = ", ".join(f"{c} = {c} - :d" for c in moments)
+                conn.execute(text(f"UPDATE {table.name} SET {sets}"), {"d": seconds})
+
+
+def time_passes_until(store: LedgerStore, when: float) -> float:
+    """``time_passes`` to just past the stored moment ``when``; returns the seconds moved
+    (every stored moment the test holds must move back by as much)."""
+    moved = max(0.0, when - store.now()) + 1e-3
+    time_passes(store, moved)
+    return moved

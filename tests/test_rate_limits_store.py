@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from test_store_contract import request, wait_lease_expired
+from test_store_contract import request
 
 from celery_ledger.ledger import (
     ClaimRequest,
@@ -20,21 +20,15 @@ from celery_ledger.ledger import (
     parse_rate_limit,
 )
 from celery_ledger.ledger.rate_limits import take_token
+from helpers import time_passes, time_passes_until
 
-#: A bucket of 10 tokens a second: one every 0.1 s.
-TEN = TokenAsk("shop.charge", 0.1, "10/s")
+#: A bucket of one token a minute: a second claim never finds one of its own, however slowly
+#: the machine runs the two; the tests move the clock (``helpers.time_passes``).
+ONE_A_MINUTE = TokenAsk("shop.charge", 60.0, "1/m")
 
 
-def limited(key: str, ask: TokenAsk = TEN) -> ClaimRequest:
+def limited(key: str, ask: TokenAsk = ONE_A_MINUTE) -> ClaimRequest:
     return dataclasses.replace(request(key, task_id=f"t-{key}"), rate=ask)
-
-
-def until_db_time(store: LedgerStore, when: float, *, bound: float = 30.0) -> None:
-    """Wait until the database clock passes ``when`` (bounded in time)."""
-    end = time.monotonic() + bound
-    while store.now() <= when:
-        assert time.monotonic() < end, "the database clock did not reach the due time"
-        time.sleep(0.02)
 
 
 def test_parse_rate_limit() -> None:
@@ -53,20 +47,19 @@ def test_over_the_limit_is_held_until_its_token_then_runs(store: LedgerStore) ->
     assert first.gate is Gate.RUN and first.token_due_in is None
     second = store.claim(limited("k-2"))
     assert second.gate is Gate.HOLD
-    assert second.token_due_in is not None and 0.0 < second.token_due_in <= 0.1 + 1e-6
+    assert second.token_due_in is not None and 0.0 < second.token_due_in <= 60.0 + 1e-6
     entry = store.get_entry("k-2")
     assert entry.status is EntryStatus.SCHEDULED and entry.executions == 0
-    assert entry.reason is not None and "rate limit 10/s" in entry.reason
+    assert entry.reason is not None and "rate limit 1/m" in entry.reason
     assert entry.owner is not None and entry.lease_until is None
     (held,) = store.held_for_tokens()
-    assert (held.key, held.bucket, held.rate, held.holds) == ("k-2", "shop.charge", "10/s", 1)
+    assert (held.key, held.bucket, held.rate, held.holds) == ("k-2", "shop.charge", "1/m", 1)
     assert held.due_at == pytest.approx(entry.due_at)
     assert store.held_for_tokens_by_bucket() == {"shop.charge": (1, held.held_since)}
     # A copy of its delivery that arrives before the token is due is held as the entry is.
     assert entry.due_at is not None
-    if store.now() < entry.due_at - 0.02:
-        assert store.claim(limited("k-2")).gate is Gate.HOLD
-    until_db_time(store, entry.due_at)
+    assert store.claim(limited("k-2")).gate is Gate.HOLD
+    time_passes_until(store, entry.due_at)
     ran = store.claim(limited("k-2"))
     assert ran.gate is Gate.RUN, ran
     assert store.held_for_tokens() == []
@@ -92,7 +85,7 @@ def test_the_sweep_wakes_a_held_entry_and_its_claim_takes_the_token(store: Ledge
     assert store.claim(limited("w-2")).gate is Gate.HOLD
     entry = store.get_entry("w-2")
     assert entry.due_at is not None
-    until_db_time(store, entry.due_at)
+    time_passes_until(store, entry.due_at)
     (due,) = store.list_due()
     woke = store.begin_wake("w-2", due.fence, due.status, lease_seconds=30.0)
     assert woke is not None
@@ -101,16 +94,16 @@ def test_the_sweep_wakes_a_held_entry_and_its_claim_takes_the_token(store: Ledge
 
 
 def test_a_bucket_gives_one_token_per_interval_on_the_database_clock(store: LedgerStore) -> None:
-    ask = TokenAsk("math", 0.2, "5/s")
+    ask = TokenAsk("math", 60.0, "1/m")
     with store._one_statement() as conn:
         first = take_token(conn, store.dialect, ask, queued=False)
         second = take_token(conn, store.dialect, ask, queued=False)
         third = take_token(conn, store.dialect, ask, queued=False)
     assert first.admitted and not second.admitted and not third.admitted
     # The second waits for the next token; the third for the slot after it.
-    assert second.due_at == pytest.approx(first.now + 0.2)
-    assert third.due_at == pytest.approx(first.now + 0.4)
-    until_db_time(store, second.due_at)
+    assert second.due_at == pytest.approx(first.now + 60.0)
+    assert third.due_at == pytest.approx(first.now + 120.0)
+    time_passes_until(store, second.due_at)
     with store._one_statement() as conn:
         # A new delivery does not take the token ahead of the two held ones...
         assert not take_token(conn, store.dialect, ask, queued=False).admitted
@@ -166,17 +159,15 @@ def test_takeovers_held_for_a_token_do_not_push_each_other_back_for_ever(
     coming back at its own due time, would each find the other's new place past its own and
     be sent back again, for ever (the concurrency keys' model found it: entries resumed after
     a crash never ran). A takeover waits for the bucket's next token instead."""
-    slow = TokenAsk("takeovers", 0.4, "150/m")
+    slow = TokenAsk("takeovers", 60.0, "1/m")
 
     def req(key: str, lease: float = 3600.0) -> ClaimRequest:
         return dataclasses.replace(request(key, task_id=f"t-{key}", lease=lease), rate=slow)
 
     for key in ("a", "b"):
-        until_db_time(store, store.now() + slow.interval)
-        assert store.claim(req(key, lease=0.5)).gate is Gate.RUN
-    for key in ("a", "b"):
-        wait_lease_expired(store, key)
-    until_db_time(store, store.now() + slow.interval)
+        time_passes(store, slow.interval)
+        assert store.claim(req(key, lease=30.0)).gate is Gate.RUN
+    time_passes(store, slow.interval)  # both leases run out, and the next token is due
     assert store.claim(req("c")).gate is Gate.RUN  # the bucket's token is taken
     due = {}
     for key in ("a", "b"):
@@ -188,7 +179,8 @@ def test_takeovers_held_for_a_token_do_not_push_each_other_back_for_ever(
         for key in sorted(due, key=due.__getitem__):
             if key in ran:
                 continue
-            until_db_time(store, due[key])
+            moved = time_passes_until(store, due[key])
+            due = {k: when - moved for k, when in due.items()}
             claim = store.claim(req(key))
             if claim.gate is Gate.TAKEOVER:
                 ran.add(key)

@@ -56,6 +56,7 @@ from celery_ledger.ledger import (
 )
 from celery_ledger.ledger.schema import entries
 from celery_ledger.ledger.slots import Granted, holding, waiting
+from helpers import time_passes
 
 pytestmark = pytest.mark.model
 
@@ -72,17 +73,6 @@ RATE_EXAMPLES = max(1, EXAMPLES * 2 // 3)
 KEYS = tuple(f"e{i}" for i in range(5))
 LEASE = 10.0
 WORKERS = (Owner("w0@host", "boot-0", 100), Owner("w1@host", "boot-1", 101))
-#: Every stored time of an entry (the fake clock moves them all back together).
-TIMES = (
-    "created_at",
-    "updated_at",
-    "lease_until",
-    "renewed_at",
-    "due_at",
-    "seen_alive_at",
-    "waiting_since",
-    "slot_at",
-)
 
 
 def _request(key: str, owner: Owner, rate: TokenAsk | None = None) -> ClaimRequest:
@@ -225,21 +215,7 @@ class SlotModel(RuleBasedStateMachine):
 
     @rule(seconds=st.sampled_from([1.0, 6.0, 12.0]))
     def time_passes(self, seconds: float) -> None:
-        sets = ", ".join(f"{c} = {c} - :d" for c in TIMES)
-        with self.store.engine.begin() as conn:
-            conn.execute(text(f"UPDATE ledger_entries SET {sets}"), {"d": seconds})
-            conn.execute(text("UPDATE ledger_events SET at = at - :d"), {"d": seconds})
-            conn.execute(
-                text("UPDATE ledger_rate_buckets SET tat = tat - :d, queue_end = queue_end - :d"),
-                {"d": seconds},
-            )
-            conn.execute(
-                text(
-                    "UPDATE ledger_rate_holds"
-                    " SET held_since = held_since - :d, due_at = due_at - :d"
-                ),
-                {"d": seconds},
-            )
+        time_passes(self.store, seconds)  # every stored moment, in every ledger table
         self.inbox.update(self.held)  # their countdowns ran (or ran early: held again)
         self.held.clear()
 
