@@ -11,6 +11,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+HERE = Path(__file__).parent
+
+
+def run_pytest(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m pytest ARGS`` from the repository, no cache, with ``env`` added."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=HERE.parent,
+        env={**os.environ, **(env or {})},
+    )
+
+
 PLUGIN = """
 def pytest_collection_finish(session):
     for item in session.items:
@@ -21,15 +36,9 @@ def pytest_collection_finish(session):
 
 def test_the_broker_fault_tests_on_rabbitmq_are_in_the_rabbitmq_group(tmp_path: Path) -> None:
     (tmp_path / "show_groups.py").write_text(PLUGIN)
-    here = Path(__file__).parent
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "show_groups"]
-        + ["-p", "no:cacheprovider", str(here / "test_broker_faults.py")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=here.parent,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    out = run_pytest(
+        *("--collect-only", "-q", "-p", "show_groups", str(HERE / "test_broker_faults.py")),
+        env={"PYTHONPATH": str(tmp_path)},
     )
     groups = {}
     for line in out.stdout.splitlines():
@@ -62,16 +71,10 @@ def test_xdist_keeps_each_group_on_one_worker(tmp_path: Path) -> None:
     group in its node id."""
     (tmp_path / "probe.py").write_text(PROBE)
     out_file = tmp_path / "seen.txt"
-    here = Path(__file__).parent
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-p", "probe"]
-        + ["-p", "no:cacheprovider", "-q"]
-        + [str(here / "test_broker_faults.py"), str(here / "test_verify.py")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=here.parent,
-        env={**os.environ, "PYTHONPATH": str(tmp_path), "PROBE_OUT": str(out_file)},
+    proc = run_pytest(
+        *("-n", "2", "--dist", "loadgroup", "-p", "probe", "-q"),
+        *(str(HERE / "test_broker_faults.py"), str(HERE / "test_verify.py")),
+        env={"PYTHONPATH": str(tmp_path), "PROBE_OUT": str(out_file)},
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     seen = [line.split(" ", 1) for line in out_file.read_text().splitlines()]
@@ -89,15 +92,7 @@ def test_every_long_first_entry_names_a_test() -> None:
     rename would move nothing, silently."""
     from conftest import LONG_FIRST
 
-    here = Path(__file__).parent
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
-        + [str(here)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=here.parent,
-    )
+    out = run_pytest("--collect-only", "-q", str(HERE))
     names = [line.rpartition("/")[2] for line in out.stdout.splitlines() if "::" in line]
     assert len(names) > 100, out.stdout[-2000:] + out.stderr[-2000:]
     for prefix in LONG_FIRST:
